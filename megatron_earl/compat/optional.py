@@ -1,0 +1,27 @@
+"""Detection of optional packages: used when present, never required."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+
+@functools.cache
+def has_package(name: str) -> bool:
+    """True when ``name`` can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def has_transformer_engine() -> bool:
+    return has_package("transformer_engine")
+
+
+def has_apex() -> bool:
+    return has_package("apex")
+
+
+def has_sglang() -> bool:
+    return has_package("sglang")

@@ -1,0 +1,228 @@
+"""Typed model config for Llama/Qwen-family GPT models, and the one place that builds Megatron's
+``TransformerConfig`` from it.
+
+The global shapes (and so the checkpoint) never depend on the parallel layout: the vocabulary is
+padded to a multiple of ``make_vocab_size_divisible_by`` only (Megatron-LM also multiplies by TP;
+we do not, so a model can switch between TP sizes without changing shape). A layout whose TP does
+not divide the padded vocabulary is rejected by ``validate_for_parallel``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelConfigError(ValueError):
+    """An invalid model configuration; the message names every value involved."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama/Qwen-family decoder-only model."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 128
+    """Width of the SwiGLU MLP (per gate/up branch)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads (GQA); None means multi-head attention (= num_attention_heads)."""
+    kv_channels: int | None = None
+    """Head dimension; None means hidden_size // num_attention_heads."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary size before padding."""
+    make_vocab_size_divisible_by: int = 64
+    """Pad the embedding/output vocabulary up to a multiple of this (1 = no padding)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence RoPE is prepared for (rotary tables grow on demand beyond it)."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2/2.5)."""
+    qk_layernorm: bool = False
+    """RMSNorm on per-head queries and keys (Qwen3)."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output layer weights."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation of weights."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP outputs."""
+    params_dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    recompute_granularity: str | None = None
+    """None, "full" or "selective" activation recompute."""
+    recompute_num_layers: int = 1
+    """Layers per recompute block when recompute_granularity == "full" (uniform method)."""
+    attention_backend: str = "auto"
+    """Core attention: "auto" (TE when importable, else SDPA), "sdpa", "local" or "te"."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "make_vocab_size_divisible_by",
+            "max_position_embeddings",
+        )
+        bad = {k: getattr(self, k) for k in positive if getattr(self, k) < 1}
+        if bad:
+            raise ModelConfigError(f"model config values must be >= 1, got {bad}")
+        heads, groups = self.num_attention_heads, self.query_groups
+        if heads % groups:
+            raise ModelConfigError(
+                f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})"
+            )
+        if self.kv_channels is None and self.hidden_size % heads:
+            raise ModelConfigError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({heads}) unless kv_channels is set"
+            )
+        if self.params_dtype not in _DTYPES:
+            raise ModelConfigError(
+                f"params_dtype {self.params_dtype!r} is not one of {sorted(_DTYPES)}"
+            )
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ModelConfigError(
+                f"recompute_granularity {self.recompute_granularity!r} is not one of "
+                "None, 'full', 'selective'"
+            )
+        if self.attention_backend not in ("auto", "sdpa", "local", "te"):
+            raise ModelConfigError(
+                f"attention_backend {self.attention_backend!r} is not one of "
+                "'auto', 'sdpa', 'local', 'te'"
+            )
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ModelConfigError(f"{name} ({getattr(self, name)}) must be in [0, 1)")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.params_dtype]
+
+    def num_parameters(self) -> int:
+        """Parameter count of the built model (padded vocabulary included)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        qkv_out = (self.num_attention_heads + 2 * self.query_groups) * d
+        attn = h * qkv_out + self.num_attention_heads * d * h
+        attn += qkv_out if self.add_qkv_bias else 0
+        attn += 2 * d if self.qk_layernorm else 0
+        layer = attn + 2 * h * f + f * h + 2 * h
+        emb = self.padded_vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def validate_for_parallel(
+        self, tp: int, pp: int = 1, cp: int = 1, vpp: int | None = None
+    ) -> None:
+        """Raise ``ModelConfigError`` if this model cannot be split with the given sizes."""
+        problems = []
+        if self.num_attention_heads % tp:
+            problems.append(f"num_attention_heads ({self.num_attention_heads}) % tp ({tp}) != 0")
+        if self.query_groups % tp:
+            problems.append(f"num_query_groups ({self.query_groups}) % tp ({tp}) != 0")
+        if self.ffn_hidden_size % tp:
+            problems.append(f"ffn_hidden_size ({self.ffn_hidden_size}) % tp ({tp}) != 0")
+        if self.padded_vocab_size % tp:
+            problems.append(
+                f"padded vocab ({self.padded_vocab_size} = vocab_size {self.vocab_size} padded to "
+                f"a multiple of make_vocab_size_divisible_by {self.make_vocab_size_divisible_by}) "
+                f"% tp ({tp}) != 0; set make_vocab_size_divisible_by to a multiple of {tp}"
+            )
+        chunks = pp * (vpp or 1)
+        if self.num_layers % chunks:
+            problems.append(f"num_layers ({self.num_layers}) % (pp ({pp}) x vpp ({vpp or 1})) != 0")
+        if problems:
+            raise ModelConfigError("model does not fit the parallel layout: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def build_transformer_config(
+    model: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int | None = None,
+    use_cpu_initialization: bool | None = None,
+) -> TransformerConfig:
+    """The one function that builds Megatron's ``TransformerConfig`` for this project."""
+    from megatron.core.transformer import TransformerConfig
+
+    model.validate_for_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
+    on_cpu = not torch.cuda.is_available()
+    dtype = model.torch_dtype
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu if use_cpu_initialization is None else use_cpu_initialization,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method="uniform" if model.recompute_granularity == "full" else None,
+        recompute_num_layers=(
+            model.recompute_num_layers if model.recompute_granularity == "full" else None
+        ),
+        # Gloo pairs batched p2p ops in the wrong order when the previous and next pipeline
+        # stages are the same rank (interleaved PP=2): silently wrong gradients. Unbatched p2p is
+        # correct on every backend.
+        batch_p2p_comm=not on_cpu,
+        deallocate_pipeline_outputs=True,
+    )

@@ -1,0 +1,149 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention`` (local, non-TE spec).
+
+Megatron's local ``DotProductAttention`` materialises a [b * heads, s, s] score matrix, rejects
+packed sequences and context parallelism. This module is a drop-in ``core_attention`` submodule
+(same constructor and forward signature) that calls SDPA, which on CPU and GPU runs a
+flash/memory-efficient kernel for causal attention without an explicit mask, so a 32K-token
+sequence never allocates an s x s tensor per head.
+
+Shapes (Megatron's conventions; legend: s = sequence, b = batch, t = packed tokens,
+np = query heads per TP rank, ng = query groups per TP rank, hn = head dim):
+- sbhd: query [s, b, np, hn], key/value [s, b, ng, hn] -> [s, b, np * hn]
+- thd (packed, ``packed_seq_params.qkv_format == "thd"``): query [t, np, hn] -> [t, np * hn];
+  sequence boundaries from ``cu_seqlens_q`` (padded variants preferred when given).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from torch import Tensor
+
+
+class SDPAttention(MegatronModule):
+    """Causal GQA core attention on SDPA; supports packed (thd) sequences."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"SDPAttention got context_parallel_size={config.context_parallel_size}; use "
+                "megatron_earl.models.cp_attention.ContextParallelSDPAttention for cp > 1"
+            )
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling is not supported by SDPAttention")
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def _dropout_p(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""
+        rep = q.size(1) // k.size(1)
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        dropout_p = self._dropout_p()
+        if dropout_p > 0:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self._sdpa(q, k, v, mask, dropout_p)
+        return self._sdpa(q, k, v, mask, 0.0)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Tensor:
+        if mask is None:
+            sq, sk = q.size(2), k.size(2)
+            if sq != sk and sq != 1:
+                # Queries are the last sq positions of the keys (prefill after a cached prefix):
+                # causal alignment is bottom-right, which SDPA's is_causal does not do.
+                pos_q = torch.arange(sk - sq, sk, device=q.device)
+                mask = pos_q[:, None] >= torch.arange(sk, device=q.device)[None, :]
+            else:
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p, is_causal=sq > 1, scale=self.softmax_scale
+                )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, scale=self.softmax_scale
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SDPAttention")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_packed(query, key, value, packed_seq_params)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        mask = None
+        if attention_mask is not None:
+            # Megatron's mask is True where attention is NOT allowed; SDPA wants True = keep.
+            mask = ~attention_mask.to(torch.bool)
+        out = self._attend(q, k, v, mask)
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _forward_packed(
+        self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
+    ) -> Tensor:
+        cu_q = (
+            params.cu_seqlens_q_padded
+            if params.cu_seqlens_q_padded is not None
+            else params.cu_seqlens_q
+        )
+        cu_kv = (
+            params.cu_seqlens_kv_padded
+            if params.cu_seqlens_kv_padded is not None
+            else params.cu_seqlens_kv
+        )
+        if not torch.equal(cu_q, cu_kv):
+            raise ValueError("SDPAttention (self-attention) needs cu_seqlens_q == cu_seqlens_kv")
+        bounds = cu_q.tolist()
+        out = torch.zeros_like(query)
+        for start, end in itertools.pairwise(bounds):
+            if end == start:
+                continue
+            # [t, h, d] -> [1, h, t, d]
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            out[start:end] = self._attend(q, k, v, None).squeeze(0).transpose(0, 1)
+        return out.reshape(query.size(0), -1)

@@ -1,0 +1,146 @@
+"""Shard geometry of a Megatron model, read from its own ``sharded_state_dict()``.
+
+Every parameter of a rank is described as one or more ``ShardPiece``s: a region (start/stop per
+dimension) of a *global* tensor named by its checkpoint key, and a view of the local parameter that
+holds exactly that region. This is what ``dist_checkpointing`` uses to reshard on load, so it covers
+grouped QKV, TP-split gated ``linear_fc1`` (two pieces: gate and up), layer stacking across pipeline
+stages (a prepended layer axis) and tied embeddings (two local parameters, one global key) without a
+per-name table.
+
+No communication here: ``shard_pieces`` is local; planners combine the pieces of many ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Region = tuple[tuple[int, int], ...]
+"""[start, stop) per dimension of a global tensor."""
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """One contiguous region of a global tensor held by a local parameter view."""
+
+    key: str
+    """Global tensor key (Megatron checkpoint key, layer-stacked: no layer number)."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole global tensor."""
+    region: Region
+    """The region of the global tensor this piece holds."""
+    local: torch.Tensor
+    """View into the local parameter with the region's shape (prepended axes squeezed)."""
+    param_name: str
+    """Name of the local parameter (``chunk{i}.`` + module path)."""
+    param: torch.Tensor
+    """The local parameter ``local`` is a view of."""
+    is_replica: bool
+    """True when another rank holds the same region as the main replica (DP/CP/PP copies)."""
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    def view_of(self, other: torch.Tensor) -> torch.Tensor:
+        """The same view into ``other`` (e.g. the parameter's gradient), which must be laid out
+        like the parameter."""
+        if other.shape != self.param.shape or other.stride() != self.param.stride():
+            raise ValueError(f"{self.param_name}: tensor is not laid out like its parameter")
+        offset = self.local.storage_offset() - self.param.storage_offset()
+        return other.as_strided(
+            self.local.size(), self.local.stride(), other.storage_offset() + offset
+        )
+
+    def meta(self) -> tuple[str, tuple[int, ...], Region]:
+        """Picklable description (no tensor) for all-gathers and planners."""
+        return self.key, self.global_shape, self.region
+
+
+def _pieces_of(sh_ten, param_name: str, param: torch.Tensor) -> ShardPiece:
+    if sh_ten.flattened_range is not None:
+        raise ValueError(f"{sh_ten.key}: flattened (distributed-optimizer) shards are not weights")
+    n_pre = sh_ten.prepend_axis_num
+    local_shape = (1,) * n_pre + tuple(sh_ten.local_shape)
+    region = tuple(
+        (off, off + size) for off, size in zip(sh_ten.global_offset, local_shape, strict=True)
+    )
+    replica = sh_ten.replica_id
+    is_replica = any(replica) if isinstance(replica, tuple) else bool(replica)
+    return ShardPiece(
+        key=sh_ten.key,
+        global_shape=tuple(sh_ten.global_shape),
+        region=region,
+        local=sh_ten.data,
+        param_name=param_name,
+        param=param,
+        is_replica=is_replica,
+    )
+
+
+def shard_pieces(model_chunks: list[nn.Module]) -> list[ShardPiece]:
+    """Pieces of every parameter of this rank's model chunks, in a deterministic order.
+
+    Local: no collective is called.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    pieces: list[ShardPiece] = []
+    for index, chunk in enumerate(model_chunks):
+        module = chunk.module if hasattr(chunk, "module") else chunk
+        params = {id(p): (name, p) for name, p in module.named_parameters()}
+        for entry in module.sharded_state_dict().values():
+            if isinstance(entry, ShardedTensorFactory):
+                built = entry.build_fn(entry.key, entry.data, entry.replica_id, None)
+                subs = built if isinstance(built, list) else list(built.values())
+            elif isinstance(entry, ShardedTensor):
+                subs = [entry]
+            else:
+                continue  # ShardedObject (_extra_state) and other non-tensor state
+            if id(entry.data) not in params:
+                continue  # buffers (none in GPT models today), never weights
+            name, param = params[id(entry.data)]
+            pieces.extend(_pieces_of(sub, f"chunk{index}.{name}", param) for sub in subs)
+    return pieces
+
+
+def region_slices(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in region)
+
+
+@torch.no_grad()
+def full_state_dict(model_chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Global tensors assembled from this rank's pieces; the rank must hold the whole model
+    (TP=CP=PP=1). Used for single-process references and tests. Local, no collective."""
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for piece in shard_pieces(model_chunks):
+        full = out.setdefault(piece.key, torch.empty(piece.global_shape, dtype=piece.local.dtype))
+        if piece.is_replica:
+            continue
+        full[region_slices(piece.region)] = piece.local.reshape(
+            tuple(b - a for a, b in piece.region)
+        )
+        covered[piece.key] = covered.get(piece.key, 0) + piece.numel
+    missing = {
+        k: (covered.get(k, 0), v.numel()) for k, v in out.items() if covered.get(k, 0) != v.numel()
+    }
+    if missing:
+        raise ValueError(f"this rank does not hold whole tensors (covered, total): {missing}")
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model_chunks: list[nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shards out of global tensors (e.g. from ``full_state_dict``). Local."""
+    for piece in shard_pieces(model_chunks):
+        if piece.key not in full:
+            raise KeyError(f"global tensor {piece.key!r} missing; have {sorted(full)[:8]}...")
+        src = full[piece.key]
+        if tuple(src.shape) != piece.global_shape:
+            raise ValueError(
+                f"{piece.key}: global shape {tuple(src.shape)} != model's {piece.global_shape}"
+            )
+        piece.local.copy_(src[region_slices(piece.region)].reshape(piece.local.shape))

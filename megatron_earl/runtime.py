@@ -1,0 +1,63 @@
+"""Process start-up: torch.distributed, the CPU compatibility layer, the version guard, seeding.
+
+Every entry point calls ``initialize()`` once per process before touching megatron-core.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_earl.compat import cpu as cpu_compat
+from megatron_earl.compat.version import check_megatron_core
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize(timeout_s: float = 300.0) -> None:
+    """Check megatron-core, apply CPU patches when there is no CUDA, and join the process group.
+
+    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a
+    process started without it runs as a world of one. Every process of the job must call it.
+    """
+    check_megatron_core()
+    cpu_compat.apply()
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def seed(value: int) -> None:
+    """Seed the default generators and Megatron's tracker (call after the parallel state exists).
+
+    The tensor-parallel state differs per TP rank (Megatron's rule: seed + 2718 + tp_rank).
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(value)
+    tensor_parallel.model_parallel_cuda_manual_seed(value)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

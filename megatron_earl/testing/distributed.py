@@ -1,0 +1,158 @@
+"""Run a function on N local gloo processes: the one harness used by every distributed test and
+the CPU benchmarks.
+
+    results = run_distributed(body, world_size=2, timeout_s=120, args=(...))
+
+``body(*args)`` runs in every rank after ``megatron_earl.runtime.initialize()`` (torch.distributed
+joined, CPU patches applied). It must be a module-level function (it is pickled by reference).
+Its return values (picklable) come back as a list indexed by rank.
+
+Failure is fast: the first rank that raises is reported with its traceback and the other ranks are
+killed at once; a rank that dies without reporting, or a run that exceeds ``timeout_s``, kills every
+rank and raises. No test can hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_PRELOAD = ["torch", "megatron.core", "megatron_earl.runtime"]
+_CTX: Any = None
+
+
+class DistributedTestError(RuntimeError):
+    """A rank failed, died or timed out."""
+
+
+def _context() -> Any:
+    # forkserver: children fork from a clean server that imported torch once and never ran an
+    # OpenMP region (forking a process that has is unsafe), so start-up costs ~0.1 s, not ~5 s.
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        from megatron_earl import runtime
+
+        runtime.initialize(timeout_s=float(env.get("MEGATRON_EARL_PG_TIMEOUT", "120")))
+        value = fn(*args, **kwargs)
+        # Plain pickle: tensors travel by value. The queue's own pickler would share them through
+        # file descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as err:
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        _teardown()
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    child_env = {"MEGATRON_EARL_PG_TIMEOUT": str(int(timeout_s)), **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, child_env, fn, tuple(args), dict(kwargs or {}), results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in values
+                ]
+                if dead:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise DistributedTestError(
+                        f"{fn.__name__}: rank(s) {dead} died without reporting (exit codes {codes})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(values))
+                    raise DistributedTestError(
+                        f"{fn.__name__}: timed out after {timeout_s:.0f}s; ranks {missing} did not "
+                        "finish (killed)"
+                    ) from None
+                continue
+            if status == "error":
+                raise DistributedTestError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            values[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(values) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,100 @@
+"""Wrap model chunks in Megatron DDP and build Megatron's optimizer (plain or distributed).
+
+Both run Megatron's own classes: ``DistributedDataParallel`` (grad buffers, DP reduce) and
+``get_megatron_optimizer`` (Apex/TE fused Adam when present, torch AdamW otherwise). Call on every
+rank after the parallel state exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer settings (Megatron ``OptimizerConfig`` subset used by RL post-training)."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the learning-rate schedule."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (Megatron's distributed optimizer, ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError(
+                f"adam betas must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}"
+            )
+
+
+def wrap_ddp(model_chunks: list[nn.Module], optim: OptimConfig) -> list[nn.Module]:
+    """Megatron DDP around each chunk (grad buffers in fp32, no overlap: portable to gloo)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(model_chunks)
+    ]
+
+
+def build_optimizer(ddp_chunks: list[nn.Module], optim: OptimConfig):
+    """Megatron optimizer over the DDP-wrapped chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dtype = ddp_chunks[0].config.params_dtype
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, ddp_chunks)
+
+
+def wire_schedule_hooks(ddp_chunks: list[nn.Module], optimizer=None) -> None:
+    """Point the chunks' config at DDP's no-sync/finalize hooks (DP and embedding-group grad
+    reduction) and the optimizer's loss scale, as Megatron-LM's training loop does."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = ddp_chunks[0].module.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in ddp_chunks]
+    if len(ddp_chunks) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None

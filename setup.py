@@ -1,0 +1,32 @@
+"""megatron-earl: a Megatron-Core plugin for long-context agentic RL post-training.
+
+Tested ranges (see README "Tested versions"): Python 3.11, megatron-core 0.16.x, torch 2.13.0
+(CPU build on development/CI machines). Install torch first on a CPU machine
+(`pip install torch==2.13.0`): an unpinned torch resolves to a multi-GB CUDA build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-earl",
+    version="0.1.0",
+    description="Megatron-Core plugin for long-context agentic RL (EARL): per-phase parallel "
+    "layouts, decentralized data dispatch, multi-turn rollouts",
+    packages=find_packages(include=["megatron_earl", "megatron_earl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.13.0,<2.14",
+        "megatron-core>=0.16.0,<0.17",
+        "omegaconf>=2.3,<2.5",
+        "numpy>=1.26,<3",
+        "psutil>=5.9",
+        "packaging>=23",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "sglang": ["sglang>=0.5.3,<0.6"],
+        "apex": ["apex"],
+        "dev": ["pytest>=8,<10", "pytest-timeout>=2.3", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["megatron-earl=megatron_earl.cli.main:main"]},
+)
