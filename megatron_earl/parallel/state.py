@@ -18,3 +18,16 @@ def initialize_layout(layout: ParallelLayout) -> None:
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
     )
+
+
+def use_layout(layout: ParallelLayout) -> None:
+    """Make Megatron's parallel state describe ``layout`` (replacing any previous layout).
+
+    Every rank of the world calls it. (First version: tears down and rebuilds; the cached,
+    leak-free switch replaces this body.)
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize_layout(layout)
