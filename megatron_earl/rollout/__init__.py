@@ -1,0 +1,1 @@
+"""Rollout: engine protocol, embedded engine, SGLang client/launcher, agent loop, environments."""

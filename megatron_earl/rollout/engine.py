@@ -1,0 +1,123 @@
+"""The engine protocol the agent loop drives: token-in/token-out generation with log-probs.
+
+Implementations: the embedded engine (the Megatron model itself, in the rollout layout), and the
+SGLang client (one or many SGLang servers over SGLang's native HTTP API). The agent loop never
+re-tokenizes model output: it keeps ``output_ids`` exactly as sampled, with their log-probs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class FinishType(str, enum.Enum):
+    """Why generation stopped (SGLang's ``meta_info.finish_reason.type``)."""
+
+    STOP = "stop"
+    """A stop token id or stop string matched (``matched`` says which)."""
+    LENGTH = "length"
+    """``max_new_tokens`` or the context limit was reached."""
+    ABORT = "abort"
+    """The request was aborted (client abort, weight update with abort, engine failure)."""
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: FinishType
+    """Category of the stop."""
+    matched: int | str | None = None
+    """The stop token id or stop string that matched (STOP only)."""
+    message: str | None = None
+    """Why it was aborted (ABORT only)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request (SGLang's ``sampling_params`` subset)."""
+
+    max_new_tokens: int = 128
+    """Tokens to generate at most."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (the matched id is kept in the output)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation once the detokenized output contains them."""
+    seed: int | None = None
+    """Per-request sampling seed (reproducible sampling), None for the engine's stream."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation call: continue ``input_ids`` (the whole context so far)."""
+
+    input_ids: tuple[int, ...]
+    """Prompt/context token ids."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling settings."""
+    rid: str = ""
+    """Request id (for abort and routing); the engine assigns one when empty."""
+    session: str | None = None
+    """Trajectory id: engine pools route a session to the same engine (prefix cache)."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What one generation call produced."""
+
+    rid: str
+    """Request id."""
+    output_ids: tuple[int, ...]
+    """Sampled token ids, exactly as sampled."""
+    output_logprobs: tuple[float, ...]
+    """log p(token) of each sampled token under the sampling policy (before temperature)."""
+    finish_reason: FinishReason
+    """Why generation stopped."""
+    weight_version: int
+    """Policy version (weights) that produced the tokens."""
+    prompt_tokens: int = 0
+    """Length of ``input_ids``."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the engine's prefix cache."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed (unreachable, crashed, rejected the request)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine the agent loop can drive concurrently from one asyncio loop."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate a continuation; raises ``EngineError`` when the engine fails."""
+        ...
+
+    async def abort(self, rid: str) -> None:
+        """Abort a running request (its result comes back with finish type ABORT)."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the engine can generate."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights currently served."""
+        ...
