@@ -42,6 +42,10 @@ _LOCK = threading.Lock()
 _REDIRECTED: tuple[tuple[str, str], ...] = (
     ("megatron.core.utils", "GlobalMemoryBuffer.get_tensor"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb"),
+    # CP slicing of the RoPE table (pin_memory + .cuda()); patched where RotaryEmbedding.forward
+    # looks it up, so the lru_cache on forward stays untouched.
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.fusions.fused_softmax", "FusedScaleMaskSoftmax.forward_torch_softmax"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_last_dim"),
     ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"),
@@ -66,6 +70,10 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.step"),
     ("megatron.core.optimizer.optimizer", "ChainedOptimizer.step"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
+    (
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+    ),
 )
 
 

@@ -1,0 +1,72 @@
+"""ModelConfig validation and vocabulary padding: clear errors naming the values."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_earl.config.model import ModelConfig, ModelConfigError
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (
+            {"num_attention_heads": 6, "num_query_groups": 4},
+            "num_attention_heads (6) must be divisible by num_query_groups (4)",
+        ),
+        (
+            {"hidden_size": 50, "num_attention_heads": 4},
+            "hidden_size (50) must be divisible by num_attention_heads (4)",
+        ),
+        ({"num_layers": 0}, "'num_layers': 0"),
+        ({"params_dtype": "fp8"}, "params_dtype 'fp8' is not one of"),
+        ({"attention_backend": "flash"}, "attention_backend 'flash'"),
+        ({"recompute_granularity": "some"}, "recompute_granularity 'some'"),
+        ({"hidden_dropout": 1.5}, "hidden_dropout (1.5) must be in [0, 1)"),
+    ],
+)
+def test_invalid_model_config_names_the_values(kwargs, fragment):
+    with pytest.raises(ModelConfigError) as err:
+        ModelConfig(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_kv_channels_allows_hidden_not_divisible_by_heads():
+    cfg = ModelConfig(hidden_size=50, num_attention_heads=4, kv_channels=16)
+    assert cfg.head_dim == 16
+
+
+def test_vocab_padding_is_layout_independent():
+    cfg = ModelConfig(
+        vocab_size=1000, make_vocab_size_divisible_by=128, num_attention_heads=8, hidden_size=64
+    )
+    assert cfg.padded_vocab_size == 1024
+    cfg.validate_for_parallel(tp=8)
+    with pytest.raises(ModelConfigError) as err:
+        ModelConfig(vocab_size=1001, make_vocab_size_divisible_by=1).validate_for_parallel(tp=2)
+    assert "padded vocab (1001" in str(err.value) and "% tp (2)" in str(err.value)
+
+
+def test_parallel_validation_reports_every_problem():
+    cfg = ModelConfig(num_layers=3, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96)
+    with pytest.raises(ModelConfigError) as err:
+        cfg.validate_for_parallel(tp=4, pp=2)
+    msg = str(err.value)
+    assert "num_query_groups (2) % tp (4)" in msg
+    assert "num_layers (3) % (pp (2) x vpp (1))" in msg
+
+
+def test_parameter_count_matches_formula_for_tied_and_untied():
+    untied = ModelConfig(
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=10,
+        make_vocab_size_divisible_by=8,
+    )
+    # qkv 8*24 + proj 8*8 + fc1 2*8*16 + fc2 16*8 + 2 norms 16 = 192+64+256+128+16 = 656
+    # embeddings 16*8 twice = 256, final norm 8
+    assert untied.num_parameters() == 656 + 256 + 8
+    tied = ModelConfig(**{**untied.to_dict(), "tie_embeddings": True})
+    assert tied.num_parameters() == 656 + 128 + 8
