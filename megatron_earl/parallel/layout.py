@@ -4,13 +4,19 @@ Rank order is Megatron's default ``tp-cp-ep-dp-pp`` (tp varies fastest):
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))        (ep is reserved, = 1)
 
-``groups(axis)`` lists the rank sets Megatron's ``initialize_model_parallel`` builds for that axis,
-so the two can be checked against each other (tests/unit/test_layout.py).
+``groups(axis)`` lists the rank sets Megatron's ``initialize_model_parallel`` builds for that axis
+(or axes), in Megatron's order; tests/unit/test_layout.py checks them against megatron-core's
+``RankGenerator`` over a table of sizes.
+
+``validate(world_size, model, seq_length=...)`` raises one ``LayoutError`` that names every
+problem (sizes vs world size, heads / query groups / FFN / vocab vs tp, layers vs pp x vpp, sequence
+length vs 2 x cp) and the nearest valid layout.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,7 +60,9 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         sizes = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
-        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+        bad = {k: v for k, v in sizes.items() if not _is_int(v) or v < 1}
+        if self.vpp is not None and not _is_int(self.vpp):
+            bad["vpp"] = self.vpp
         if bad:
             raise LayoutError(f"parallel sizes must be integers >= 1, got {bad}")
         if self.ep != 1:
@@ -91,35 +99,73 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------ validation
 
-    def check_world(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise LayoutError(
+    def problems(
+        self,
+        world_size: int | None = None,
+        model: ModelConfig | None = None,
+        *,
+        seq_length: int | None = None,
+        pad_sequences: bool = False,
+    ) -> list[str]:
+        """Every reason this layout cannot run (empty when it can); each names the values involved.
+
+        ``world_size``: ranks in the job. ``model``: the model to split (heads, query groups, FFN,
+        padded vocab and layers must divide). ``seq_length``: the sequence length CP splits into
+        2 x cp chunks; ``pad_sequences`` says the caller pads each sequence to a multiple of 2 x cp.
+        """
+        out = []
+        if world_size is not None and self.world_size != world_size:
+            out.append(
                 f"tp({self.tp}) * cp({self.cp}) * pp({self.pp}) * dp({self.dp}) = "
-                f"{self.world_size} != world size ({world_size}); nearest valid: "
-                f"{nearest_layout(self, world_size)}"
+                f"{self.world_size} != world size ({world_size})"
             )
+        if model is not None:
+            if self.pp > model.num_layers:
+                out.append(
+                    f"pp ({self.pp}) > num_layers ({model.num_layers}): every pipeline stage "
+                    "needs at least one layer"
+                )
+            out.extend(_model_problems(self, model))
+        if seq_length is not None and self.cp > 1 and not pad_sequences:
+            chunks = 2 * self.cp
+            if seq_length % chunks:
+                padded = -(-seq_length // chunks) * chunks
+                out.append(
+                    f"seq_length ({seq_length}) is not divisible by 2 x cp ({chunks}, "
+                    f"cp={self.cp}) and padding is off: pad sequences to {padded} or enable "
+                    "pad_sequences"
+                )
+        return out
+
+    def validate(
+        self,
+        world_size: int | None = None,
+        model: ModelConfig | None = None,
+        *,
+        seq_length: int | None = None,
+        pad_sequences: bool = False,
+    ) -> None:
+        """Raise one ``LayoutError`` naming every problem and the nearest valid layout, if any."""
+        problems = self.problems(
+            world_size, model, seq_length=seq_length, pad_sequences=pad_sequences
+        )
+        if not problems:
+            return
+        message = f"layout {self} is impossible: " + "; ".join(problems)
+        if world_size is not None:
+            near = nearest_layout(
+                self, world_size, model, seq_length=seq_length, pad_sequences=pad_sequences
+            )
+            message += f"; nearest valid layout: {near}" if near else "; no valid layout exists"
+        raise LayoutError(message)
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ``LayoutError`` unless the sizes multiply to ``world_size``."""
+        self.validate(world_size)
 
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``LayoutError`` if the model cannot be split this way (every reason at once)."""
-        from megatron_earl.config.model import ModelConfigError
-
-        try:
-            model.validate_for_parallel(tp=self.tp, pp=self.pp, cp=self.cp, vpp=self.vpp)
-        except ModelConfigError as err:
-            raise LayoutError(f"layout {self}: {err}") from None
-
-    def validate(self, world_size: int, model: ModelConfig | None = None) -> None:
-        problems = []
-        for check in (
-            lambda: self.check_world(world_size),
-            lambda: model is not None and self.check_model(model),
-        ):
-            try:
-                check()
-            except LayoutError as err:
-                problems.append(str(err))
-        if problems:
-            raise LayoutError("; ".join(problems))
+        self.validate(None, model)
 
     # ------------------------------------------------------------------ rank math
 
@@ -158,23 +204,68 @@ class ParallelLayout:
     def group_of(self, rank: int, axis: str | tuple[str, ...]) -> tuple[int, ...]:
         return next(g for g in self.groups(axis) if rank in g)
 
+    def embedding_groups(self) -> list[tuple[int, ...]]:
+        """First and last stage of each pipeline (Megatron's embedding groups; tied weights)."""
+        return [tuple(dict.fromkeys((g[0], g[-1]))) for g in self.groups("pp")]
 
-def nearest_layout(layout: ParallelLayout, world_size: int) -> ParallelLayout | None:
-    """A valid layout for ``world_size`` that keeps tp, cp, pp where possible and adjusts dp."""
-    mp = layout.tp * layout.cp * layout.pp
-    if world_size % mp == 0:
-        return ParallelLayout(
-            tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=world_size // mp, vpp=layout.vpp
-        )
-    best = None
+    def position_embedding_groups(self) -> list[tuple[int, ...]]:
+        """First stage of each pipeline (Megatron's position-embedding groups)."""
+        return [(g[0],) for g in self.groups("pp")]
+
+
+def nearest_layout(
+    layout: ParallelLayout,
+    world_size: int,
+    model: ModelConfig | None = None,
+    *,
+    seq_length: int | None = None,
+    pad_sequences: bool = False,
+) -> ParallelLayout | None:
+    """The valid layout for ``world_size`` (and model / sequence length) closest to ``layout``.
+
+    Distance: sum over tp, cp, pp, dp of |log2(new / old)|, plus 1 if vpp must be dropped; ties
+    keep tp, then cp, then pp unchanged. None when no layout fits.
+    """
+    best: tuple | None = None
     for tp in _divisors(world_size):
         for cp in _divisors(world_size // tp):
             for pp in _divisors(world_size // (tp * cp)):
-                cand = (abs(tp - layout.tp) + abs(cp - layout.cp) + abs(pp - layout.pp), tp, cp, pp)
-                best = min(best, cand) if best else cand
-    assert best is not None
-    _, tp, cp, pp = best
-    return ParallelLayout(tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp))
+                dp = world_size // (tp * cp * pp)
+                for vpp in dict.fromkeys((layout.vpp, None)):
+                    if vpp is not None and pp < 2:
+                        continue
+                    cand = ParallelLayout(tp=tp, cp=cp, pp=pp, dp=dp, vpp=vpp)
+                    if cand.problems(
+                        world_size, model, seq_length=seq_length, pad_sequences=pad_sequences
+                    ):
+                        continue
+                    moves = [abs(math.log2(getattr(cand, a) / getattr(layout, a))) for a in AXES]
+                    score = (
+                        sum(moves) + (vpp != layout.vpp),
+                        moves[0],
+                        moves[1],
+                        moves[3],
+                        (tp, cp, pp),
+                    )
+                    if best is None or score < best[0]:
+                        best = (score, cand)
+    return best[1] if best else None
+
+
+def _model_problems(layout: ParallelLayout, model: ModelConfig) -> list[str]:
+    """The model's own divisibility checks (``ModelConfig.validate_for_parallel``): one message
+    listing every failed check, or nothing."""
+    from megatron_earl.config.model import ModelConfigError
+
+    try:
+        model.validate_for_parallel(tp=layout.tp, pp=layout.pp, cp=layout.cp, vpp=layout.vpp)
+    except ModelConfigError as err:
+        return [str(err).removeprefix("model does not fit the parallel layout: ")]
+    return []
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,33 +1,236 @@
-"""Make megatron-core's parallel state describe a ``ParallelLayout`` in the running processes."""
+"""Make megatron-core's parallel state describe a ``ParallelLayout``; switch it in-process.
+
+    use_layout(ParallelLayout(tp=2))      # Megatron's globals now describe tp2
+    use_layout(ParallelLayout(dp=2))      # ... dp2 (new groups created on first use only)
+    use_layout(ParallelLayout(tp=2))      # ... tp2 again: no new group, no collective
+
+How: ``use_layout`` detaches Megatron's globals *without destroying any group* and runs Megatron's
+own ``initialize_model_parallel`` with its ``create_group`` routed to the process-group cache
+(``megatron_earl.parallel.groups``). Megatron therefore sets every global exactly as it would
+(tp/pp/cp/dp/mp, embedding and position-embedding groups, tp-cp, dp-cp, tp-dp(-cp), expert groups,
+global rank lists, gloo variants, vpp rank/size, the global memory buffer), while every group
+object comes from the cache. Group requests happen in Megatron's order, which depends only on the
+layout, so every rank misses (calls ``new_group``) at the same request.
+
+Around that, a switch:
+
+* clears caches that hold groups or modules: the ``lru_cache`` on ``RotaryEmbedding.forward`` (and
+  subclasses) keys on the module and its CP group;
+* keeps the global memory buffer (it holds no group) instead of reallocating it;
+* re-seeds Megatron's RNG tracker for this rank's new TP/expert ranks on the first entry to a
+  layout (Megatron's rule: ``seed + 2718 + tp_rank``; base seed read back from the tracker) and on
+  later entries restores the tracker states the layout had when it was left, so dropout streams
+  continue where they stopped (unless ``runtime.seed`` changed the base seed meanwhile: then it
+  re-seeds);
+* builds one ``ProcessGroupCollection`` per layout (``process_groups()``) from the same cached
+  groups, for code that takes ``pg_collection=`` explicitly.
+
+Never call ``parallel_state.destroy_model_parallel()`` between switches: it destroys the current
+gloo groups, which the cache still holds. ``destroy_layouts()`` tears down exactly the groups the
+cache created.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+from typing import Any
+
 import torch.distributed as dist
 
+from megatron_earl.parallel.groups import GroupCache, group_cache
 from megatron_earl.parallel.layout import ParallelLayout
 
+# Megatron globals holding gloo groups that ``destroy_model_parallel`` would destroy.
+_GLOO_GLOBALS = (
+    "_DATA_PARALLEL_GROUP_GLOO",
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+)
 
-def initialize_layout(layout: ParallelLayout) -> None:
-    """Build Megatron's model-parallel groups for ``layout``. Every rank of the world calls it."""
-    from megatron.core import parallel_state
+_current: ParallelLayout | None = None
+_pg_collections: dict[ParallelLayout, Any] = {}
+_rng_states: dict[ParallelLayout, tuple[dict[str, Any], set[int]]] = {}
 
-    layout.check_world(dist.get_world_size())
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-    )
+
+def current_layout() -> ParallelLayout | None:
+    """The layout Megatron's parallel state describes (None before the first ``use_layout``)."""
+    return _current
 
 
 def use_layout(layout: ParallelLayout) -> None:
     """Make Megatron's parallel state describe ``layout`` (replacing any previous layout).
 
-    Every rank of the world calls it. (First version: tears down and rebuilds; the cached,
-    leak-free switch replaces this body.)
+    Every rank of the world calls it with the same layout. Creates process groups only for rank
+    sets never requested before (then it is a collective over the world); a layout used before
+    needs no communication at all.
     """
+    global _current
     from megatron.core import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
+    layout.check_world(dist.get_world_size())
+    if layout == _current and parallel_state.model_parallel_is_initialized():
+        return
+    previous = _current
+    _save_rng(previous)
+    _clear_group_caches()
+    memory_buffer = _detach_megatron_state()
+    cache = group_cache()
+    with _groups_from(cache) as member_groups:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+        )
+    parallel_state._global_process_group_list = [None, *member_groups]
+    if memory_buffer is not None:
+        parallel_state._GLOBAL_MEMORY_BUFFER = memory_buffer
+    _current = layout
+    _restore_or_reseed_rng(layout)
+
+
+def initialize_layout(layout: ParallelLayout) -> None:
+    """Build Megatron's model-parallel state for ``layout`` (same as ``use_layout``).
+
+    Every rank of the world calls it.
+    """
+    use_layout(layout)
+
+
+def process_groups() -> Any:
+    """The current layout's groups as a ``ProcessGroupCollection`` (the objects Megatron's globals
+    hold), for ``pg_collection=`` arguments. One collection per layout, reused on every switch."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if _current is None:
+        raise RuntimeError("no layout is active; call megatron_earl.parallel.state.use_layout()")
+    collection = _pg_collections.get(_current)
+    if collection is None:
+        collection = ProcessGroupCollection.use_mpu_process_groups()
+        _pg_collections[_current] = collection
+    return collection
+
+
+def destroy_layouts() -> None:
+    """Forget every layout and destroy exactly the process groups the cache created.
+
+    Every rank of the world calls it. Models built in any layout must not run afterwards.
+    """
+    global _current
+    from megatron.core import parallel_state
+
+    _clear_group_caches()
+    if _current is not None:
+        _detach_megatron_state()
+    parallel_state.destroy_global_memory_buffer()
+    _pg_collections.clear()
+    _rng_states.clear()
+    _current = None
+    group_cache().destroy()
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+@contextlib.contextmanager
+def _groups_from(cache: GroupCache) -> Iterator[list[Any]]:
+    """Route Megatron's ``create_group`` to ``cache``; yields the list of groups this rank is in."""
+    from megatron.core import parallel_state
+
+    original = parallel_state.create_group
+    members: list[Any] = []
+    rank = dist.get_rank()
+
+    def create_group(
+        ranks=None,
+        timeout=None,
+        backend=None,
+        pg_options=None,
+        use_local_synchronization=False,
+        group_desc=None,
+    ):
+        if use_local_synchronization:
+            raise NotImplementedError("cached groups are created with world synchronization")
+        ranks = list(range(dist.get_world_size())) if ranks is None else ranks
+        group = cache.get(
+            ranks, backend=backend, pg_options=pg_options, timeout=timeout, group_desc=group_desc
+        )
+        if rank in ranks and all(group is not g for g in members):
+            members.append(group)
+        return group
+
+    parallel_state.create_group = create_group
+    try:
+        yield members
+    finally:
+        parallel_state.create_group = original
+
+
+def _detach_megatron_state() -> Any:
+    """Drop Megatron's references to the current groups without destroying any; return the
+    global memory buffer so the next layout can keep it."""
+    from megatron.core import parallel_state
+
+    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    if _current is None and parallel_state.model_parallel_is_initialized():
+        # State built outside this module: its groups are not ours; Megatron's own teardown.
         parallel_state.destroy_model_parallel()
-    initialize_layout(layout)
+        return buffer
+    for name in _GLOO_GLOBALS:
+        setattr(parallel_state, name, None)
+    parallel_state.destroy_model_parallel()
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    return buffer
+
+
+def _clear_group_caches() -> None:
+    """Clear megatron-core caches that hold modules or process groups across layouts."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    pending = [RotaryEmbedding]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        forward = cls.__dict__.get("forward")
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
+
+
+def _save_rng(layout: ParallelLayout | None) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if layout is not None and tracker.is_initialized():
+        _rng_states[layout] = (tracker.get_states(), set(tracker.seeds_))
+
+
+def _restore_or_reseed_rng(layout: ParallelLayout) -> None:
+    """Restore ``layout``'s tracker states, or seed them for this rank's ranks in ``layout``."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    if not tracker.is_initialized() or not tracker.seeds_:
+        return
+    # Megatron seeds data-parallel = seed, expert = seed + 1024 + ..., tensor = seed + 2718 + ...:
+    # the smallest tracked seed is the base seed.
+    seed = min(tracker.seeds_)
+    saved = _rng_states.get(layout)
+    if saved is not None and min(saved[1]) == seed:
+        states, seeds = saved
+        tracker.set_states(dict(states))
+        tracker.seeds_ = set(seeds)
+        return
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    tracker.reset()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)

@@ -31,12 +31,34 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), targets)
 
 
+def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ``mask`` across the whole sequence, also when it is split over CP.
+
+    With cp > 1 this rank holds 2 of 2 x cp chunks: it sums its own tokens and divides by the
+    token count of the whole micro-batch (all-reduced over the CP group, not differentiated).
+    Megatron's schedule multiplies a 2-tuple loss by cp and DDP averages gradients over dp x cp,
+    so gradients equal those of cp = 1. Which ranks call: every rank of the CP group.
+    """
+    mask = mask.float()
+    count = mask.sum()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=parallel_state.get_context_parallel_group())
+    return (values * mask).sum() / count.clamp(min=1)
+
+
 def lm_loss(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Mean next-token negative log-likelihood over ``loss_mask`` (``labels`` are the targets)."""
+    """Mean next-token negative log-likelihood over ``loss_mask`` (``labels`` are the targets).
+
+    The metric ``loss`` is the whole micro-batch's mean (summed over CP); ``logprobs`` are this
+    rank's tokens. (The schedule scales the returned loss in place, so the metric is a copy.)
+    """
     logprobs = token_logprobs(logits, batch["labels"])
-    mask = batch["loss_mask"].float()
-    loss = -(logprobs * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"loss": loss.detach(), "logprobs": logprobs.detach()}
+    loss = -masked_token_mean(logprobs, batch["loss_mask"])
+    reported = loss.detach().clone()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        torch.distributed.all_reduce(reported, group=parallel_state.get_context_parallel_group())
+    return loss, {"loss": reported, "logprobs": logprobs.detach()}
 
 
 def _unwrap(chunk: nn.Module) -> nn.Module:
@@ -65,12 +87,15 @@ def forward_backward(
     loss_fn: LossFn = lm_loss,
     *,
     forward_only: bool = False,
+    variable_seq_lengths: bool = False,
 ) -> list[dict[str, Any]]:
     """Forward (and backward unless ``forward_only``) over ``micro_batches``.
 
     Returns the metrics dict of every micro-batch on the last pipeline stage (empty list on other
     stages). Gradients accumulate into the (DDP) grad buffers; the caller steps the optimizer.
-    All micro-batches must share one sequence length when pp > 1.
+    All micro-batches must share one sequence length when pp > 1, unless
+    ``variable_seq_lengths`` (Megatron then sends each activation's shape before it, one extra
+    small p2p per transfer; needed for packed micro-batches of different token counts).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -80,14 +105,16 @@ def forward_backward(
     iterators = [iter(micro_batches) for _ in model_chunks]
     step_fn = get_forward_backward_func()
     for chunk in model_chunks:
-        _unwrap(chunk).config.variable_seq_lengths = False
+        _unwrap(chunk).config.variable_seq_lengths = variable_seq_lengths
     with torch.set_grad_enabled(not forward_only):
         metrics = step_fn(
             forward_step_func=partial(_forward_step, loss_fn),
             data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
             model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
             num_microbatches=len(micro_batches),
-            seq_length=tokens.size(1),
+            # Megatron divides seq_length by cp for the p2p shapes: pass the global length.
+            seq_length=max(b["tokens"].size(1) for b in micro_batches)
+            * parallel_state.get_context_parallel_world_size(),
             micro_batch_size=tokens.size(0),
             forward_only=forward_only,
         )
