@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model
-    from megatron_earl.parallel.state import use_layout
+    from megatron_earl.parallel.state import destroy_layouts, use_layout
     from megatron_earl.training.setup import (
         OptimConfig,
         build_optimizer,
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"  {time.perf_counter() - start:.2f}s",
                 flush=True,
             )
-    parallel_state.destroy_model_parallel()
+    destroy_layouts()
     dist.destroy_process_group()
 
 

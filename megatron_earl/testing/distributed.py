@@ -88,10 +88,10 @@ def _teardown() -> None:
     import torch.distributed as dist
 
     try:
-        from megatron.core import parallel_state
+        from megatron_earl.parallel.state import destroy_layouts
 
-        parallel_state.destroy_model_parallel()
-    except Exception:
+        destroy_layouts()
+    except Exception:  # best effort at process exit: a failed rank is reported already
         pass
     if dist.is_initialized():
         dist.destroy_process_group()
