@@ -1,0 +1,38 @@
+"""Data dispatcher: layout-aware, decentralized redistribution of RL batches (docs/dispatch.md).
+
+Pure: ``batch`` (packed variable-length batch), ``plan`` (CP chunks, micro-batches, needs per
+rank), ``balance`` (DP assignment), ``route`` (sources, TP fan-out, transfer stages),
+``centralized`` (baseline stages), ``netmodel`` (cluster projection), ``reference`` (test data and
+naive reference). Communicating: ``execute`` (forward), ``reverse`` (results back), ``bench``.
+"""
+
+from megatron_earl.dispatch.batch import Batch, BatchError, FieldSpec, Schema
+from megatron_earl.dispatch.plan import (
+    Destination,
+    DispatchError,
+    DispatchPlan,
+    PlanConfig,
+    SourceMeta,
+    cp_chunk_bounds,
+    cp_padded_length,
+    plan_dispatch,
+    plan_return,
+)
+from megatron_earl.dispatch.route import RouteConfig
+
+__all__ = [
+    "Batch",
+    "BatchError",
+    "Destination",
+    "DispatchError",
+    "DispatchPlan",
+    "FieldSpec",
+    "PlanConfig",
+    "RouteConfig",
+    "Schema",
+    "SourceMeta",
+    "cp_chunk_bounds",
+    "cp_padded_length",
+    "plan_dispatch",
+    "plan_return",
+]

@@ -1,0 +1,358 @@
+"""The dispatch planner (pure): which destination rank needs which slice of which sample and field.
+
+Inputs are small metadata that every rank has after one all-gather (``SourceMeta`` per rank: the
+ids, lengths and groups of the samples it holds, plus the batch ``Schema``) and a ``Destination`` (a
+``ParallelLayout`` and a phase). The planner
+
+1. assigns samples to destination DP ranks, balanced by a cost (tokens, or tokens plus an
+   attention-quadratic term), keeping a group's samples together when asked (``assign_samples``);
+2. packs each DP rank's samples into micro-batches under a per-rank token budget
+   (``pack_micro_batches``);
+3. lists what every rank needs: its DP share, only its context-parallel chunks
+   (``cp_chunk_bounds``), only the fields its pipeline stage reads (``Destination.stage_fields``);
+4. routes those needs from the holders (``route.route``), producing ``Transfer`` stages.
+
+Every function is deterministic in its inputs, so every rank computes the same plan, and every user
+error is raised here, on every rank alike, before any data moves.
+
+Context-parallel chunking (Megatron's load-balanced scheme, shared with CP attention): a sequence is
+padded to a multiple of ``2 * cp`` and cut into ``2 * cp`` equal chunks; CP rank ``r`` holds chunks
+``r`` and ``2 * cp - 1 - r`` (an early and a late chunk, so causal-attention work is balanced).
+With ``cp == 1`` nothing is padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megatron_earl.dispatch.balance import assign_samples
+from megatron_earl.dispatch.batch import Schema
+from megatron_earl.dispatch.route import DispatchError, Piece, RouteConfig, Transfer, route
+from megatron_earl.parallel.cp import cp_chunk_bounds, cp_padded_length
+from megatron_earl.parallel.layout import ParallelLayout
+
+__all__ = [
+    "DispatchError",
+    "DispatchPlan",
+    "cp_chunk_bounds",
+    "cp_padded_length",
+    "plan_dispatch",
+    "plan_return",
+]
+
+
+# ---------------------------------------------------------------------- context-parallel chunks
+
+
+def cp_real_spans(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """``cp_chunk_bounds`` clipped to the real tokens, empty ranges dropped (what is sent)."""
+    spans = [(a, min(b, seq_len)) for a, b in cp_chunk_bounds(seq_len, cp, cp_rank)]
+    return [(a, b) for a, b in spans if b > a]
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class SourceMeta:
+    """What one rank holds before the dispatch (all-gathered, so every rank sees all of them)."""
+
+    sample_ids: tuple[int, ...] = ()
+    """Global ids of the samples this rank holds (a sample held by several ranks is a replica)."""
+    lengths: tuple[int, ...] = ()
+    """Their lengths in tokens."""
+    group_ids: tuple[int, ...] = ()
+    """Their groups (samples of one prompt)."""
+
+
+PHASES = ("rollout", "experience", "train")
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where the batch goes: a layout, a phase, and which fields each pipeline stage reads."""
+
+    layout: ParallelLayout
+    """The consuming layout."""
+    phase: str = "train"
+    """One of ``PHASES`` (recorded in the plan; the stage fields below carry the behaviour)."""
+    first_stage_fields: tuple[str, ...] = ("tokens",)
+    """Fields the first pipeline stage reads (the embedding input)."""
+    last_stage_fields: tuple[str, ...] | None = None
+    """Fields the last stage reads (targets, masks, log-probs, advantages); None = every field."""
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise DispatchError(f"phase {self.phase!r} is not one of {PHASES}")
+
+    def stage_fields(self, schema: Schema, pp_rank: int) -> tuple[str, ...]:
+        """Names of the fields pipeline stage ``pp_rank`` receives (middle stages: none)."""
+        names = [s.name for s in schema]
+        last = tuple(names) if self.last_stage_fields is None else self.last_stage_fields
+        for label, wanted in (
+            ("first_stage_fields", self.first_stage_fields),
+            ("last_stage_fields", last),
+        ):
+            missing = sorted(set(wanted) - set(names))
+            if missing:
+                raise DispatchError(f"{label} names {missing}, not in the batch; fields: {names}")
+        chosen: set[str] = set()
+        if pp_rank == 0:
+            chosen |= set(self.first_stage_fields)
+        if pp_rank == self.layout.pp - 1:
+            chosen |= set(last)
+        return tuple(n for n in names if n in chosen)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How to balance, micro-batch and route."""
+
+    max_tokens_per_micro_batch: int | None = None
+    """Per-rank token budget of one micro-batch (tokens a rank holds: padded length / cp); None =
+    one micro-batch per DP rank. A sample above it is an error (see docs/dispatch.md)."""
+    attention_weight: float = 0.0
+    """Balancing cost of a sample is ``len + attention_weight * len**2 / 1024``; 0 balances tokens,
+    > 0 also balances quadratic attention work of long sequences."""
+    keep_groups: bool = False
+    """Keep all samples of a group on the same DP rank (e.g. group-normalised losses)."""
+    route: RouteConfig = field(default_factory=RouteConfig)
+    """Source choice and TP fan-out (see ``route.RouteConfig``)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise DispatchError(
+                f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}; use >= 1 or None"
+            )
+        if self.attention_weight < 0:
+            raise DispatchError(f"attention_weight={self.attention_weight}; use >= 0")
+
+    def cost(self, length: int) -> float:
+        return length + self.attention_weight * length * length / 1024
+
+
+# ---------------------------------------------------------------------- micro-batches
+
+
+def pack_micro_batches(
+    sample_ids: Sequence[int], lengths: dict[int, int], cp: int, budget: int | None
+) -> list[list[int]]:
+    """First-fit-decreasing packing of one DP rank's samples under a per-rank token budget.
+
+    A sample costs ``cp_padded_length(len, cp) / cp`` tokens on each CP rank; one above the budget
+    raises (sequences are never split across micro-batches: attention needs the whole sequence)."""
+    local = {s: cp_padded_length(lengths[s], cp) // cp for s in sample_ids}
+    if budget is None:
+        return [list(sample_ids)]
+    over = [s for s in sample_ids if local[s] > budget]
+    if over:
+        s = max(over, key=lambda s: local[s])
+        fit_cp = next(
+            (
+                c
+                for c in range(cp, 2 * lengths[s] + 2)
+                if cp_padded_length(lengths[s], c) // c <= budget
+            ),
+            None,
+        )
+        raise DispatchError(
+            f"sample {s} has {lengths[s]} tokens = {local[s]} per rank at cp={cp}, above "
+            f"max_tokens_per_micro_batch={budget} ({len(over)} such samples); raise the budget to "
+            f">= {local[s]} or use cp >= {fit_cp}"
+        )
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for s in sorted(sample_ids, key=lambda s: (-local[s], s)):
+        i = next((i for i, r in enumerate(room) if r >= local[s]), None)
+        if i is None:
+            bins.append([])
+            room.append(budget)
+            i = len(bins) - 1
+        bins[i].append(s)
+        room[i] -= local[s]
+    return bins
+
+
+# ---------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """A sample as the planner sees it."""
+
+    length: int
+    group: int
+    holders: tuple[int, ...]
+    """Source ranks holding it; ``holders[0]`` is its owner (where results return)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Transfers that turn ``holdings`` into ``needs`` (identical on every rank)."""
+
+    schema: Schema
+    holdings: dict[int, list[Piece]]
+    needs: dict[int, list[Piece]]
+    stages: tuple[tuple[Transfer, ...], ...]
+
+    def traffic(self, stages: Sequence[Sequence[Transfer]] | None = None) -> dict[str, list[int]]:
+        """Bytes sent and received per rank over all stages (local copies excluded)."""
+        row_bytes = {s.name: s.row_bytes for s in self.schema}
+        world = 1 + max([*self.holdings, *self.needs], default=0)
+        sent, recv = [0] * world, [0] * world
+        for stage in self.stages if stages is None else stages:
+            for t in stage:
+                if t.src != t.dst:
+                    n = t.nbytes(row_bytes)
+                    sent[t.src] += n
+                    recv[t.dst] += n
+        return {"sent": sent, "recv": recv}
+
+
+@dataclass(frozen=True)
+class DispatchPlan(Plan):
+    """A forward dispatch: source ranks' samples -> the destination layout's micro-batches."""
+
+    destination: Destination | None = None
+    config: PlanConfig | None = None
+    samples: dict[int, SampleInfo] = field(default_factory=dict)
+    source_order: tuple[tuple[int, ...], ...] = ()
+    """Sample ids per source rank, in that rank's batch order."""
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """``micro_batches[dp_rank][i]``: the sample ids of micro-batch ``i`` of that DP rank."""
+
+    def dp_tokens(self) -> list[int]:
+        return [sum(self.samples[s].length for mb in mbs for s in mb) for mbs in self.micro_batches]
+
+
+def plan_dispatch(
+    sources: Sequence[SourceMeta],
+    schema: Schema,
+    destination: Destination,
+    config: PlanConfig | None = None,
+) -> DispatchPlan:
+    """Plan moving the samples of ``sources`` (one entry per rank) to ``destination``."""
+    config = config or PlanConfig()
+    layout = destination.layout
+    if len(sources) != layout.world_size:
+        raise DispatchError(
+            f"destination layout {layout} has tp({layout.tp}) * cp({layout.cp}) * pp({layout.pp})"
+            f" * dp({layout.dp}) = {layout.world_size} ranks, but {len(sources)} ranks dispatch; "
+            f"use a layout of {len(sources)} ranks"
+        )
+    samples = _collect(sources)
+    lengths = {s: i.length for s, i in samples.items()}
+    assignment = assign_samples(
+        lengths, {s: i.group for s, i in samples.items()}, layout.dp, config
+    )
+    micro = tuple(
+        tuple(
+            tuple(mb)
+            for mb in pack_micro_batches(a, lengths, layout.cp, config.max_tokens_per_micro_batch)
+        )
+        for a in assignment
+    )
+    token = tuple(s.name for s in schema if s.per_token)
+    per_sample = tuple(s.name for s in schema if not s.per_token)
+    holdings = {
+        r: _full_pieces(src.sample_ids, lengths, token, per_sample) for r, src in enumerate(sources)
+    }
+    needs: dict[int, list[Piece]] = {}
+    kinds = {s.name: s.per_token for s in schema}
+    for r in range(layout.world_size):
+        c = layout.coord(r)
+        fields = destination.stage_fields(schema, c.pp)
+        tok = tuple(f for f in fields if kinds[f])
+        smp = tuple(f for f in fields if not kinds[f])
+        needs[r] = []
+        for mb in micro[c.dp]:
+            for sid in mb:
+                if tok:
+                    needs[r] += [
+                        Piece(sid, a, b, tok)
+                        for a, b in cp_real_spans(lengths[sid], layout.cp, c.cp)
+                    ]
+                if smp:
+                    needs[r].append(Piece(sid, -1, -1, smp))
+    stages = route(holdings, needs, schema, config.route)
+    return DispatchPlan(
+        schema=schema,
+        holdings=holdings,
+        needs=needs,
+        stages=tuple(tuple(s) for s in stages),
+        destination=destination,
+        config=config,
+        samples=samples,
+        source_order=tuple(tuple(s.sample_ids) for s in sources),
+        micro_batches=micro,
+    )
+
+
+def plan_return(plan: DispatchPlan, results: Schema, stage: str = "last") -> Plan:
+    """Plan sending ``results`` (fields computed in the destination layout, held by every rank of
+    pipeline stage ``stage`` in its CP chunks) back to each sample's owner on the source side."""
+    layout = plan.destination.layout
+    if stage not in ("first", "last"):
+        raise DispatchError(f"stage={stage!r}; valid: 'first', 'last'")
+    pp_rank = 0 if stage == "first" else layout.pp - 1
+    token = tuple(s.name for s in results if s.per_token)
+    per_sample = tuple(s.name for s in results if not s.per_token)
+    holdings: dict[int, list[Piece]] = {}
+    for r in range(layout.world_size):
+        c = layout.coord(r)
+        holdings[r] = []
+        if c.pp != pp_rank:
+            continue
+        for mb in plan.micro_batches[c.dp]:
+            for sid in mb:
+                n = plan.samples[sid].length
+                holdings[r] += (
+                    [Piece(sid, a, b, token) for a, b in cp_real_spans(n, layout.cp, c.cp)]
+                    if token
+                    else []
+                )
+                holdings[r] += [Piece(sid, -1, -1, per_sample)] if per_sample else []
+    lengths = {s: i.length for s, i in plan.samples.items()}
+    needs = {r: [] for r in range(layout.world_size)}
+    for sid, info in plan.samples.items():
+        needs[info.holders[0]] += _full_pieces([sid], lengths, token, per_sample)
+    stages = route(holdings, needs, results, plan.config.route)
+    return Plan(results, holdings, needs, tuple(tuple(s) for s in stages))
+
+
+def _full_pieces(
+    sample_ids: Sequence[int],
+    lengths: dict[int, int],
+    token: tuple[str, ...],
+    per_sample: tuple[str, ...],
+) -> list[Piece]:
+    out = []
+    for sid in sample_ids:
+        out += [Piece(sid, 0, lengths[sid], token)] if token else []
+        out += [Piece(sid, -1, -1, per_sample)] if per_sample else []
+    return out
+
+
+def _collect(sources: Sequence[SourceMeta]) -> dict[int, SampleInfo]:
+    lengths: dict[int, int] = {}
+    groups: dict[int, int] = {}
+    holders: dict[int, list[int]] = {}
+    for r, src in enumerate(sources):
+        if not len(src.sample_ids) == len(src.lengths) == len(src.group_ids):
+            raise DispatchError(
+                f"rank {r}: {len(src.sample_ids)} sample_ids, {len(src.lengths)} lengths, "
+                f"{len(src.group_ids)} group_ids; give one of each per sample"
+            )
+        for sid, n, g in zip(src.sample_ids, src.lengths, src.group_ids):
+            if sid in lengths and (lengths[sid], groups[sid]) != (n, g):
+                raise DispatchError(
+                    f"sample {sid} is held by ranks {holders[sid]} with (length, group) = "
+                    f"({lengths[sid]}, {groups[sid]}) and by rank {r} with ({n}, {g}); replicas "
+                    "must agree (or give the samples distinct ids)"
+                )
+            if n < 1:
+                raise DispatchError(f"sample {sid} on rank {r} has length {n}; need >= 1")
+            lengths[sid], groups[sid] = n, g
+            holders.setdefault(sid, []).append(r)
+    return {s: SampleInfo(lengths[s], groups[s], tuple(holders[s])) for s in sorted(lengths)}

@@ -1,0 +1,251 @@
+"""Dispatch planner, pure (no processes): CP chunk math, balance, micro-batches, bad input, and a
+property test that runs random plans in one process (through the wire pack/unpack) and compares
+every destination rank bitwise with a naive reference, checks nothing is duplicated or lost, and
+that the reverse path restores the original batch."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from megatron_earl.dispatch.batch import Batch, BatchError, FieldSpec, tensors_equal
+from megatron_earl.dispatch.centralized import centralized_stages
+from megatron_earl.dispatch.execute import _Store, assemble, simulate
+from megatron_earl.dispatch.plan import (
+    Destination,
+    DispatchError,
+    PlanConfig,
+    SourceMeta,
+    assign_samples,
+    cp_chunk_bounds,
+    cp_padded_length,
+    pack_micro_batches,
+    plan_dispatch,
+    plan_return,
+)
+from megatron_earl.dispatch.reference import (
+    agentic_lengths,
+    agentic_schema,
+    expected_local,
+    make_batches,
+)
+from megatron_earl.dispatch.reverse import _store_local
+from megatron_earl.dispatch.route import Piece, RouteConfig
+from megatron_earl.parallel.layout import ParallelLayout
+
+# ---------------------------------------------------------------------- CP chunks
+
+
+@pytest.mark.parametrize(
+    "seq_len,cp,cp_rank,expected",
+    [
+        (10, 1, 0, ((0, 10), (10, 10))),
+        (10, 2, 0, ((0, 3), (9, 12))),
+        (10, 2, 1, ((3, 6), (6, 9))),
+        (16, 4, 0, ((0, 2), (14, 16))),
+        (16, 4, 3, ((6, 8), (8, 10))),
+        (1, 2, 1, ((1, 2), (2, 3))),
+    ],
+)
+def test_cp_chunk_bounds_table(seq_len, cp, cp_rank, expected):
+    assert cp_chunk_bounds(seq_len, cp, cp_rank) == expected
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_cp_chunks_partition_the_padded_sequence(cp):
+    for n in [1, 5, 16, 17, 1000]:
+        padded = cp_padded_length(n, cp)
+        assert padded % (2 * cp if cp > 1 else 1) == 0 and padded - n < 2 * cp
+        covered = sorted(r for k in range(cp) for r in cp_chunk_bounds(n, cp, k) if r[1] > r[0])
+        assert covered[0][0] == 0 and covered[-1][1] == padded
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+        assert len({b - a for k in range(cp) for a, b in cp_chunk_bounds(n, cp, k)}) <= 2
+
+
+# ---------------------------------------------------------------------- balance and micro-batches
+
+
+@pytest.mark.parametrize("dp,num", [(2, 64), (4, 64), (8, 64), (8, 128), (16, 256)])
+def test_balance_long_tailed(dp, num):
+    lengths = dict(enumerate(agentic_lengths(num, seed=dp + num)))
+    bins = assign_samples(lengths, {s: s for s in lengths}, dp, PlanConfig())
+    assert sorted(s for b in bins for s in b) == sorted(lengths)
+    tokens = [sum(lengths[s] for s in b) for b in bins]
+    assert max(tokens) / (sum(tokens) / dp) <= 1.05, tokens
+
+
+def test_keep_groups_and_attention_cost():
+    lengths = dict(enumerate(agentic_lengths(64, seed=3)))
+    groups = {s: s // 4 for s in lengths}
+    cfg = PlanConfig(keep_groups=True, attention_weight=1.0)
+    bins = assign_samples(lengths, groups, 4, cfg)
+    for b in bins:
+        for s in b:
+            assert {t for t in lengths if groups[t] == groups[s]} <= set(b)
+    cost = [sum(cfg.cost(lengths[s]) for s in b) for b in bins]
+    assert max(cost) / (sum(cost) / 4) <= 1.10
+
+
+def test_micro_batches_respect_budget():
+    lengths = dict(enumerate(agentic_lengths(40, max_len=4096, seed=1)))
+    mbs = pack_micro_batches(sorted(lengths), lengths, cp=2, budget=4096)
+    assert sorted(s for mb in mbs for s in mb) == sorted(lengths)
+    assert all(sum(cp_padded_length(lengths[s], 2) // 2 for s in mb) <= 4096 for mb in mbs)
+
+
+# ---------------------------------------------------------------------- bad input
+
+SCHEMA = agentic_schema()
+
+
+def _sources(lengths_per_rank):
+    out, sid = [], 0
+    for lens in lengths_per_rank:
+        ids = tuple(range(sid, sid + len(lens)))
+        out.append(SourceMeta(ids, tuple(lens), ids))
+        sid += len(lens)
+    return out
+
+
+def test_mismatched_field_lengths():
+    with pytest.raises(BatchError, match=r"'loss_mask' has shape \(9,\); expected dim 0 = 10"):
+        Batch([0], [10], {"tokens": torch.zeros(10), "loss_mask": torch.zeros(9)})
+    with pytest.raises(BatchError, match="different lengths"):
+        Batch.from_samples(
+            [{"tokens": torch.zeros(4), "loss_mask": torch.zeros(3, dtype=torch.bool)}],
+            [0],
+            (FieldSpec("loss_mask", torch.bool, True), FieldSpec("tokens", torch.float32, True)),
+        )
+
+
+def test_sample_over_budget_is_a_clear_error():
+    sources = _sources([[100, 5000], [200], [], [300]])
+    dest = Destination(ParallelLayout(tp=2, dp=2))
+    with pytest.raises(
+        DispatchError, match=r"sample 1 has 5000 tokens.*budget to >= 5000 or use cp"
+    ):
+        plan_dispatch(sources, SCHEMA, dest, PlanConfig(max_tokens_per_micro_batch=4096))
+
+
+def test_empty_dp_rank_and_layout_errors():
+    dest = Destination(ParallelLayout(dp=4))
+    with pytest.raises(DispatchError, match="3 samples cannot fill dp=4"):
+        plan_dispatch(_sources([[5], [], [6], [7]]), SCHEMA, dest)
+    with pytest.raises(DispatchError, match=r"= 4 ranks, but 2 ranks dispatch"):
+        plan_dispatch(_sources([[5], [6]]), SCHEMA, dest)
+    with pytest.raises(DispatchError, match=r"names \['labels'\], not in the batch"):
+        bad = Destination(ParallelLayout(pp=2, dp=2), last_stage_fields=("labels",))
+        plan_dispatch(_sources([[5], [6], [7], [8]]), SCHEMA, bad)
+    replicas = [SourceMeta((0,), (5,), (0,)), SourceMeta((0,), (6,), (0,))]
+    with pytest.raises(DispatchError, match="replicas must agree"):
+        plan_dispatch(replicas, SCHEMA, Destination(ParallelLayout(dp=2)))
+
+
+# ---------------------------------------------------------------------- property test
+
+LAYOUT_PAIRS = [
+    ("tp1dp4", "tp2cp1pp1dp2"),
+    ("tp2dp2", "tp1cp2pp1dp2"),
+    ("tp1dp4", "tp1cp1pp2dp2"),
+    ("tp4dp2", "tp2cp2pp2dp1"),
+    ("tp2dp4", "tp2cp2pp1dp2"),
+    ("tp1dp8", "tp1cp4pp1dp2"),
+    ("tp1dp6", "tp3cp1pp2dp1"),
+]
+
+
+def _random_schema(rng: random.Random):
+    pool = [
+        FieldSpec("tokens", torch.int64, True),
+        FieldSpec("loss_mask", torch.bool, True, pad_value=False),
+        FieldSpec("old_logprobs", torch.float32, True, pad_value=-1.0),
+        FieldSpec("topk", torch.float16, True, (3,)),
+        FieldSpec("turn_ids", torch.uint8, True),
+        FieldSpec("advantages", torch.float32, False),
+        FieldSpec("version", torch.int64, False),
+        FieldSpec("emb", torch.bfloat16, False, (2, 2)),
+    ]
+    chosen = [pool[0], *rng.sample(pool[1:], rng.randint(1, len(pool) - 1))]
+    return tuple(sorted(chosen, key=lambda s: s.name))
+
+
+@pytest.mark.parametrize("case", range(len(LAYOUT_PAIRS) * 2))
+def test_random_plans_match_reference(case):
+    rng = random.Random(case)
+    src_text, dst_text = LAYOUT_PAIRS[case % len(LAYOUT_PAIRS)]
+    src, dst = ParallelLayout.parse(src_text), ParallelLayout.parse(dst_text)
+    schema = _random_schema(rng)
+    num = rng.randint(dst.dp, 24)
+    lengths = [rng.choice([1, 2, 3, 7, 16, 33, rng.randint(1, 300)]) for _ in range(num)]
+    # rollout ranks: the TP ranks of one source DP rank hold the same samples (replicas); one
+    # source DP rank may produce nothing this step
+    owners_dp = [[s for s in range(num) if s % src.dp == d] for d in range(src.dp)]
+    if case % 3 == 0:
+        owners_dp[-1], owners_dp[0] = [], owners_dp[0] + owners_dp[-1]
+    owners = [owners_dp[src.coord(r).dp] for r in range(src.world_size)]
+    samples, batches = make_batches(schema, lengths, owners, seed=case, group_size=2)
+    budget = rng.choice([None, 400])
+    cfg = PlanConfig(
+        max_tokens_per_micro_batch=budget,
+        keep_groups=bool(case % 2),
+        route=RouteConfig(fanout=rng.choice(["node_relay", "direct"]), ranks_per_node=2),
+    )
+    metas = [SourceMeta(tuple(b.sample_ids), tuple(b.lengths), tuple(b.group_ids)) for b in batches]
+    plan = plan_dispatch(metas, schema, Destination(dst), cfg)
+
+    assert sorted(s for mbs in plan.micro_batches for mb in mbs for s in mb) == list(range(num))
+    _check_exact_cover(plan)
+    for stages in (plan.stages, centralized_stages(plan)):
+        stores = {r: _Store.from_batch(b) for r, b in enumerate(batches)}
+        simulate(stages, schema, stores)
+        locals_ = [assemble(plan, stores[r], r) for r in range(dst.world_size)]
+        for r, local in enumerate(locals_):
+            want = expected_local(plan, samples, r)
+            assert len(want) == len(local.micro_batches)
+            for exp, got in zip(want, local.micro_batches):
+                assert exp.keys() == got.fields.keys()
+                assert all(tensors_equal(exp[k], got.fields[k]) for k in exp), (r, dst_text)
+
+    # reverse: every field back from the last stage to each sample's owner, bitwise
+    rplan = plan_return(plan, schema)
+    rstores = {r: _Store() for r in range(dst.world_size)}
+    for r in range(dst.world_size):
+        if rplan.holdings[r]:
+            _store_local(locals_[r], schema, rstores[r])
+    simulate(rplan.stages, schema, rstores)
+    for r in range(src.world_size):
+        for sid in plan.source_order[r]:
+            if plan.samples[sid].holders[0] != r:
+                continue
+            n = plan.samples[sid].length
+            for s in schema:
+                p = Piece(sid, 0, n, ()) if s.per_token else Piece(sid, -1, -1, ())
+                assert tensors_equal(rstores[r].get(p, s.name), samples[sid][s.name])
+
+
+def _check_exact_cover(plan):
+    """Each destination receives each needed (sample, field, token) exactly once."""
+    got: dict = {}
+    for stage in plan.stages:
+        for t in stage:
+            for f in t.piece.fields:
+                key = (t.dst, t.piece.sample_id, f)
+                got.setdefault(key, []).append((t.piece.start, t.piece.end))
+    want: dict = {}
+    for r, pieces in plan.needs.items():
+        for p in pieces:
+            for f in p.fields:
+                want.setdefault((r, p.sample_id, f), []).append((p.start, p.end))
+    for key, spans in want.items():
+        spans_got = sorted(got.get(key, []))
+        if spans[0][0] < 0:
+            assert spans_got == [(-1, -1)], key
+            continue
+        tokens = [i for a, b in spans_got for i in range(a, b)]
+        assert sorted(tokens) == sorted(i for a, b in spans for i in range(a, b)), key
+    relayed = {k for k in got if k not in want}
+    assert all(k[0] in plan.needs for k in relayed)
+    assert not relayed, f"pieces delivered to ranks that do not need them: {sorted(relayed)[:4]}"
