@@ -1,17 +1,34 @@
-"""The ``megatron-earl`` command: subcommands for the project's entry points.
+"""The ``megatron-earl`` command: one subcommand per entry point of the project.
 
-megatron-earl smoke --nproc 2 --layout tp2      # multi-process CPU training smoke run
+    megatron-earl smoke --nproc 2 --layout tp2      # multi-process CPU training smoke run
+    megatron-earl bench dispatch [--json]           # dispatcher: decentralized vs centralized
+    megatron-earl bench reshard [--json]            # weight resharding vs all-gather
+
+Subcommands that start processes go through ``torchrun`` (the same launcher users run under
+slurm); the others call the component's own ``main(argv)``.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import os
 import subprocess
 import sys
 
+# subcommand -> module whose ``main(argv)`` implements it
+_MODULES = {
+    ("bench", "dispatch"): "megatron_earl.dispatch.bench",
+    ("bench", "reshard"): "megatron_earl.redistribute.bench",
+}
+_TORCHRUN = {"smoke": "megatron_earl.cli.smoke"}
 
-def _torchrun(module: str, nproc: int, rest: list[str]) -> int:
+
+def _torchrun(module: str, argv: list[str]) -> int:
+    nproc = 2
+    if "--nproc" in argv:
+        i = argv.index("--nproc")
+        nproc = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2 :]
     cmd = [
         sys.executable,
         "-m",
@@ -20,22 +37,29 @@ def _torchrun(module: str, nproc: int, rest: list[str]) -> int:
         f"--nproc_per_node={nproc}",
         "-m",
         module,
-        *rest,
+        *argv,
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.call(cmd, env=env)
 
 
+def _usage() -> str:
+    names = sorted([*_TORCHRUN, *(" ".join(k) for k in _MODULES)])
+    return "usage: megatron-earl {" + ", ".join(names) + "} [args...]"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-earl")
-    sub = parser.add_subparsers(dest="command", required=True)
-    smoke = sub.add_parser("smoke", help="multi-process CPU training smoke run (torchrun)")
-    smoke.add_argument("--nproc", type=int, default=2, help="processes to start")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "smoke":
-        return _torchrun("megatron_earl.cli.smoke", args.nproc, rest)
-    parser.error(f"unknown command {args.command!r}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in _TORCHRUN:
+        return _torchrun(_TORCHRUN[argv[0]], argv[1:])
+    for words, module in _MODULES.items():
+        if tuple(argv[: len(words)]) == words:
+            return int(importlib.import_module(module).main(argv[len(words) :]) or 0)
+    print(f"megatron-earl: unknown command {' '.join(argv[:2])!r}\n{_usage()}", file=sys.stderr)
     return 2
 
 
