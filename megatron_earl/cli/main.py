@@ -3,6 +3,8 @@
     megatron-earl smoke --nproc 2 --layout tp2      # multi-process CPU training smoke run
     megatron-earl bench dispatch [--json]           # dispatcher: decentralized vs centralized
     megatron-earl bench reshard [--json]            # weight resharding vs all-gather
+    megatron-earl bench engine                      # embedded-engine decode tokens/s
+    megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
 
 Subcommands that start processes go through ``torchrun`` (the same launcher users run under
 slurm); the others call the component's own ``main(argv)``.
@@ -19,6 +21,8 @@ import sys
 _MODULES = {
     ("bench", "dispatch"): "megatron_earl.dispatch.bench",
     ("bench", "reshard"): "megatron_earl.redistribute.bench",
+    ("bench", "engine"): "megatron_earl.rollout.bench",
+    ("serve",): "megatron_earl.rollout.server",
 }
 _TORCHRUN = {"smoke": "megatron_earl.cli.smoke"}
 

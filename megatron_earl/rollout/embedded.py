@@ -1,0 +1,500 @@
+"""The embedded engine: the Megatron model itself generating in the rollout layout.
+
+    engine = EmbeddedEngine(chunks, model_config, EmbeddedEngineConfig(max_batch_size=8))
+    result = run_engine(engine, driver)      # every rank of the TP group calls it
+
+Why not megatron-core's own engines (0.16.1): the dynamic engine needs flash-attn kernels with a
+block table (``flash_decode_and_prefill``), Triton KV-append kernels and CUDA unified memory;
+the static engine batches statically (one shared offset, all requests start together, prompts
+padded to the shortest) and drives generation through a tokenizer. Neither runs on CPU with small
+patches, and the static one cannot add a request to a running batch. This engine is compact: a
+scheduler loop over Megatron's ``GPTModel.forward(..., inference_context=SlotCache)`` (Megatron's
+own static KV-cache path, see ``kv_cache.py``), prefill one request at a time, decode all active
+requests together, new requests admitted between decode steps (continuous batching at request
+granularity).
+
+Ranks: with tp > 1 the TP rank 0 of each TP group is the scheduler (it runs asyncio, owns the
+requests and samples); every step is a small ``Step`` broadcast over the TP group and executed by
+all ranks of the group (the TP-parallel forward and the last-token logits all-gather). Peers run
+``follow()``. Every DP replica of the rollout layout is an independent engine; pp and cp must be 1.
+Weights: ``load_state_dict`` (server / tests) or an external reshard into ``model_chunks`` (every
+rank, while the engine is not serving) followed by ``mark_weights_updated(version)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import nn
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout.engine import (
+    EngineError,
+    FinishReason,
+    FinishType,
+    GenerateRequest,
+    GenerateResult,
+)
+from megatron_earl.rollout.kv_cache import (
+    SlotCache,
+    decode_mask,
+    plan_admit,
+    plan_compaction,
+    prefill_mask,
+)
+from megatron_earl.rollout.sampling import sample_tokens
+
+T = TypeVar("T")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (bad ids, too long); the message says why."""
+
+
+@dataclass(frozen=True)
+class EmbeddedEngineConfig:
+    """Capacity and sampling stream of the embedded engine."""
+
+    max_batch_size: int = 8
+    """Requests decoded together at most (KV-cache slots)."""
+    max_seq_len: int = 1024
+    """Context limit: prompt + generated tokens of one request (KV-cache length)."""
+    max_prefills_per_step: int = 4
+    """Requests admitted (prefilled) between two decode steps at most."""
+    seed: int = 0
+    """Seed of the sampling stream of requests that bring no seed of their own."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "max_prefills_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of work every rank of the TP group executes identically."""
+
+    kind: str
+    """"prefill", "decode", "load" or "stop"."""
+    cursor: int = 0
+    """Cache cursor after the shift (prefill: the prompt ends here; decode: the new slot)."""
+    shift: int = 0
+    """Time shift applied to the cache first (> 0 right, < 0 left)."""
+    moves: tuple[tuple[int, int], ...] = ()
+    """Slot copies (src, dst) applied before the shift (compaction of finished rows)."""
+    row: int = 0
+    """Prefill: the slot of the new request."""
+    tokens: tuple[int, ...] = ()
+    """Prefill: the context; decode: the last sampled token of each row."""
+    lengths: tuple[int, ...] = ()
+    """Decode: tokens already cached per row."""
+    state: dict[str, torch.Tensor] | None = None
+    """Load: full (global) tensors keyed like ``geometry.full_state_dict``."""
+
+
+@dataclass
+class _Request:
+    request: GenerateRequest
+    future: asyncio.Future
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    abort_message: str | None = None
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        return tuple(self.request.input_ids) + tuple(self.output_ids)
+
+
+class EmbeddedEngine:
+    """Engine over this rank's model chunk; see the module docstring for the rank roles."""
+
+    def __init__(
+        self,
+        model_chunks: Sequence[nn.Module],
+        model_config: ModelConfig,
+        config: EmbeddedEngineConfig | None = None,
+        *,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+        weight_version: int = 0,
+    ) -> None:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+        if len(model_chunks) != 1 or pp != 1 or cp != 1:
+            raise ValueError(
+                f"the embedded engine needs one model chunk with pp == 1 and cp == 1, got "
+                f"{len(model_chunks)} chunks, pp={pp}, cp={cp}; use a rollout layout of tp/dp only"
+            )
+        self.model_chunks = list(model_chunks)
+        self.model = self.model_chunks[0]
+        self.model.eval()
+        self.model_config = model_config
+        self.config = config or EmbeddedEngineConfig()
+        self.detokenize = detokenize
+        self._version = weight_version
+        self._cache = SlotCache(self.model, self.config.max_batch_size, self.config.max_seq_len)
+        self._tp_group = parallel_state.get_tensor_model_parallel_group()
+        self._tp = parallel_state.get_tensor_model_parallel_world_size()
+        self._src = parallel_state.get_tensor_model_parallel_src_rank()
+        self.is_scheduler = parallel_state.get_tensor_model_parallel_rank() == 0
+        # Scheduler state (TP rank 0 only).
+        self._waiting: deque[_Request] = deque()
+        self._rows: list[_Request] = []
+        self._lengths: list[int] = []
+        self._cursor = 0
+        self._moves: list[tuple[int, int]] = []
+        self._paused = False
+        self._failed: BaseException | None = None
+        self._ids = itertools.count()
+        self._stream = torch.Generator().manual_seed(self.config.seed)
+        self._wake: asyncio.Event | None = None
+        self._step_lock: asyncio.Lock | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def num_requests(self) -> int:
+        """Requests waiting or running (the engine's load)."""
+        return len(self._waiting) + len(self._rows)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Queue a request and wait for its result (scheduler rank, inside ``run_engine``)."""
+        self._check_running()
+        self.validate(request)
+        rid = request.rid or f"emb-{next(self._ids)}"
+        if request.rid != rid:
+            request = GenerateRequest(request.input_ids, request.sampling, rid, request.session)
+        seed = request.sampling.seed
+        gen = self._stream if seed is None else torch.Generator().manual_seed(seed)
+        entry = _Request(request, asyncio.get_running_loop().create_future(), gen)
+        self._waiting.append(entry)
+        self._wake.set()
+        try:
+            return await asyncio.shield(entry.future)
+        except asyncio.CancelledError:
+            entry.abort_message = "caller cancelled"
+            self._wake.set()
+            raise
+
+    async def abort(self, rid: str) -> None:
+        for entry in itertools.chain(self._waiting, self._rows):
+            if entry.request.rid == rid:
+                entry.abort_message = "aborted by request"
+        self._wake.set()
+
+    async def abort_all(self, message: str = "aborted") -> int:
+        entries = list(itertools.chain(self._waiting, self._rows))
+        for entry in entries:
+            entry.abort_message = message
+        self._wake.set()
+        return len(entries)
+
+    async def health(self) -> bool:
+        return self._task is not None and not self._task.done() and self._failed is None
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise ``RequestError`` when the request cannot be served as given."""
+        vocab, limit = self.model_config.vocab_size, self.config.max_seq_len
+        n = len(request.input_ids)
+        if n == 0:
+            raise RequestError("input_ids is empty; give at least one token id")
+        bad = [t for t in request.input_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        total = n + request.sampling.max_new_tokens
+        if total > limit:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_new_tokens ({request.sampling.max_new_tokens}) = "
+                f"{total} exceeds the context limit max_seq_len={limit}"
+            )
+        if request.sampling.stop and self.detokenize is None:
+            raise RequestError("stop strings need a detokenizer; this engine has none")
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self, mode: str = "abort") -> None:
+        """SGLang's pause modes: "abort" (abort everything), "in_place" (keep requests and KV),
+        "retract" (requests go back to the queue; their context is prefilled again later)."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise RequestError(f"pause mode {mode!r} is not one of 'abort', 'in_place', 'retract'")
+        self._paused = True
+        if mode == "abort":
+            await self.abort_all("aborted by pause_generation")
+        async with self._step_lock:
+            if mode == "retract":
+                self._waiting.extendleft(reversed(self._rows))
+                self._rows, self._lengths, self._cursor, self._moves = [], [], 0, []
+            await self._settle_aborts()
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def load_state_dict(self, full: dict[str, torch.Tensor], version: int) -> None:
+        """Load full (global, Megatron-named) tensors on every rank of the TP group, between steps;
+        requests in flight continue with the new weights (SGLang's semantics)."""
+        async with self._step_lock:
+            await self._run(Step("load", state=full))
+            self._version = version
+
+    def mark_weights_updated(self, version: int) -> None:
+        """Record the version of weights written into ``model_chunks`` by an external reshard
+        (every rank calls it; the engine must not be serving during the reshard)."""
+        self._version = version
+
+    # ------------------------------------------------------------------ running
+
+    async def start(self) -> None:
+        """Start the scheduler loop (scheduler rank, inside a running event loop)."""
+        if not self.is_scheduler:
+            raise RuntimeError("only TP rank 0 schedules; the other ranks call follow()")
+        self._wake = asyncio.Event()
+        self._step_lock = asyncio.Lock()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._task = asyncio.create_task(self._loop())
+
+    async def shutdown(self) -> None:
+        """Abort what is left, stop the loop and release the TP peers (scheduler rank)."""
+        if self._task is None:
+            return
+        await self.abort_all("engine shut down")
+        async with self._step_lock:
+            await self._settle_aborts()
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            if self._tp > 1:
+                await self._run(Step("stop"))
+        self._executor.shutdown(wait=True)
+        self._task = None
+
+    def follow(self) -> None:
+        """Execute the scheduler's steps until it stops (TP ranks other than 0)."""
+        while True:
+            step = self._broadcast(None)
+            if step.kind == "stop":
+                return
+            self._execute(step)
+
+    def _check_running(self) -> None:
+        if self._failed is not None:
+            raise EngineError(f"embedded engine failed: {self._failed!r}")
+        if self._task is None:
+            raise EngineError("embedded engine is not running; call start() (run_engine does)")
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                async with self._step_lock:
+                    await self._settle_aborts()
+                    if self._paused:
+                        continue
+                    await self._admit()
+                    if self._rows:
+                        await self._decode()
+                if self._rows or (self._waiting and not self._paused):
+                    self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # a failed step fails every request, never hangs one
+            self._failed = err
+            for entry in itertools.chain(self._waiting, self._rows):
+                if not entry.future.done():
+                    entry.future.set_exception(EngineError(f"embedded engine failed: {err!r}"))
+            raise
+
+    async def _run(self, step: Step) -> torch.Tensor | None:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._broadcast_and_execute, step)
+
+    def _broadcast_and_execute(self, step: Step) -> torch.Tensor | None:
+        if self._tp > 1:
+            self._broadcast(step)
+        return self._execute(step)
+
+    def _broadcast(self, step: Step | None) -> Step:
+        """Scheduler sends, peers receive (every rank of the TP group calls it)."""
+        box = [step]
+        dist.broadcast_object_list(box, src=self._src, group=self._tp_group)
+        return box[0]
+
+    # ------------------------------------------------------------------ scheduling
+
+    async def _settle_aborts(self) -> None:
+        for entry in [e for e in self._waiting if e.abort_message]:
+            self._waiting.remove(entry)
+            self._finish(entry, FinishReason(FinishType.ABORT, message=entry.abort_message))
+        for row in reversed(range(len(self._rows))):
+            entry = self._rows[row]
+            if entry.abort_message:
+                self._free(row)
+                self._finish(entry, FinishReason(FinishType.ABORT, message=entry.abort_message))
+
+    async def _admit(self) -> None:
+        admitted = 0
+        while (
+            self._waiting
+            and len(self._rows) < self.config.max_batch_size
+            and admitted < self.config.max_prefills_per_step
+        ):
+            entry = self._waiting.popleft()
+            context = entry.context
+            shift = plan_admit(self._cursor, len(context), self.config.max_seq_len)
+            cursor = self._cursor + shift
+            step = Step("prefill", cursor, shift, self._take_moves(), len(self._rows), context)
+            logits = await self._run(step)
+            self._cursor = cursor
+            self._rows.append(entry)
+            self._lengths.append(len(context))
+            self._accept([logits[0]], [entry])
+            admitted += 1
+
+    async def _decode(self) -> None:
+        shift = -plan_compaction(self._cursor, self._lengths, self.config.max_seq_len)
+        cursor = self._cursor + shift
+        tokens = tuple(entry.output_ids[-1] for entry in self._rows)
+        step = Step("decode", cursor, shift, self._take_moves(), 0, tokens, tuple(self._lengths))
+        logits = await self._run(step)
+        self._cursor = cursor + 1
+        self._lengths = [n + 1 for n in self._lengths]
+        self._accept(list(logits), list(self._rows))
+
+    def _accept(self, logits: list[torch.Tensor], entries: list[_Request]) -> None:
+        params = [e.request.sampling for e in entries]
+        tokens, logprobs = sample_tokens(
+            torch.stack(logits),
+            self.model_config.vocab_size,
+            params,
+            [e.generator for e in entries],
+        )
+        for entry, token, logprob in zip(entries, tokens, logprobs):
+            entry.output_ids.append(token)
+            entry.logprobs.append(logprob)
+            reason = self._finish_reason(entry)
+            if reason is not None:
+                self._free(self._rows.index(entry))
+                self._finish(entry, reason)
+
+    def _finish_reason(self, entry: _Request) -> FinishReason | None:
+        sampling, token = entry.request.sampling, entry.output_ids[-1]
+        if token in sampling.stop_token_ids:
+            return FinishReason(FinishType.STOP, matched=token)
+        if sampling.stop:
+            text = self.detokenize(entry.output_ids)
+            for stop in sampling.stop:
+                if stop in text:
+                    return FinishReason(FinishType.STOP, matched=stop)
+        if len(entry.output_ids) >= sampling.max_new_tokens:
+            return FinishReason(FinishType.LENGTH, matched=None)
+        if len(entry.context) >= self.config.max_seq_len:
+            return FinishReason(FinishType.LENGTH)
+        return None
+
+    def _free(self, row: int) -> None:
+        last = len(self._rows) - 1
+        if row != last:
+            self._rows[row], self._lengths[row] = self._rows[last], self._lengths[last]
+            self._moves.append((last, row))
+        self._rows.pop()
+        self._lengths.pop()
+        if not self._rows:
+            self._cursor, self._moves = 0, []
+
+    def _take_moves(self) -> tuple[tuple[int, int], ...]:
+        moves, self._moves = tuple(self._moves), []
+        return moves
+
+    def _finish(self, entry: _Request, reason: FinishReason) -> None:
+        if entry.future.done():
+            return
+        req = entry.request
+        entry.future.set_result(
+            GenerateResult(
+                rid=req.rid,
+                output_ids=tuple(entry.output_ids),
+                output_logprobs=tuple(entry.logprobs),
+                finish_reason=reason,
+                weight_version=self._version,
+                prompt_tokens=len(req.input_ids),
+            )
+        )
+
+    # ------------------------------------------------------------------ execution (all ranks)
+
+    @torch.inference_mode()
+    def _execute(self, step: Step) -> torch.Tensor | None:
+        """Run one step on this rank; returns full-vocab last-token logits [n, V] (prefill n=1)."""
+        if step.kind == "load":
+            from megatron_earl.redistribute.geometry import load_full_state_dict
+
+            load_full_state_dict(self.model_chunks, step.state)
+            return None
+        if step.kind == "stop":
+            return None
+        cache = self._cache
+        for src, dst in step.moves:
+            cache.move_row(src, dst)
+        cache.shift(step.shift, step.cursor - step.shift)
+        if step.kind == "prefill":
+            n = len(step.tokens)
+            cache.for_prefill(step.row, step.cursor, n)
+            tokens = torch.tensor([step.tokens], dtype=torch.long)
+            positions = torch.arange(step.cursor - n, step.cursor)[None]
+            mask = prefill_mask(step.cursor, n)
+        else:
+            cache.for_decode(step.cursor)
+            tokens = torch.tensor(step.tokens, dtype=torch.long)[:, None]
+            positions = torch.tensor(step.lengths, dtype=torch.long)[:, None]
+            mask = decode_mask(step.cursor, list(step.lengths))
+        # Megatron's inference path gathers the vocab-parallel logits over TP: [n, 1, V].
+        logits = self.model(
+            tokens, positions, mask, inference_context=cache, runtime_gather_output=True
+        )
+        return logits[:, -1].float()
+
+
+def run_engine(
+    engine: EmbeddedEngine, driver: Callable[[EmbeddedEngine], Awaitable[T]]
+) -> T | None:
+    """Serve ``driver(engine)`` to completion and stop the engine.
+
+    Every rank of the engine's TP group calls it: the scheduler (TP rank 0) runs the driver in a
+    fresh event loop and returns its result; the other ranks execute steps and return None.
+    """
+    if not engine.is_scheduler:
+        engine.follow()
+        return None
+
+    async def main() -> T:
+        await engine.start()
+        try:
+            return await driver(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def drive_all(engine: Any, requests: Sequence[GenerateRequest]) -> Awaitable[list[GenerateResult]]:
+    """Submit ``requests`` concurrently to ``engine`` and gather the results (a driver helper)."""
+    return asyncio.gather(*(engine.generate(r) for r in requests))

@@ -1,0 +1,493 @@
+"""``megatron-earl serve``: the embedded engine behind SGLang's native HTTP API (a subset).
+
+    megatron-earl serve --port 30000 [--model-config model.json] [--model-path full.pt]
+        [--api-key KEY] [--host 127.0.0.1] [--max-batch-size 8] [--max-seq-len 1024] [--seed 0]
+
+The model: a ``ModelConfig`` (JSON file of its fields; default: the tiny default config), weights
+from ``--model-path`` (a ``torch.save``'d full Megatron state dict, ``geometry.full_state_dict``)
+or seeded random (``--seed``). One process, TP1 (world of one). Tokens are token ids; ``text`` in
+and out uses a byte-level stand-in tokenizer (id < 256 = that byte) when the vocabulary has >= 256
+ids, so stop strings work on a toy model.
+
+Endpoints (shapes of SGLang 0.5.x): ``/generate`` (``input_ids`` or ``text``, batch of prompts,
+``return_logprob``; ``stream`` answers with one SSE event then ``[DONE]``), ``/health``,
+``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``,
+``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
+``/update_weights_from_tensor`` (portable payload, see ``weight_sync``),
+``/update_weights_from_disk``
+(a full-state checkpoint file), ``/pause_generation``, ``/continue_generation``, ``/abort_request``.
+Bound to 127.0.0.1 by default; with ``--api-key`` every control endpoint (all but generate, health
+and info) needs ``Authorization: Bearer KEY``. Bad input gets a 4xx with
+``{"error": {"message": ...}}``; a generate request during a weight update gets 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, RequestError
+from megatron_earl.rollout.engine import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+)
+
+GENERATE_FIELDS = frozenset(
+    {
+        "rid",
+        "text",
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "stream",
+        "log_metrics",
+        "session_id",
+    }
+)
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "n",
+        "sampling_seed",
+        "spaces_between_special_tokens",
+    }
+)
+TENSOR_UPDATE_FIELDS = frozenset(
+    {
+        "rid",
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "selector",
+        "torch_empty_cache",
+    }
+)
+DISK_UPDATE_FIELDS = frozenset(
+    {"rid", "model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"}
+)
+_OPEN = (
+    "/generate",
+    "/health",
+    "/health_generate",
+    "/get_model_info",
+    "/model_info",
+    "/get_server_info",
+    "/server_info",
+    "/get_load",
+    "/get_weight_version",
+)
+
+
+class BadRequest(ValueError):
+    """Client error; the message goes back with HTTP 400."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def _check_fields(body: Any, allowed: frozenset[str], what: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest(f"{what} must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown} in {what}; accepted: {sorted(allowed)}")
+    return body
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise BadRequest(f"{what} must be a list of integers")
+    return value
+
+
+def sampling_from_json(raw: Any) -> SamplingParams:
+    """SGLang ``sampling_params`` -> ``SamplingParams``; ``BadRequest`` names what is invalid."""
+    raw = _check_fields(raw or {}, SAMPLING_FIELDS, "sampling_params")
+    if raw.get("n", 1) != 1:
+        raise BadRequest(f"sampling_params.n={raw['n']} is not supported; send n requests")
+    if raw.get("min_p", 0.0) not in (0, 0.0):
+        raise BadRequest("sampling_params.min_p is not supported by this server (use 0)")
+    stop = raw.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    try:
+        return SamplingParams(
+            max_new_tokens=int(raw.get("max_new_tokens", 128)),
+            temperature=float(raw.get("temperature", 1.0)),
+            top_p=float(raw.get("top_p", 1.0)),
+            top_k=int(raw.get("top_k", -1)),
+            stop_token_ids=tuple(_int_list(raw.get("stop_token_ids") or [], "stop_token_ids")),
+            stop=stop,
+            seed=raw.get("sampling_seed"),
+        )
+    except (TypeError, ValueError) as err:
+        raise BadRequest(f"invalid sampling_params: {err}") from None
+
+
+def result_json(result: GenerateResult, text: str, return_logprob: bool) -> dict[str, Any]:
+    """A ``GenerateResult`` in SGLang's ``/generate`` response shape."""
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": finish_json(result.finish_reason, len(result.output_ids)),
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": result.cached_tokens,
+        "weight_version": str(result.weight_version),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)
+        ]
+    return {"text": text, "output_ids": list(result.output_ids), "meta_info": meta}
+
+
+def finish_json(reason: FinishReason, length: int) -> dict[str, Any]:
+    if reason.type.value == "stop":
+        return {"type": "stop", "matched": reason.matched}
+    if reason.type.value == "length":
+        return {"type": "length", "length": length}
+    return {"type": "abort", "message": reason.message}
+
+
+class Server:
+    """HTTP front of one embedded engine (TP1, scheduler rank)."""
+
+    def __init__(self, engine: EmbeddedEngine, model_path: str, api_key: str | None = None):
+        self.engine = engine
+        self.model_path = model_path
+        self.api_key = api_key
+        self.updating = False
+        self._update_lock = asyncio.Lock()
+        vocab = engine.model_config.vocab_size
+        self.byte_tokenizer = vocab >= 256
+
+    def detokenize(self, ids: Any) -> str:
+        if not self.byte_tokenizer:
+            return ""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        routes = [
+            ("*", "/generate", self.generate),
+            ("GET", "/health", self.health),
+            ("GET", "/health_generate", self.health_generate),
+            ("GET", "/get_model_info", self.model_info),
+            ("GET", "/model_info", self.model_info),
+            ("GET", "/get_server_info", self.server_info),
+            ("GET", "/server_info", self.server_info),
+            ("GET", "/get_load", self.load),
+            ("GET", "/get_weight_version", self.weight_version),
+            ("*", "/flush_cache", self.flush_cache),
+            ("POST", "/update_weights_from_tensor", self.update_from_tensor),
+            ("POST", "/update_weights_from_disk", self.update_from_disk),
+            ("POST", "/pause_generation", self.pause),
+            ("POST", "/continue_generation", self.resume),
+            ("POST", "/abort_request", self.abort),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
+        if self.api_key and request.path not in _OPEN:
+            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                return _error(401, f"{request.path} needs 'Authorization: Bearer <api key>'")
+        try:
+            return await handler(request)
+        except BadRequest as err:
+            return _error(400, str(err))
+        except RequestError as err:
+            return _error(400, str(err))
+
+    async def _json(self, request: web.Request, allowed: frozenset[str], what: str) -> dict:
+        if not request.can_read_body:
+            return _check_fields({}, allowed, what)
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as err:
+            raise BadRequest(f"malformed JSON in {what}: {err}") from None
+        return _check_fields(body, allowed, what)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request, GENERATE_FIELDS, "the /generate request")
+        if self.updating:
+            return _error(503, "a weight update is in progress; retry shortly")
+        if (body.get("input_ids") is None) == (body.get("text") is None):
+            raise BadRequest("give exactly one of input_ids or text")
+        prompts, batched = self._prompts(body)
+        sampling = sampling_from_json(body.get("sampling_params"))
+        rid = body.get("rid")
+        rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        requests = []
+        for i, (ids, r) in enumerate(zip(prompts, rids, strict=True)):
+            name = (f"{r}-{i}" if batched and isinstance(rid, str) else r) or ""
+            req = GenerateRequest(tuple(ids), sampling, str(name))
+            self.engine.validate(req)
+            requests.append(req)
+        results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        logprob = bool(body.get("return_logprob"))
+        out = [result_json(r, self.detokenize(r.output_ids), logprob) for r in results]
+        payload: Any = out if batched else out[0]
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for item in out:
+                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.json_response(payload)
+
+    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        if body.get("text") is not None:
+            if not self.byte_tokenizer:
+                raise BadRequest("this model has no tokenizer; send input_ids")
+            texts = body["text"]
+            batched = isinstance(texts, list)
+            return [list(t.encode()) for t in (texts if batched else [texts])], batched
+        ids = body["input_ids"]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return [_int_list(p, "input_ids[i]") for p in ids], True
+        return [_int_list(ids, "input_ids")], False
+
+    # ------------------------------------------------------------------ health and info
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if await self.engine.health() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not await self.engine.health():
+            return web.Response(status=503)
+        if self.engine.paused or self.updating:
+            return web.Response(status=200)
+        probe = GenerateRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            await asyncio.wait_for(self.engine.generate(probe), timeout=20)
+        except Exception:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "weight_version": str(self.engine.weight_version),
+                "model_config": self.engine.model_config.to_dict(),
+                "max_seq_len": self.engine.config.max_seq_len,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "engine": "megatron-earl embedded",
+                "max_batch_size": self.engine.config.max_batch_size,
+                "max_seq_len": self.engine.config.max_seq_len,
+                "paused": self.engine.paused,
+            }
+        )
+
+    async def load(self, request: web.Request) -> web.Response:
+        return web.json_response({"num_reqs": self.engine.num_requests})
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.weight_version)})
+
+    # ------------------------------------------------------------------ control
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.num_requests:
+            return web.Response(status=400, text="Cache not flushed: requests are pending.\n")
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await self._json(request, frozenset({"rid", "mode"}), "pause_generation")
+        await self.engine.pause(body.get("mode", "abort"))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        fields = frozenset({"rid", "torch_empty_cache"})
+        await self._json(request, fields, "continue_generation")
+        await self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        fields = frozenset({"rid", "abort_all", "abort_message"})
+        body = await self._json(request, fields, "abort_request")
+        if body.get("abort_all"):
+            await self.engine.abort_all(body.get("abort_message") or "aborted by abort_request")
+        elif body.get("rid"):
+            await self.engine.abort(str(body["rid"]))
+        else:
+            raise BadRequest("abort_request needs rid or abort_all=true")
+        return web.Response(status=200)
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        from megatron_earl.models.hf_mapping import apply_hf_tensor, hf_target
+        from megatron_earl.rollout.weight_sync import deserialize_named_tensors
+
+        body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise BadRequest("serialized_named_tensors must be a list of one payload (engine tp=1)")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(
+                f"load_format {body['load_format']!r} is not supported (null, 'direct')"
+            )
+        try:
+            named = deserialize_named_tensors(payloads[0])
+            for name, _ in named:
+                hf_target(name, self.engine.model_config)
+        except (ValueError, KeyError) as err:
+            raise BadRequest(f"update_weights_from_tensor: {err}") from None
+
+        def apply(full: dict[str, torch.Tensor]) -> None:
+            for name, tensor in named:
+                apply_hf_tensor(full, name, tensor, self.engine.model_config)
+
+        return await self._update(body, apply)
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._json(request, DISK_UPDATE_FIELDS, "update_weights_from_disk")
+        path = body.get("model_path")
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as err:
+            raise BadRequest(f"cannot load a full-state checkpoint from {path!r}: {err}") from None
+        return await self._update(body, lambda full: full.update(state))
+
+    async def _update(self, body: dict[str, Any], apply: Callable[[dict], None]) -> web.Response:
+        from megatron_earl.redistribute.geometry import full_state_dict
+
+        version = self.engine.weight_version
+        if body.get("weight_version") is not None:
+            try:
+                version = int(body["weight_version"])
+            except (TypeError, ValueError):
+                raise BadRequest(
+                    f"weight_version {body['weight_version']!r} must be an integer string"
+                ) from None
+        async with self._update_lock:
+            self.updating = True
+            try:
+                if body.get("abort_all_requests"):
+                    await self.engine.abort_all("aborted for a weight update")
+                full = full_state_dict(self.engine.model_chunks)
+                try:
+                    apply(full)
+                except (KeyError, ValueError) as err:
+                    raise BadRequest(f"weight update rejected: {err}") from None
+                await self.engine.load_state_dict(full, version)
+            finally:
+                self.updating = False
+        return web.json_response({"success": True, "message": f"weight version {version}"})
+
+
+def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]:
+    """World of one, TP1: build the model (checkpoint or seeded weights) and the engine."""
+    from megatron_earl import runtime
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.parallel.layout import ParallelLayout
+    from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.redistribute.geometry import load_full_state_dict
+
+    model_config = ModelConfig()
+    if args.model_config:
+        with open(args.model_config) as f:
+            model_config = ModelConfig(**json.load(f))
+    runtime.initialize()
+    initialize_layout(ParallelLayout())
+    runtime.seed(args.seed)
+    chunks = build_model(model_config)
+    if args.checkpoint and args.checkpoint != "random":
+        load_full_state_dict(chunks, torch.load(args.checkpoint, weights_only=True))
+    config = EmbeddedEngineConfig(
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, seed=args.seed
+    )
+    return EmbeddedEngine(
+        chunks, model_config, config, weight_version=args.weight_version
+    ), model_config
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine, _ = build_engine(args)
+    server = Server(engine, args.checkpoint or "random", args.api_key)
+    engine.detokenize = server.detokenize if server.byte_tokenizer else None
+    await engine.start()
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    print(f"megatron-earl serve: listening on http://{args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await engine.shutdown()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-earl serve", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="required on control endpoints when set")
+    p.add_argument("--model-config", default=None, help="JSON file of ModelConfig fields")
+    p.add_argument(
+        "--model-path",
+        "--checkpoint",
+        dest="checkpoint",
+        default=None,
+        help="torch.save'd full Megatron state dict ('random': seeded random weights)",
+    )
+    # SGLang launch flags the launcher passes; accepted for command compatibility.
+    p.add_argument("--tp-size", type=int, default=1, choices=[1], help="only 1 (one process)")
+    p.add_argument("--skip-server-warmup", action="store_true", help="accepted, no effect")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, no effect")
+    p.add_argument("--enable-memory-saver", action="store_true", help="accepted, no effect")
+    p.add_argument("--seed", type=int, default=0, help="weights (without --checkpoint), sampling")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--weight-version", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    asyncio.run(serve(parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

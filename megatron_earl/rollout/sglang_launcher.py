@@ -1,0 +1,154 @@
+"""Start SGLang servers (``python -m sglang.launch_server ...``), wait for health, stop them.
+
+    with ServerProcess(LaunchConfig(model_path="/ckpt/qwen", port=30000, tp_size=2)) as server:
+        server.wait_healthy(timeout_s=600)
+        client = SGLangClient(server.url)
+
+``build_command`` is pure (the project's chosen arguments, tested as a list). The process runs in
+its own process group, so ``stop()`` (SIGTERM, then SIGKILL after ``stop_timeout_s``) reaches
+SGLang's scheduler/detokenizer children too. ``module`` can name another server that speaks the
+same protocol and flags: the tests start ``megatron_earl.rollout.server`` this way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One SGLang server: what ``python -m sglang.launch_server`` is given."""
+
+    model_path: str
+    """HF checkpoint directory (SGLang) or full-state file (megatron-earl serve)."""
+    port: int = 30000
+    """HTTP port."""
+    host: str = "127.0.0.1"
+    """Bind address (loopback unless the trainer is on another node)."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs of this engine."""
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory for weights + KV cache (None: SGLang's default)."""
+    enable_memory_saver: bool = False
+    """Allow ``release/resume_memory_occupation`` (colocated training)."""
+    api_key: str | None = None
+    """``--api-key``: required by the server on its endpoints."""
+    skip_server_warmup: bool = True
+    """Skip SGLang's warm-up request (health is polled instead)."""
+    extra_args: tuple[str, ...] = ()
+    """Further arguments, appended verbatim."""
+    module: str = "sglang.launch_server"
+    """Module run with ``python -m``."""
+    python: str = sys.executable
+    """Interpreter."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in (0, 65536), got {self.port}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+
+
+def build_command(config: LaunchConfig) -> list[str]:
+    """The command line that starts the server."""
+    cmd = [
+        config.python,
+        "-m",
+        config.module,
+        "--model-path",
+        config.model_path,
+        "--tp-size",
+        str(config.tp_size),
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+    ]
+    if config.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if config.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if config.api_key:
+        cmd += ["--api-key", config.api_key]
+    if config.skip_server_warmup:
+        cmd.append("--skip-server-warmup")
+    return cmd + list(config.extra_args)
+
+
+class ServerProcess:
+    """A started server process; a context manager that stops it on exit."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        *,
+        env: dict[str, str] | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        self.config = config
+        self.url = f"http://{config.host}:{config.port}"
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(
+            build_command(config),
+            env={**os.environ, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float = 600.0, path: str = "/health_generate") -> None:
+        """Poll ``path`` until 200; raises if the process exits or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server {self.url} exited with code {self.process.returncode} before it was "
+                    f"healthy; command: {' '.join(build_command(self.config))}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server {self.url} not healthy after {timeout_s:.0f}s")
+
+    def stop(self, stop_timeout_s: float = 20.0) -> int:
+        """SIGTERM the process group, SIGKILL it after ``stop_timeout_s``; returns the exit code."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+            self._log = subprocess.DEVNULL
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """Kill the server at once (failure injection)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()

@@ -1,0 +1,223 @@
+"""Weight push from the trainer to SGLang engines, in buckets, with a weight version.
+
+    full = ...                                        # global Megatron tensors (e.g. resharded)
+    named = hf_named_tensors(full, model_config)      # lazily converted to HF names
+    stats = await push_weights(clients, named, version=7, config=WeightSyncConfig())
+
+Order (what RL trainers do with SGLang): ``pause_generation`` -> ``flush_cache`` -> buckets ->
+``continue_generation``; the last bucket carries the new ``weight_version`` so a server reports the
+new version only once every tensor arrived. Each bucket holds at most ``bucket_bytes`` of tensors
+(a tensor larger than a bucket travels alone) and is sent to all engines concurrently.
+
+Transports (one function each):
+* ``tensor``: ``/update_weights_from_tensor`` with ``serialized_named_tensors`` = one base64
+  payload per engine TP rank. The payload format is pluggable (``serialize``): the default,
+  ``serialize_named_tensors``, is portable -- ``torch.save`` of a list of (HF name, tensor) pairs,
+  loaded with ``torch.load(weights_only=True)``; ``megatron-earl serve`` accepts it. A real SGLang
+  server expects its ``MultiprocessingSerializer`` payload (CUDA IPC handles, colocated engines
+  only): pass SGLang's serializer there.
+* ``distributed``: ``/init_weights_update_group`` once, then per bucket
+  ``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer rank broadcasts
+  the tensors over that group (``broadcast_bucket``); NCCL in production.
+
+To the embedded engine no push is needed: weights are resharded into ``engine.model_chunks``
+(``redistribute.weight_exec``) and ``engine.mark_weights_updated(version)`` records the version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.models.hf_mapping import megatron_to_hf
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """How weights travel to SGLang engines."""
+
+    bucket_bytes: int = 512 << 20
+    """Payload bytes per bucket at most (a larger single tensor is sent alone)."""
+    pause_mode: str = "retract"
+    """``pause_generation`` mode: "retract" re-prefills running requests with the new weights,
+    "in_place" keeps their KV cache, "abort" aborts them."""
+    flush_cache: bool = True
+    """Flush the prefix cache before pushing (cached prefixes were computed by old weights)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.pause_mode not in ("retract", "in_place", "abort"):
+            raise ValueError(
+                f"pause_mode {self.pause_mode!r} is not one of 'retract', 'in_place', 'abort'"
+            )
+
+
+@dataclass(frozen=True)
+class PushStats:
+    """What one push did."""
+
+    num_buckets: int
+    num_tensors: int
+    bytes_sent: int
+    """Payload bytes per engine."""
+    seconds: float
+
+
+def hf_named_tensors(full: Mapping[str, torch.Tensor], model: ModelConfig) -> Iterator[NamedTensor]:
+    """HF-named tensors of a full Megatron state, converted one key at a time."""
+    for key, tensor in full.items():
+        yield from megatron_to_hf(key, tensor, model)
+
+
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Greedy, order-preserving grouping of tensor indices into buckets of <= ``bucket_bytes``."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for index, size in enumerate(sizes):
+        if current and filled + size > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(index)
+        filled += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def iter_buckets(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
+    """Stream ``named`` into buckets (same rule as ``plan_buckets``) without materialising all."""
+    current: list[NamedTensor] = []
+    filled = 0
+    for name, tensor in named:
+        size = tensor.numel() * tensor.element_size()
+        if current and filled + size > bucket_bytes:
+            yield current
+            current, filled = [], 0
+        current.append((name, tensor))
+        filled += size
+    if current:
+        yield current
+
+
+def serialize_named_tensors(named: Sequence[NamedTensor]) -> str:
+    """Portable payload: base64 of ``torch.save([(name, tensor), ...])`` (contiguous CPU copies)."""
+    buf = io.BytesIO()
+    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named], buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(payload: str) -> list[NamedTensor]:
+    """Inverse of ``serialize_named_tensors``; ``ValueError`` says what is wrong with a payload."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"payload is not valid base64: {err}") from None
+    try:
+        items = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            "payload is not a torch.save'd list of (name, tensor) pairs (the portable format of "
+            f"megatron_earl.rollout.weight_sync.serialize_named_tensors): {err}"
+        ) from None
+    if not isinstance(items, list) or not all(
+        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], torch.Tensor)
+        for i in items
+    ):
+        raise ValueError("payload must decode to a list of (name, tensor) pairs")
+    return [(str(n), t) for n, t in items]
+
+
+async def push_weights(
+    clients: Sequence,
+    named: Iterable[NamedTensor],
+    version: int,
+    config: WeightSyncConfig | None = None,
+    *,
+    serialize: Callable[[Sequence[NamedTensor]], str] = serialize_named_tensors,
+    engine_tp: int = 1,
+) -> PushStats:
+    """Push ``named`` tensors to every client (``SGLangClient``) by ``update_weights_from_tensor``.
+
+    ``engine_tp`` payloads per bucket (SGLang wants one per engine TP rank; each rank takes the
+    whole tensors it needs). Runs on the one trainer process that holds the full tensors.
+    """
+    config = config or WeightSyncConfig()
+    start = time.perf_counter()
+    await asyncio.gather(*(c.pause(config.pause_mode) for c in clients))
+    try:
+        if config.flush_cache:
+            await asyncio.gather(*(c.flush_cache() for c in clients))
+        buckets = list(iter_buckets(named, config.bucket_bytes))
+        sent = tensors = 0
+        for index, bucket in enumerate(buckets):
+            payload = serialize(bucket)
+            last = index == len(buckets) - 1
+            await asyncio.gather(
+                *(
+                    c.update_weights_from_tensor(
+                        [payload] * engine_tp, weight_version=version if last else None
+                    )
+                    for c in clients
+                )
+            )
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            tensors += len(bucket)
+    finally:
+        await asyncio.gather(*(c.resume() for c in clients))
+    return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)
+
+
+async def push_weights_distributed(
+    clients: Sequence,
+    named: Iterable[NamedTensor],
+    version: int,
+    broadcast_bucket: Callable[[list[NamedTensor]], None],
+    config: WeightSyncConfig | None = None,
+    *,
+    group_name: str = "weight_update_group",
+) -> PushStats:
+    """Push over an already initialised weight-update group (``init_weights_update_group``).
+
+    For each bucket the metadata goes over HTTP while ``broadcast_bucket(bucket)`` (run in a
+    thread) broadcasts the tensors from the trainer rank (src 0) to the engines' ranks.
+    """
+    config = config or WeightSyncConfig()
+    start = time.perf_counter()
+    await asyncio.gather(*(c.pause(config.pause_mode) for c in clients))
+    try:
+        if config.flush_cache:
+            await asyncio.gather(*(c.flush_cache() for c in clients))
+        buckets = list(iter_buckets(named, config.bucket_bytes))
+        sent = tensors = 0
+        for index, bucket in enumerate(buckets):
+            names = [n for n, _ in bucket]
+            dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            last = index == len(buckets) - 1
+            requests = [
+                c.update_weights_from_distributed(
+                    names,
+                    dtypes,
+                    shapes,
+                    group_name=group_name,
+                    weight_version=version if last else None,
+                )
+                for c in clients
+            ]
+            await asyncio.gather(*requests, asyncio.to_thread(broadcast_bucket, bucket))
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            tensors += len(bucket)
+    finally:
+        await asyncio.gather(*(c.resume() for c in clients))
+    return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)

@@ -1,0 +1,222 @@
+"""The SGLang client and pool drive two ``megatron-earl serve`` processes started by the SGLang
+launcher's code path (``module=megatron_earl.rollout.server``): generate, weight push (outputs
+change, version increments, both servers agree), pause/continue, abort, bad input (4xx with a
+message, the server keeps serving), and a killed server whose in-flight requests are retried on
+the other one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import torch
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout.engine import FinishType, GenerateRequest, SamplingParams
+from megatron_earl.rollout.pool import EnginePool
+from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, build_command
+from megatron_earl.testing.distributed import free_port
+
+API_KEY = "test-key"
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=256,
+    make_vocab_size_divisible_by=64,
+)
+MAX_SEQ = 96
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+PROMPT = (5, 17, 99, 3, 42, 7)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    config_path = tmp / "model.json"
+    config_path.write_text(json.dumps(MODEL.to_dict()))
+    procs = []
+    for i in range(2):
+        launch = LaunchConfig(
+            model_path="random",
+            port=free_port(),
+            api_key=API_KEY,
+            module="megatron_earl.rollout.server",
+            extra_args=(
+                "--model-config",
+                str(config_path),
+                "--seed",
+                "3",
+                "--max-seq-len",
+                str(MAX_SEQ),
+                "--max-batch-size",
+                "4",
+            ),
+        )
+        procs.append(
+            ServerProcess(
+                launch, log_path=str(tmp / f"server{i}.log"), env={"OMP_NUM_THREADS": "1"}
+            )
+        )
+    try:
+        for proc in procs:
+            proc.wait_healthy(timeout_s=120)
+        yield procs
+    finally:
+        for proc in procs:
+            assert proc.stop(stop_timeout_s=20) is not None
+
+
+def _client(proc: ServerProcess, **kw) -> SGLangClient:
+    return SGLangClient(proc.url, ClientConfig(api_key=API_KEY, backoff_s=0.05, **kw))
+
+
+def test_launcher_command():
+    cmd = build_command(
+        LaunchConfig(
+            model_path="/m",
+            port=1234,
+            tp_size=2,
+            api_key="k",
+            mem_fraction_static=0.7,
+            enable_memory_saver=True,
+        )
+    )
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[3:] == [
+        "--model-path",
+        "/m",
+        "--tp-size",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1234",
+        "--mem-fraction-static",
+        "0.7",
+        "--enable-memory-saver",
+        "--api-key",
+        "k",
+        "--skip-server-warmup",
+    ]
+
+
+def test_generate_and_weight_update(servers):
+    from megatron_earl.models.hf_mapping import _global_shapes
+    from megatron_earl.rollout.weight_sync import WeightSyncConfig, hf_named_tensors, push_weights
+
+    async def body():
+        a, b = _client(servers[0]), _client(servers[1])
+        first = await a.generate(GenerateRequest(PROMPT, GREEDY))
+        assert len(first.output_ids) == 12 and len(first.output_logprobs) == 12
+        assert first.finish_reason.type is FinishType.LENGTH
+        assert all(lp <= 0 for lp in first.output_logprobs)
+        assert first.prompt_tokens == len(PROMPT) and first.weight_version == 0
+        same = await b.generate(GenerateRequest(PROMPT, GREEDY))
+        assert same.output_ids == first.output_ids  # same seed, same weights
+        gen = torch.Generator().manual_seed(11)
+        full = {k: torch.randn(s, generator=gen) * 0.3 for k, s in _global_shapes(MODEL).items()}
+        stats = await push_weights(
+            [a, b], hf_named_tensors(full, MODEL), 1, WeightSyncConfig(bucket_bytes=64 << 10)
+        )
+        assert stats.num_buckets > 1
+        after_a = await a.generate(GenerateRequest(PROMPT, GREEDY))
+        after_b = await b.generate(GenerateRequest(PROMPT, GREEDY))
+        assert after_a.output_ids != first.output_ids  # weights visibly changed
+        assert after_a.output_ids == after_b.output_ids
+        assert after_a.weight_version == 1
+        assert (await a.get_model_info())["weight_version"] == "1"
+        await a.close()
+        await b.close()
+
+    asyncio.run(body())
+
+
+def test_pause_continue_and_abort(servers):
+    async def body():
+        a = _client(servers[0])
+        await a.pause("in_place")
+        task = asyncio.create_task(a.generate(GenerateRequest(PROMPT, GREEDY, rid="r-paused")))
+        doomed = asyncio.create_task(a.generate(GenerateRequest(PROMPT, GREEDY, rid="r-abort")))
+        await asyncio.sleep(0.5)
+        assert not task.done() and not doomed.done()
+        await a.abort("r-abort")
+        aborted = await asyncio.wait_for(doomed, 10)
+        assert aborted.finish_reason.type is FinishType.ABORT and aborted.output_ids == ()
+        await a.resume()
+        done = await asyncio.wait_for(task, 30)
+        assert done.finish_reason.type is FinishType.LENGTH and len(done.output_ids) == 12
+        await a.close()
+
+    asyncio.run(body())
+
+
+def test_bad_input_gets_4xx_and_server_keeps_serving(servers):
+    url = servers[1].url
+
+    async def post(session, path, data, auth=True):
+        headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
+        async with session.post(url + path, data=data, headers=headers) as resp:
+            return resp.status, await resp.text()
+
+    async def body():
+        async with aiohttp.ClientSession() as s:
+            cases = [
+                ("/generate", "{not json", "malformed JSON"),
+                ("/generate", json.dumps({"input_ids": [1], "bogus": 1}), "unknown field"),
+                ("/generate", json.dumps({"input_ids": [1, 999]}), "outside the vocabulary"),
+                (
+                    "/generate",
+                    json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": 500}}),
+                    "context limit",
+                ),
+                (
+                    "/generate",
+                    json.dumps({"input_ids": [1], "sampling_params": {"top_p": 2}}),
+                    "top_p",
+                ),
+                (
+                    "/update_weights_from_tensor",
+                    json.dumps({"serialized_named_tensors": ["@@"]}),
+                    "base64",
+                ),
+            ]
+            for path, data, needle in cases:
+                status, text = await post(s, path, data)
+                assert status == 400 and needle in text, (path, status, text)
+            status, text = await post(s, "/pause_generation", "{}", auth=False)
+            assert status == 401 and "Bearer" in text
+        client = _client(servers[1])
+        with pytest.raises(EngineRequestError, match="outside the vocabulary"):
+            await client.generate(GenerateRequest((1, 300), GREEDY))
+        ok = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        assert len(ok.output_ids) == 12
+        await client.close()
+
+    asyncio.run(body())
+
+
+def test_killed_server_requests_fail_over(servers):
+    async def body():
+        a, b = _client(servers[0], max_retries=2), _client(servers[1], max_retries=2)
+        pool = EnginePool([a, b])
+        await a.pause("in_place")  # requests routed to A wait there until it dies
+        params = SamplingParams(max_new_tokens=8, temperature=0.0)
+        tasks = [
+            asyncio.create_task(pool.generate(GenerateRequest(PROMPT, params, session=f"s{i}")))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0.5)
+        assert pool.loads[0] > 0  # some requests are in flight on A
+        servers[0].kill()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert all(len(r.output_ids) == 8 for r in results)
+        assert pool.failovers >= 1 and pool.healthy == [False, True]
+        assert await pool.check_health() == [False, True]
+        await pool.close()
+
+    asyncio.run(body())
