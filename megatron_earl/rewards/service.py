@@ -1,0 +1,209 @@
+"""A stateless reward service over HTTP (aiohttp), run as a separate process, and its client.
+
+Server (one process, any number of named reward functions, each ``f(input: dict) -> float``,
+sync or async, given as registered names or dotted paths):
+
+    python -m megatron_earl.rewards.service --port 8700 --fn exact=exact_match \\
+        --fn judge=my_pkg.rewards:judge
+
+    POST /reward  {"fn": "exact", "input": <RewardInput.to_dict()>}  -> {"reward": 1.0}
+    GET  /health                                                    -> {"ok": true, "fns": [...]}
+
+Errors: unknown fn or bad body -> 400 (not retried); the function raising or returning a
+non-finite/non-number -> 500 (retried). ``launch_reward_service`` starts the process and waits
+for its ready line. The client ``RemoteReward`` is a ``RewardFn`` with a per-request timeout and
+retries with exponential backoff on connection errors, timeouts and 5xx answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from megatron_earl.envs.tool_env import last_number
+from megatron_earl.rewards.base import RewardInput
+from megatron_earl.tools.registry import Registry
+
+REWARD_FNS: Registry[Callable[[dict[str, Any]], float]] = Registry("reward function")
+"""Registry of server-side reward functions (input dict -> float)."""
+READY = "REWARD_SERVICE_READY"
+
+
+@REWARD_FNS.register("exact_match")
+def exact_match(inp: dict[str, Any]) -> float:
+    """1 when the last number of the last model turn equals ``task["target"]``."""
+    turns, target = inp.get("turns") or [], inp.get("task", {}).get("target")
+    if not turns or target is None:
+        return 0.0
+    value = last_number(turns[-1])
+    return float(value is not None and value == float(target))
+
+
+def build_app(fns: dict[str, Callable[[dict[str, Any]], Any]]) -> web.Application:
+    """The aiohttp application serving ``fns`` by name."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "fns": sorted(fns)})
+
+    async def reward(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            fn = fns[body["fn"]]
+            inp = body["input"]
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response(
+                {
+                    "error": f"bad request ({type(e).__name__}: {e}); body must be "
+                    f"{{'fn': one of {sorted(fns)}, 'input': {{...}}}}"
+                },
+                status=400,
+            )
+        try:
+            value = fn(inp)
+            if inspect.isawaitable(value):
+                value = await value
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"non-finite reward {value}")
+        except Exception as e:
+            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
+        return web.json_response({"reward": value})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/reward", reward)
+    return app
+
+
+class RewardServiceError(RuntimeError):
+    """The reward service did not give a reward (after retries, or a 4xx answer)."""
+
+
+class RemoteReward:
+    """A ``RewardFn`` computed by the reward service (timeout + retry with backoff)."""
+
+    def __init__(
+        self,
+        url: str,
+        fn: str,
+        name: str | None = None,
+        timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ) -> None:
+        if timeout_s <= 0 or retries < 0 or backoff_s < 0:
+            raise ValueError(
+                f"need timeout_s > 0, retries >= 0, backoff_s >= 0; got "
+                f"{timeout_s}, {retries}, {backoff_s}"
+            )
+        self.url, self.fn, self.name = url.rstrip("/"), fn, name or fn
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.num_retries = 0
+        """Retries made so far (a metric)."""
+
+    async def __call__(self, inp: RewardInput | dict[str, Any]) -> float:
+        payload = {"fn": self.fn, "input": inp.to_dict() if isinstance(inp, RewardInput) else inp}
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        last = ""
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    self.num_retries += 1
+                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                try:
+                    async with session.post(f"{self.url}/reward", json=payload) as resp:
+                        body = await resp.json(content_type=None)
+                        if resp.status == 200:
+                            return float(body["reward"])
+                        last = f"HTTP {resp.status}: {body.get('error')}"
+                        if resp.status < 500:
+                            break
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise RewardServiceError(
+            f"reward {self.fn!r} at {self.url} failed after {attempt + 1} attempt(s): {last}"
+        )
+
+
+class RewardServiceProcess:
+    """A reward service running in a child process."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc, self.port = proc, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> RewardServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def launch_reward_service(
+    fns: dict[str, str], port: int = 0, timeout_s: float = 60.0
+) -> RewardServiceProcess:
+    """Start ``python -m megatron_earl.rewards.service`` serving ``{name: fn spec}``; returns
+    when it is listening (port 0 = any free port)."""
+    cmd = [sys.executable, "-m", "megatron_earl.rewards.service", "--port", str(port)]
+    for name, spec in fns.items():
+        cmd += ["--fn", f"{name}={spec}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(READY):
+            return RewardServiceProcess(proc, int(line.split("port=")[1]))
+        if not line and proc.poll() is not None:
+            raise RewardServiceError(f"reward service exited with {proc.returncode}: {cmd}")
+    proc.kill()
+    raise RewardServiceError(f"reward service not ready within {timeout_s}s: {cmd}")
+
+
+async def serve(fns: dict[str, str], host: str, port: int) -> None:
+    app = build_app({name: REWARD_FNS.resolve(spec) for name, spec in fns.items()})
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.create_server((host, port))  # bound here so port 0 yields the real port
+    await web.SockSite(runner, sock).start()
+    print(f"{READY} port={sock.getsockname()[1]}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Stateless reward service (HTTP).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8700)
+    parser.add_argument(
+        "--fn",
+        action="append",
+        default=[],
+        help="NAME=SPEC: a registered reward fn or a dotted path",
+    )
+    args = parser.parse_args(argv)
+    fns = dict(f.split("=", 1) for f in args.fn) or {"exact_match": "exact_match"}
+    asyncio.run(serve(fns, args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

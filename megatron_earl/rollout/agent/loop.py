@@ -1,0 +1,358 @@
+"""The agent loop: multi-turn rollouts of environments driven by any ``Engine``, token-in /
+token-out, every trajectory an independent asyncio task.
+
+    loop = AgentLoop(engine, DemoTokenizer(), AgentLoopConfig(group_size=4))
+    batch = await loop.run_batch([RolloutTask(ENVS.factory("arithmetic"), seed=s) for s in seeds])
+    batch.trajectories, batch.metrics.to_dict()
+
+One trajectory:  reset -> render prompt -> [generate -> step -> append observation]* -> rewards.
+The sampled ids are kept exactly (with their log-probs and the policy version of the turn);
+observations are tokenized once (``end_of_turn_suffix + render_turn + generation_prompt``) and
+appended with loss mask 0. Limits end a trajectory with a recorded ``EndReason``: ``max_turns``,
+``max_new_tokens_per_turn`` (TURN_LENGTH), ``max_context_tokens`` (CONTEXT_LIMIT: a turn is
+given only the budget left; an observation that would not fit leaves the context as it is).
+
+Asynchrony: each trajectory is its own task; a per-engine semaphore bounds the generate calls
+in flight (``max_concurrency_per_engine``) and is held only while generating, so a slow
+environment or tool never holds an engine slot nor blocks another trajectory's turn.
+Environments must not block the event loop (use ``asyncio.to_thread`` for blocking work).
+Failures are contained per trajectory: an environment that raises, runs past ``env_timeout_s``
+or returns garbage, an engine error or abort, a failing reward -> that trajectory is FAILED
+with its reason; the batch completes and ``RolloutMetrics.failures`` counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from megatron_earl.envs.base import ENVS, Action, Environment, ResetResult, check_step_result
+from megatron_earl.rewards.base import RewardInput, WeightedReward, format_reward
+from megatron_earl.rollout.agent.metrics import RolloutMetrics
+from megatron_earl.rollout.agent.trajectory import EndReason, Trajectory, TurnRecord
+from megatron_earl.rollout.engine import (
+    Engine,
+    FinishType,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+)
+from megatron_earl.tokenizer.base import ChatTokenizer
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """Limits and sampling of the agent loop."""
+
+    max_turns: int = 8
+    """Model turns per trajectory at most."""
+    max_new_tokens_per_turn: int = 128
+    """Tokens one model turn may generate."""
+    max_context_tokens: int = 4096
+    """Prompt + response tokens of a trajectory at most."""
+    group_size: int = 1
+    """Samples per prompt (a group shares the task seed)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    sampling_seed: int | None = None
+    """When set, every request gets a distinct deterministic seed derived from it."""
+    env_timeout_s: float = 60.0
+    """Limit on one ``reset`` or ``step`` call."""
+    max_concurrency_per_engine: int = 64
+    """Generate calls in flight per engine."""
+    format_reward_weight: float = 0.0
+    """Weight of the format reward in the total (0 = not computed)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_turns",
+            "max_new_tokens_per_turn",
+            "max_context_tokens",
+            "group_size",
+            "max_concurrency_per_engine",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentLoopConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+
+EnvFactory = Callable[[], Environment]
+
+
+@dataclass(frozen=True)
+class RolloutTask:
+    """One prompt: an environment factory (or spec) and its task seed."""
+
+    env: EnvFactory | str | dict
+    """Zero-argument factory, or a spec for ``ENVS`` (name, dotted path, {name, kwargs})."""
+    seed: int
+    """Task seed."""
+    group_id: str | None = None
+    """Group id; a fresh one when None."""
+
+
+@dataclass
+class RolloutBatch:
+    trajectories: list[Trajectory] = field(default_factory=list)
+    """Grouped: the samples of a task are contiguous, in task order."""
+    metrics: RolloutMetrics = field(default_factory=RolloutMetrics)
+
+
+class _EnvFailure(Exception):
+    def __init__(self, reason: EndReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class AgentLoop:
+    """Drives trajectories over one or more engines (see the module docstring)."""
+
+    def __init__(
+        self,
+        engines: Engine | Sequence[Engine],
+        tokenizer: ChatTokenizer,
+        config: AgentLoopConfig | None = None,
+        reward_fns: Sequence[WeightedReward] = (),
+    ) -> None:
+        self.engines = list(engines) if isinstance(engines, Sequence) else [engines]
+        if not self.engines:
+            raise ValueError("AgentLoop needs at least one engine")
+        self.tokenizer = tokenizer
+        self.config = config or AgentLoopConfig()
+        self.reward_fns = list(reward_fns)
+        self._slots = [
+            asyncio.Semaphore(self.config.max_concurrency_per_engine) for _ in self.engines
+        ]
+        self._next_engine = itertools.count()
+        self._suffix = tokenizer.end_of_turn_suffix()
+        self._gen_prompt = tokenizer.generation_prompt()
+
+    # -- batch ---------------------------------------------------------------------------
+    async def run_batch(self, tasks: Sequence[RolloutTask]) -> RolloutBatch:
+        """Run ``group_size`` trajectories per task concurrently; never raises for a failing
+        environment, engine or reward (those trajectories come back FAILED)."""
+        start = time.monotonic()
+        groups = await asyncio.gather(*(self.run_group(t) for t in tasks))
+        trajs = [t for g in groups for t in g]
+        return RolloutBatch(
+            trajs, RolloutMetrics.from_trajectories(trajs, time.monotonic() - start)
+        )
+
+    async def run_group(self, task: RolloutTask) -> list[Trajectory]:
+        factory = task.env if callable(task.env) else ENVS.factory(task.env)
+        group_id = task.group_id or uuid.uuid4().hex[:12]
+        return list(
+            await asyncio.gather(
+                *(
+                    self.run_trajectory(factory, task.seed, group_id, i)
+                    for i in range(self.config.group_size)
+                )
+            )
+        )
+
+    # -- one trajectory ------------------------------------------------------------------
+    async def run_trajectory(
+        self, factory: EnvFactory, seed: int, group_id: str, sample_index: int = 0
+    ) -> Trajectory:
+        traj = Trajectory(group_id, sample_index, seed)
+        engine_idx = next(self._next_engine) % len(self.engines)
+        start = time.monotonic()
+        env: Environment | None = None
+        turn_texts: list[str] = []
+        stopped: list[bool] = []
+        try:
+            try:
+                env = factory()
+            except Exception as e:
+                raise _EnvFailure(
+                    EndReason.ENV_ERROR, f"creating the environment raised {type(e).__name__}: {e}"
+                ) from e
+            reset = await self._call_env(env.reset(seed), "reset")
+            if not isinstance(reset, ResetResult):
+                raise _EnvFailure(
+                    EndReason.ENV_GARBAGE,
+                    f"reset returned {type(reset).__name__}, expected ResetResult",
+                )
+            traj.info.update(reset.info)
+            traj.prompt_ids = self._render_prompt(reset.prompt)
+            await self._episode(env, traj, engine_idx, turn_texts, stopped)
+            if traj.ok:
+                await self._score(traj, turn_texts, stopped)
+        except _EnvFailure as e:
+            traj.fail(e.reason, str(e))
+        finally:
+            if env is not None:
+                try:
+                    await asyncio.wait_for(env.close(), self.config.env_timeout_s)
+                except Exception as e:  # a failing close does not change the episode
+                    traj.info["close_error"] = f"{type(e).__name__}: {e}"
+            traj.wall_s = time.monotonic() - start
+        traj.check()
+        return traj
+
+    def _render_prompt(self, prompt: object) -> list[int]:
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            try:
+                return self.tokenizer.render_messages(prompt, add_generation_prompt=True)
+            except Exception as e:  # ValueError, or the HF template's own errors
+                raise _EnvFailure(EndReason.ENV_GARBAGE, f"bad prompt messages: {e}") from e
+        vocab = self.tokenizer.vocab_size
+        if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            return list(prompt)
+        raise _EnvFailure(
+            EndReason.ENV_GARBAGE, f"prompt is neither chat messages nor token ids in [0, {vocab})"
+        )
+
+    async def _call_env(self, coro, what: str):
+        try:
+            return await asyncio.wait_for(coro, self.config.env_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise _EnvFailure(
+                EndReason.ENV_TIMEOUT,
+                f"{what} ran past env_timeout_s={self.config.env_timeout_s:g}",
+            ) from e
+        except Exception as e:
+            raise _EnvFailure(EndReason.ENV_ERROR, f"{what} raised {type(e).__name__}: {e}") from e
+
+    async def _episode(
+        self,
+        env: Environment,
+        traj: Trajectory,
+        engine_idx: int,
+        turn_texts: list[str],
+        stopped: list[bool],
+    ) -> None:
+        cfg, tok = self.config, self.tokenizer
+        context = list(traj.prompt_ids)
+        outcome = 0.0
+        for turn in range(cfg.max_turns):
+            budget = cfg.max_context_tokens - len(context)
+            if budget < 1:
+                traj.end_reason = EndReason.CONTEXT_LIMIT
+                break
+            result = await self._generate(engine_idx, traj, context, turn, budget)
+            if result is None:
+                return
+            ids, start = list(result.output_ids), len(traj.response_ids)
+            traj.add_model_tokens(ids, list(result.output_logprobs))
+            context += ids
+            traj.turns.append(
+                TurnRecord(
+                    start,
+                    len(traj.response_ids),
+                    result.weight_version,
+                    result.finish_reason.type.value,
+                )
+            )
+            did_stop = bool(ids) and ids[-1] in tok.stop_ids
+            turn_texts.append(tok.decode(ids[:-1] if did_stop else ids))
+            stopped.append(did_stop)
+            if not did_stop:
+                full = len(context) >= cfg.max_context_tokens
+                traj.end_reason = EndReason.CONTEXT_LIMIT if full else EndReason.TURN_LENGTH
+                break
+            step = await self._call_env(env.step(Action(turn_texts[-1], tuple(ids))), "step")
+            garbage = check_step_result(step, tok.vocab_size)
+            if garbage is not None:
+                raise _EnvFailure(EndReason.ENV_GARBAGE, garbage)
+            outcome += step.reward
+            traj.info.update(step.info)
+            if step.done:
+                traj.end_reason = EndReason.DONE
+                break
+            if turn == cfg.max_turns - 1:
+                traj.end_reason = EndReason.MAX_TURNS
+                break
+            obs = step.observation
+            try:
+                body = tok.render_turn(step.role, obs) if isinstance(obs, str) else list(obs)
+            except Exception as e:  # e.g. a chat template that rejects the role
+                raise _EnvFailure(
+                    EndReason.ENV_GARBAGE, f"observation of role {step.role!r}: {e}"
+                ) from e
+            obs_ids = self._suffix + body + self._gen_prompt
+            if len(context) + len(obs_ids) >= cfg.max_context_tokens:
+                traj.info["dropped_observation_tokens"] = len(obs_ids)
+                traj.end_reason = EndReason.CONTEXT_LIMIT
+                break
+            traj.add_observation_tokens(obs_ids)
+            context += obs_ids
+        traj.rewards["outcome"] = outcome
+
+    async def _generate(
+        self, engine_idx: int, traj: Trajectory, context: list[int], turn: int, budget: int
+    ) -> GenerateResult | None:
+        cfg = self.config
+        seed = None
+        if cfg.sampling_seed is not None:
+            key = f"{cfg.sampling_seed}/{traj.uid}/{turn}".encode()
+            seed = zlib.crc32(key) & 0x7FFFFFFF
+        sampling = SamplingParams(
+            max_new_tokens=min(cfg.max_new_tokens_per_turn, budget),
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop_token_ids=self.tokenizer.stop_ids,
+            seed=seed,
+        )
+        request = GenerateRequest(
+            tuple(context), sampling, rid=f"{traj.uid}/t{turn}", session=traj.uid
+        )
+        try:
+            async with self._slots[engine_idx]:
+                result = await self.engines[engine_idx].generate(request)
+        except Exception as e:
+            traj.fail(EndReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}")
+            return None
+        reason = result.finish_reason
+        problem = None
+        if reason.type is FinishType.ABORT:
+            problem = f"request aborted: {reason.message}"
+        elif len(result.output_logprobs) != len(result.output_ids):
+            problem = (
+                f"{len(result.output_ids)} output ids but {len(result.output_logprobs)} log-probs"
+            )
+        elif not result.output_ids or len(result.output_ids) > sampling.max_new_tokens:
+            problem = (
+                f"{len(result.output_ids)} output ids for max_new_tokens={sampling.max_new_tokens}"
+            )
+        elif not all(0 <= t < self.tokenizer.vocab_size for t in result.output_ids):
+            problem = f"output ids outside [0, {self.tokenizer.vocab_size})"
+        if problem is not None:
+            traj.fail(EndReason.ENGINE_ERROR, problem)
+            return None
+        return result
+
+    async def _score(self, traj: Trajectory, turn_texts: list[str], stopped: list[bool]) -> None:
+        total = traj.rewards.setdefault("outcome", 0.0)
+        if self.config.format_reward_weight:
+            traj.rewards["format"] = format_reward(turn_texts, stopped)
+            total += self.config.format_reward_weight * traj.rewards["format"]
+        if self.reward_fns:
+            inp = RewardInput(
+                traj.uid,
+                traj.seed,
+                dict(traj.info),
+                turn_texts,
+                traj.rewards["outcome"],
+                traj.end_reason.value,
+            )
+            for wr in self.reward_fns:
+                try:
+                    value = float(await wr.fn(inp))
+                except Exception as e:
+                    traj.fail(
+                        EndReason.REWARD_ERROR,
+                        f"reward {wr.fn.name!r} failed: {type(e).__name__}: {e}",
+                    )
+                    return
+                traj.rewards[wr.fn.name] = value
+                total += wr.weight * value
+        traj.reward = total

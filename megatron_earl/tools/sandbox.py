@@ -1,0 +1,270 @@
+"""Sandboxed Python execution: ``run_python(code)`` and the ``python`` tool.
+
+Each run is a fresh child process (``python -I``) in its own session and temporary directory.
+Layers, strongest first, each recorded in ``SandboxResult.isolation`` when it was applied:
+
+``netns``   ``unshare(CLONE_NEWNET)`` (as root; unprivileged: with ``CLONE_NEWUSER`` where the
+            kernel allows). The child sees a network namespace with only a down loopback: no
+            connection can leave it, whatever the code does (kernel-enforced).
+``uid``     as root, the child drops to an unprivileged uid (``nobody``) with no groups; the
+            work directory is chowned to it. Kernel-enforced: writes only where ``nobody`` may
+            write (the work directory, world-writable dirs like /tmp), ``RLIMIT_NPROC`` applies.
+            Needs an interpreter ``nobody`` can run (``sys.executable`` when every directory on
+            its path is world-searchable, else /usr/bin/python3); without one this layer is off.
+``rlimits`` ``RLIMIT_CPU`` (SIGXCPU then SIGKILL), ``RLIMIT_AS`` (MemoryError), ``RLIMIT_FSIZE``,
+            ``RLIMIT_NOFILE``, no core files, ``RLIMIT_NPROC`` (only with ``uid`` or as a non-root
+            user: the kernel exempts root).
+``audit``   a ``sys.addaudithook`` hook installed before the user code runs: opens for writing,
+            and file-system changes (remove/rename/mkdir/chmod...), outside the work directory
+            are refused; reads and listings are allowed only under the work directory and the
+            interpreter's installation; sockets, ``exec``/``spawn``/``system``/``subprocess`` and
+            ``ctypes`` loading are refused; ``fork`` is refused when ``RLIMIT_NPROC`` cannot be
+            enforced. This layer is in-process: Python code cannot remove the hook, but native
+            code (an extension module already importable) could bypass it; the kernel layers
+            above do not have that weakness.
+Always: wall-clock timeout, after which (and after every run) the child's whole process group
+is killed with SIGKILL. A process that calls ``setsid`` to leave the group escapes that kill
+(``setsid`` is not an audit event); with ``uid`` it stays bounded by ``RLIMIT_NPROC``/CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from megatron_earl.tools.base import TOOLS, Tool
+
+_CHILD = Path(__file__).with_name("_sandbox_child.py").read_text()
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits of one sandboxed run."""
+
+    wall_timeout_s: float = 5.0
+    """Wall-clock limit; the process group is killed after it."""
+    cpu_time_s: int = 2
+    """RLIMIT_CPU seconds (soft; SIGKILL one second later)."""
+    memory_mb: int = 256
+    """RLIMIT_AS in MiB (address space, so the interpreter's own mappings count)."""
+    max_processes: int = 16
+    """Processes the child may have (RLIMIT_NPROC, over the sandbox uid's current count)."""
+    max_file_mb: int = 16
+    """Largest file the child may write (RLIMIT_FSIZE)."""
+    max_open_files: int = 64
+    """RLIMIT_NOFILE."""
+    max_output_bytes: int = 65536
+    """stdout/stderr kept per stream; the rest is dropped."""
+    net_namespace: bool = True
+    """Run in a fresh network namespace when the kernel allows."""
+    drop_privileges: bool = True
+    """As root, run the code as ``sandbox_user``."""
+    sandbox_user: str = "nobody"
+    """Unprivileged user of the ``uid`` layer."""
+    audit_hook: bool = True
+    """Install the in-process audit hook (file-system and process/socket rules)."""
+    audit_network: bool = True
+    """The audit hook also refuses sockets (off: only the network namespace stops them)."""
+    python: str | None = None
+    """Interpreter; None picks one the sandbox user can run."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "wall_timeout_s",
+            "cpu_time_s",
+            "memory_mb",
+            "max_processes",
+            "max_file_mb",
+            "max_open_files",
+            "max_output_bytes",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class SandboxResult:
+    """Outcome of one run."""
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    """Exit status; negative = killed by that signal; None when it did not exit in time."""
+    timed_out: bool
+    """The wall timeout expired."""
+    wall_s: float
+    isolation: list[str] = field(default_factory=list)
+    """Layers applied (see the module docstring)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    @property
+    def killed_by(self) -> str | None:
+        """``"wall_timeout"``, ``"cpu_limit"``, a signal name, or None."""
+        if self.timed_out:
+            return "wall_timeout"
+        if self.returncode is not None and self.returncode < 0:
+            sig = signal.Signals(-self.returncode)
+            return "cpu_limit" if sig in (signal.SIGXCPU, signal.SIGKILL) else sig.name
+        return None
+
+
+def _world_runnable(path: str) -> bool:
+    p = Path(os.path.realpath(path))
+    if not p.exists() or not p.stat().st_mode & stat.S_IXOTH:
+        return False
+    return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
+
+
+def _interpreter(config: SandboxConfig, drop: bool) -> tuple[str, bool]:
+    """(interpreter, whether the uid layer can be used with it)."""
+    if config.python is not None:
+        return config.python, drop and _world_runnable(config.python)
+    if not drop:
+        return sys.executable, False
+    for cand in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
+        if cand and _world_runnable(cand):
+            return cand, True
+    return sys.executable, False
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        kept += chunk[: max(0, cap - len(kept))]
+    return bytes(kept)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
+    """Run ``code`` in a sandboxed child process; never raises for what the code does."""
+    config = config or SandboxConfig()
+    workdir = tempfile.mkdtemp(prefix="earl-sandbox-")
+    start = time.monotonic()
+    try:
+        Path(workdir, "main.py").write_text(code)
+        is_root = os.geteuid() == 0
+        python, use_uid = _interpreter(config, is_root and config.drop_privileges)
+        uid = gid = None
+        nproc = config.max_processes
+        if use_uid:
+            user = pwd.getpwnam(config.sandbox_user)
+            uid, gid = user.pw_uid, user.pw_gid
+            for p in (workdir, os.path.join(workdir, "main.py")):
+                os.chown(p, uid, gid)
+        if uid is not None or not is_root:
+            me = uid if uid is not None else os.getuid()
+            nproc += sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"].real == me)
+        child_cfg = {
+            "workdir": workdir,
+            "uid": uid,
+            "gid": gid,
+            "net_namespace": config.net_namespace,
+            "cpu": config.cpu_time_s,
+            "memory": config.memory_mb * 2**20,
+            "nproc": nproc if (uid is not None or not is_root) else None,
+            "fsize": config.max_file_mb * 2**20,
+            "nofile": config.max_open_files,
+            "audit": config.audit_hook,
+            "audit_network": config.audit_network,
+        }
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONIOENCODING": "utf-8",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            python,
+            "-I",
+            "-c",
+            _CHILD,
+            json.dumps(child_cfg),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            cwd=workdir,
+            env=env,
+        )
+        readers = [
+            asyncio.ensure_future(_read_capped(s, config.max_output_bytes))
+            for s in (proc.stdout, proc.stderr)
+        ]
+        # Poll ``returncode`` rather than ``proc.wait()``: on Python 3.11 ``wait()`` also waits
+        # for the pipes to close, which leftover children of the code keep open.
+        deadline = start + config.wall_timeout_s
+        try:
+            while proc.returncode is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            timed_out = proc.returncode is None
+            _kill_group(proc.pid)  # the process group: leftover children of the code too
+        await proc.wait()
+        out, err = await asyncio.gather(*readers)
+        applied = Path(workdir, ".isolation.json")
+        isolation = json.loads(applied.read_text()) if applied.exists() else []
+        return SandboxResult(
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
+            None if timed_out else proc.returncode,
+            timed_out,
+            time.monotonic() - start,
+            isolation,
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@TOOLS.register("python")
+class PythonTool(Tool):
+    """Runs Python code in the sandbox; returns its stdout (or the error)."""
+
+    name = "python"
+    description = "Run Python code in a sandbox and return what it prints."
+    parameters: dict[str, Any] = {  # noqa: RUF012
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Python source"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
+
+    def __init__(
+        self, sandbox: SandboxConfig | dict[str, Any] | None = None, max_result_chars: int = 500
+    ) -> None:
+        self.sandbox = (
+            SandboxConfig(**sandbox) if isinstance(sandbox, dict) else (sandbox or SandboxConfig())
+        )
+        self.max_result_chars = max_result_chars
+        super().__init__(timeout_s=self.sandbox.wall_timeout_s + 5.0)
+
+    async def execute(self, arguments: dict[str, Any]) -> str:
+        r = await run_python(arguments["code"], self.sandbox)
+        if r.ok:
+            return r.stdout.strip()[: self.max_result_chars]
+        if r.killed_by:
+            return f"error: killed ({r.killed_by})"
+        last = r.stderr.strip().splitlines()[-1:] or [f"exit status {r.returncode}"]
+        return f"error: {last[0]}"[: self.max_result_chars]

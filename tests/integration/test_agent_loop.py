@@ -1,0 +1,434 @@
+"""Agent loop driven by a scripted fake policy: exact token ids, loss masks and log-prob
+alignment through every built-in environment; limits; bad tool calls; trajectory-level
+asynchrony (a 5 s environment does not hold up the others); failing environments and engines
+are contained per trajectory and counted in metrics.
+
+Run: python -m pytest -q -p no:warnings tests/integration/test_agent_loop.py   (~10 s)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections import defaultdict
+from collections.abc import Callable
+
+import pytest
+
+from megatron_earl.envs import (
+    ENVS,
+    Action,
+    ArithmeticEnv,
+    Environment,
+    GuessingEnv,
+    ResetResult,
+    StepResult,
+)
+from megatron_earl.rewards import WeightedReward
+from megatron_earl.rollout.agent import (
+    AgentLoop,
+    AgentLoopConfig,
+    EndReason,
+    RolloutTask,
+    TrajectoryStatus,
+    assistant_turn_ids,
+    demonstration_tokens,
+)
+from megatron_earl.rollout.engine import (
+    EngineError,
+    FinishReason,
+    FinishType,
+    GenerateRequest,
+    GenerateResult,
+)
+from megatron_earl.tokenizer import DemoTokenizer
+
+TOK = DemoTokenizer()
+
+
+def fake_logprob(token: int, k: int) -> float:
+    """The scripted policy's log-prob of the k-th token of a turn (position-dependent, so any
+    misalignment between ids and log-probs shows)."""
+    return -(1 + token % 97) / 100 - 0.001 * k
+
+
+class ScriptedEngine:
+    """An Engine that answers each session's turns from a script (token ids), honouring
+    max_new_tokens and stop ids like a real engine; counts requests in flight."""
+
+    def __init__(
+        self,
+        script: Callable[[GenerateRequest, int], list[int]],
+        delay_s: float = 0.0,
+        bump_version: bool = False,
+    ) -> None:
+        self.script, self.delay_s, self.bump_version = script, delay_s, bump_version
+        self._version = 0
+        self.turn_of: dict[str | None, int] = defaultdict(int)
+        self.requests: list[GenerateRequest] = []
+        self.in_flight = self.max_in_flight = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def health(self) -> bool:
+        return True
+
+    async def abort(self, rid: str) -> None:
+        pass
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.requests.append(request)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+            turn = self.turn_of[request.session]
+            self.turn_of[request.session] += 1
+            ids = self.script(request, turn)[: request.sampling.max_new_tokens]
+            stop = ids[-1] in request.sampling.stop_token_ids
+            finish = (
+                FinishReason(FinishType.STOP, ids[-1]) if stop else FinishReason(FinishType.LENGTH)
+            )
+            version = self._version
+            if self.bump_version:
+                self._version += 1
+            return GenerateResult(
+                request.rid,
+                tuple(ids),
+                tuple(fake_logprob(t, k) for k, t in enumerate(ids)),
+                finish,
+                version,
+                len(request.input_ids),
+            )
+        finally:
+            self.in_flight -= 1
+
+
+def turns_engine(turns: list[str], **kw) -> ScriptedEngine:
+    """Every session plays the same assistant turns (texts)."""
+    return ScriptedEngine(lambda req, t: assistant_turn_ids(turns[t], TOK), **kw)
+
+
+def demo_assistant_turns(env: Environment, seed: int) -> list[str]:
+    return [m["content"] for m in env.demonstration(seed) if m["role"] == "assistant"]
+
+
+def run(loop: AgentLoop, tasks: list[RolloutTask]):
+    return asyncio.run(loop.run_batch(tasks))
+
+
+def check_alignment(traj) -> None:
+    """Model tokens carry the policy's log-probs at their own positions; observations 0/0."""
+    assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.rollout_logprobs)
+    covered = set()
+    for turn in traj.turns:
+        for k, i in enumerate(range(turn.start, turn.end)):
+            assert traj.loss_mask[i] == 1
+            assert traj.rollout_logprobs[i] == fake_logprob(traj.response_ids[i], k)
+            covered.add(i)
+    for i in set(range(len(traj.response_ids))) - covered:
+        assert traj.loss_mask[i] == 0 and traj.rollout_logprobs[i] == 0.0
+
+
+def test_arithmetic_exact_tokens():
+    """Hand-built expected ids for one arithmetic episode (seed 3: 1+9+1 = 11)."""
+    env_spec = {"name": "arithmetic", "kwargs": {"difficulty": 2}}
+    turns = demo_assistant_turns(ENVS.build(env_spec), 3)
+    batch = run(AgentLoop(turns_engine(turns), TOK), [RolloutTask(env_spec, 3, "g")])
+    (traj,) = batch.trajectories
+    im_start, im_end, nl = 2, 3, TOK.encode("\n")
+    assert traj.prompt_ids == [
+        im_start,
+        *TOK.encode("user\n1+9+1"),
+        im_end,
+        *nl,
+        im_start,
+        *TOK.encode("assistant\n"),
+    ]
+    call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+9+1"}}'
+    call = [*TOK.encode(call_text + "</tool_call>"), im_end]
+    obs = [
+        *nl,
+        im_start,
+        *TOK.encode("tool\n<tool_response>11</tool_response>"),
+        im_end,
+        *nl,
+        im_start,
+        *TOK.encode("assistant\n"),
+    ]
+    answer = [*TOK.encode("11"), im_end]
+    assert traj.response_ids == call + obs + answer
+    assert traj.loss_mask == [1] * len(call) + [0] * len(obs) + [1] * len(answer)
+    expected_lp = [fake_logprob(t, k) for k, t in enumerate(call)] + [0.0] * len(obs)
+    expected_lp += [fake_logprob(t, k) for k, t in enumerate(answer)]
+    assert traj.rollout_logprobs == expected_lp
+    assert (traj.status, traj.end_reason, traj.reward) == (TrajectoryStatus.OK, EndReason.DONE, 1)
+    assert traj.info["tool_calls"] == 1 and traj.num_turns == 2
+
+
+@pytest.mark.parametrize(
+    "env_spec",
+    [
+        {"name": "arithmetic", "kwargs": {"difficulty": 3}},
+        {"name": "guessing", "kwargs": {"difficulty": 4}},
+        {"name": "python_sum", "kwargs": {"difficulty": 1}},
+    ],
+    ids=lambda s: s["name"],
+)
+def test_demonstration_replays_token_for_token(env_spec):
+    """A policy sampling the demonstration's assistant turns reproduces the SFT sequence
+    exactly (ids, mask), with aligned log-probs and reward 1, for a group of 3 samples."""
+    seed = 11
+    env = ENVS.build(env_spec)
+    demo = env.demonstration(seed)
+    prompt, response, mask = demonstration_tokens(demo, TOK)
+    engine = turns_engine(demo_assistant_turns(env, seed), bump_version=True)
+    loop = AgentLoop(engine, TOK, AgentLoopConfig(group_size=3, max_turns=8))
+    batch = run(loop, [RolloutTask(env_spec, seed, "grp")])
+    assert len(batch.trajectories) == 3
+    for i, traj in enumerate(batch.trajectories):
+        assert (traj.group_id, traj.sample_index, traj.seed) == ("grp", i, seed)
+        assert traj.prompt_ids == prompt
+        assert traj.response_ids == response
+        assert traj.loss_mask == mask
+        check_alignment(traj)
+        assert traj.end_reason is EndReason.DONE and traj.reward == 1.0, traj.to_dict()
+        assert len(traj.weight_versions) == sum(m["role"] == "assistant" for m in demo)
+    versions = sorted(v for t in batch.trajectories for v in t.weight_versions)
+    assert versions == list(range(len(versions)))  # each turn records the version it ran on
+    assert batch.metrics.num_ok == 3 and batch.metrics.mean_reward == 1.0
+
+
+def test_guessing_context_grows_and_difficulty_sets_turns():
+    for difficulty in (2, 5):
+        env = ENVS.build("guessing", difficulty=difficulty)
+        worst = max(len(demo_assistant_turns(env, s)) for s in range(64))
+        assert worst == difficulty  # binary search: the difficulty is the number of turns
+    env = ENVS.build("guessing", difficulty=5)
+    seed = next(s for s in range(64) if len(demo_assistant_turns(env, s)) == 5)
+    engine = turns_engine(demo_assistant_turns(env, seed))
+    batch = run(
+        AgentLoop(engine, TOK), [RolloutTask(lambda: ENVS.build("guessing", difficulty=5), seed)]
+    )
+    (traj,) = batch.trajectories
+    assert traj.num_turns == 5 and traj.reward == 1.0
+    contexts = [len(r.input_ids) for r in engine.requests]
+    assert len(contexts) == 5 and all(a < b for a, b in itertools.pairwise(contexts))
+    # Each request's context is exactly the previous one + its turn + the observation.
+    for prev, nxt in itertools.pairwise(engine.requests):
+        assert nxt.input_ids[: len(prev.input_ids)] == prev.input_ids
+
+
+def test_bad_tool_calls_become_observations():
+    turns = [
+        '<tool_call>{"name": "calculator", "arguments": </tool_call>',  # invalid JSON
+        '<tool_call>{"name": "abacus", "arguments": {"expression": "1"}}</tool_call>',
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1+9+1"}}</tool_call>',
+        "11",
+    ]
+    cfg = AgentLoopConfig(format_reward_weight=0.5)
+    batch = run(AgentLoop(turns_engine(turns), TOK, cfg), [RolloutTask("arithmetic", 3)])
+    (traj,) = batch.trajectories
+    assert traj.end_reason is EndReason.DONE and traj.rewards["outcome"] == 1.0
+    observations = [
+        TOK.decode(traj.response_ids[a.end : b.start]) for a, b in zip(traj.turns, traj.turns[1:])
+    ]
+    assert "invalid tool call: not valid JSON" in observations[0]
+    assert "unknown tool 'abacus'; available: ['calculator']" in observations[1]
+    assert "invalid arguments for calculator" in observations[2]
+    assert "<tool_response>11</tool_response>" in observations[3]
+    assert traj.rewards["format"] == 4 / 5  # the invalid-JSON turn is malformed
+    assert traj.reward == 1.0 + 0.5 * 4 / 5
+    check_alignment(traj)
+
+
+def test_limits_end_reasons():
+    wrong = [str(0)] * 20
+    env = lambda: ENVS.build("guessing", difficulty=3, max_guesses=100)
+    # max_turns: 3 model turns, 2 observations between them, none after the last.
+    (t,) = run(
+        AgentLoop(turns_engine(wrong), TOK, AgentLoopConfig(max_turns=3)), [RolloutTask(env, 1)]
+    ).trajectories
+    assert t.end_reason is EndReason.MAX_TURNS and t.num_turns == 3 and t.ok
+    assert t.response_ids[-1] == TOK.end_of_turn_id
+    # max_new_tokens_per_turn: a turn cut without a stop token is not sent to the env.
+    long = ScriptedEngine(lambda req, k: TOK.encode("1" * 50))
+    (t,) = run(
+        AgentLoop(long, TOK, AgentLoopConfig(max_new_tokens_per_turn=8)), [RolloutTask(env, 1)]
+    ).trajectories
+    assert t.end_reason is EndReason.TURN_LENGTH and len(t.response_ids) == 8
+    assert t.turns[0].finish == "length"
+    # max_context_tokens: the turn gets only the budget left; an observation that would not
+    # fit is not appended (nothing is truncated).
+    engine = turns_engine(wrong)
+    prompt_len = len(TOK.render_messages([{"role": "user", "content": "guess 1-7"}], True))
+    cfg = AgentLoopConfig(max_context_tokens=prompt_len + 5, max_new_tokens_per_turn=64)
+    (t,) = run(AgentLoop(engine, TOK, cfg), [RolloutTask(env, 1)]).trajectories
+    assert engine.requests[0].sampling.max_new_tokens == 5
+    assert t.end_reason is EndReason.CONTEXT_LIMIT and t.num_turns == 1
+    assert t.info["dropped_observation_tokens"] > 0
+    assert len(t.token_ids) == prompt_len + 2
+
+
+class SlowEnv(GuessingEnv):
+    """A one-step episode (secret 1 of 1) whose step sleeps 5 s."""
+
+    def __init__(self) -> None:
+        super().__init__(difficulty=1)
+
+    async def step(self, action: Action) -> StepResult:
+        await asyncio.sleep(5.0)
+        return await super().step(action)
+
+
+class RaisingEnv(ArithmeticEnv):
+    async def step(self, action: Action) -> StepResult:
+        raise RuntimeError("environment exploded")
+
+
+class HangingEnv(ArithmeticEnv):
+    async def step(self, action: Action) -> StepResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class GarbageEnv(ArithmeticEnv):
+    async def step(self, action: Action):
+        return {"observation": 42, "reward": "lots"}
+
+
+class BrokenCtorEnv(ArithmeticEnv):
+    def __init__(self) -> None:
+        raise OSError("no such dataset")
+
+
+class GarbageResetEnv(Environment):
+    async def reset(self, seed: int):
+        return ResetResult(prompt=[{"role": "user"}])
+
+    async def step(self, action: Action) -> StepResult:
+        raise AssertionError("unreachable")
+
+
+def test_slow_env_does_not_block_and_failures_are_contained():
+    """One env sleeps 5 s in its step; three fail (raise / hang past the 6 s timeout / garbage),
+    one returns a garbage prompt, one fails in its constructor. The 8 healthy trajectories
+    finish without waiting, the batch completes and metrics count each failure. Engine
+    concurrency is bounded at 2."""
+    seed = 3
+    turns = demo_assistant_turns(ArithmeticEnv(), seed)
+    engine = ScriptedEngine(
+        lambda req, t: assistant_turn_ids("1" if req.session.startswith("slow") else turns[t], TOK),
+        delay_s=0.02,
+    )
+    loop = AgentLoop(engine, TOK, AgentLoopConfig(env_timeout_s=6.0, max_concurrency_per_engine=2))
+    tasks = [
+        RolloutTask(SlowEnv, seed, "slow"),
+        RolloutTask(RaisingEnv, seed, "raise"),
+        RolloutTask(HangingEnv, seed, "hang"),
+        RolloutTask(GarbageEnv, seed, "garbage"),
+        RolloutTask(GarbageResetEnv, seed, "garbage_reset"),
+        RolloutTask(BrokenCtorEnv, seed, "broken_ctor"),
+    ]
+    tasks += [RolloutTask(ArithmeticEnv, seed, f"fast{i}") for i in range(8)]
+    batch = run(loop, tasks)
+    by = {t.group_id: t for t in batch.trajectories}
+    fast = [by[f"fast{i}"] for i in range(8)]
+    slowest_fast = max(t.wall_s for t in fast)
+    print(
+        f"healthy trajectories: slowest {slowest_fast:.3f}s; env with a 5 s step: "
+        f"{by['slow'].wall_s:.2f}s; batch {batch.metrics.wall_s:.2f}s"
+    )
+    assert all(t.ok and t.reward == 1.0 for t in fast)
+    assert slowest_fast < 2.0  # they never waited for the 5 s step (typically ~0.1 s)
+    assert by["slow"].ok and by["slow"].wall_s >= 5.0 and by["slow"].reward == 1.0
+    assert by["raise"].end_reason is EndReason.ENV_ERROR
+    assert "environment exploded" in by["raise"].error
+    assert by["hang"].end_reason is EndReason.ENV_TIMEOUT
+    assert by["garbage"].end_reason is EndReason.ENV_GARBAGE
+    assert by["garbage_reset"].end_reason is EndReason.ENV_GARBAGE
+    assert "no such dataset" in by["broken_ctor"].error
+    for name in ("raise", "hang", "garbage", "garbage_reset", "broken_ctor"):
+        assert by[name].status is TrajectoryStatus.FAILED
+    m = batch.metrics
+    assert (m.num_trajectories, m.num_ok, m.num_failed) == (14, 9, 5)
+    assert m.failures == {"env_error": 2, "env_timeout": 1, "env_garbage": 2}
+    assert engine.max_in_flight <= 2
+    json.dumps(m.to_dict())
+
+
+def test_engine_failures_are_contained():
+    class FlakyEngine(ScriptedEngine):
+        async def generate(self, request):
+            if request.session.startswith("bad"):
+                raise EngineError("engine unreachable")
+            return await super().generate(request)
+
+    turns = demo_assistant_turns(ArithmeticEnv(), 3)
+    engine = FlakyEngine(lambda req, t: assistant_turn_ids(turns[t], TOK))
+    batch = run(
+        AgentLoop(engine, TOK),
+        [RolloutTask("arithmetic", 3, "bad"), RolloutTask("arithmetic", 3, "good")],
+    )
+    bad, good = batch.trajectories
+    assert bad.end_reason is EndReason.ENGINE_ERROR and "unreachable" in bad.error
+    assert good.ok and good.reward == 1.0
+    assert batch.metrics.failures == {"engine_error": 1}
+
+
+def test_reward_functions_and_env_specs(tmp_path):
+    class Bonus:
+        name = "bonus"
+
+        async def __call__(self, inp):
+            assert inp.task["target"] == "11" and inp.turns[-1] == "11"
+            return 2.0
+
+    class Broken:
+        name = "broken"
+
+        async def __call__(self, inp):
+            raise ConnectionError("reward service down")
+
+    spec_file = tmp_path / "env.yaml"
+    spec_file.write_text(
+        "name: megatron_earl.envs.arithmetic:ArithmeticEnv\nkwargs: {difficulty: 2}\n"
+    )
+    turns = demo_assistant_turns(ArithmeticEnv(), 3)
+    loop = AgentLoop(turns_engine(turns), TOK, reward_fns=[WeightedReward(Bonus(), 0.25)])
+    (t,) = run(loop, [RolloutTask(str(spec_file), 3)]).trajectories
+    assert t.rewards == {"outcome": 1.0, "bonus": 2.0} and t.reward == 1.5
+    loop = AgentLoop(turns_engine(turns), TOK, reward_fns=[WeightedReward(Broken())])
+    (t,) = run(loop, [RolloutTask("arithmetic", 3)]).trajectories
+    assert t.end_reason is EndReason.REWARD_ERROR and "reward service down" in t.error
+    with pytest.raises(KeyError, match="unknown environment 'nope'; registered"):
+        ENVS.build("nope")
+
+
+class TokenEnv(Environment):
+    """Prompt and observations given as token ids (used verbatim)."""
+
+    async def reset(self, seed: int) -> ResetResult:
+        return ResetResult([2, *TOK.encode("user\nx"), 3, *TOK.generation_prompt()])
+
+    async def step(self, action: Action) -> StepResult:
+        if action.text == "again":
+            return StepResult([40, 41, 42], role="ignored-for-ids")
+        return StepResult(None, 0.5, True)
+
+
+def test_token_observations_are_appended_verbatim():
+    (t,) = run(
+        AgentLoop(turns_engine(["again", "stop"]), TOK), [RolloutTask(TokenEnv, 0)]
+    ).trajectories
+    first, second = assistant_turn_ids("again", TOK), assistant_turn_ids("stop", TOK)
+    obs = [*TOK.end_of_turn_suffix(), 40, 41, 42, *TOK.generation_prompt()]
+    assert t.prompt_ids == [2, *TOK.encode("user\nx"), 3, *TOK.generation_prompt()]
+    assert t.response_ids == first + obs + second
+    assert t.loss_mask == [1] * len(first) + [0] * len(obs) + [1] * len(second)
+    assert t.reward == 0.5 and t.end_reason is EndReason.DONE
+    check_alignment(t)
