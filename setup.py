@@ -29,7 +29,8 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5.3,<0.6"],
         "apex": ["apex"],
-        "hf": ["transformers>=4.40"],
+        # Qwen3 needs transformers >= 4.51; safetensors for HF <-> Megatron conversion.
+        "hf": ["transformers>=4.51", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],
         "dev": [
@@ -38,6 +39,8 @@ setup(
             "ruff>=0.6",
             "matplotlib>=3.7",
             "tensorboard>=2.14",
+            "transformers>=4.51",
+            "safetensors>=0.4",
         ],
     },
     entry_points={"console_scripts": ["megatron-earl=megatron_earl.cli.main:main"]},

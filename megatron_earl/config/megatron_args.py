@@ -1,0 +1,266 @@
+"""Drop-in Megatron-LM arguments: our ``earl`` argument group for Megatron-LM's parser, and the
+mapping of Megatron-LM's standard arguments onto ``RunConfig``.
+
+With Megatron-LM installed, pass ``add_earl_args`` as its ``extra_args_provider``::
+
+    from megatron.training.arguments import parse_args
+    args = parse_args(extra_args_provider=add_earl_args)
+    cfg = config_from_megatron_args(args)
+
+With megatron-core only, ``build_parser()`` is a minimal parser that accepts the standard
+Megatron-LM flags a pretraining recipe uses (model shape, parallel sizes, optimizer, checkpoint
+paths), with Megatron-LM's names and defaults, plus ours, so a recipe's bash arguments work
+unchanged::
+
+    args = build_parser().parse_args(sys.argv[1:])
+    cfg = config_from_megatron_args(args, world_size=int(os.environ["WORLD_SIZE"]))
+
+Precedence (lowest first): dataclass defaults < ``--earl-config`` YAML < Megatron flags (with
+Megatron-LM's defaults for omitted ones) < ``--earl-*`` flags < ``--earl-override key=value``. A key
+set by both the YAML and a Megatron flag to different values is an error (say it once). Flags that
+are accepted but have no effect here are listed in ``IGNORED_FLAGS`` (megatron_earl/docs/
+megatron_args.md); any other unknown flag is an error naming the nearest known one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from typing import Any
+
+from megatron_earl.config.loader import config_from_tree, merged_tree, parse_overrides
+from megatron_earl.config.megatron_flags import IGNORED_FLAGS, add_megatron_flags
+from megatron_earl.config.run import ConfigError, RunConfig
+from megatron_earl.parallel.layout import LayoutError, ParallelLayout
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``ConfigError`` and names the nearest known flag for a typo."""
+
+    def error(self, message: str):  # type: ignore[override]
+        known = [s for a in self._actions for s in a.option_strings]
+        if message.startswith("unrecognized arguments:"):
+            hints = []
+            for arg in message.split(":", 1)[1].split():
+                if arg.startswith("--"):
+                    near = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.75)
+                    hints.append(f"{arg} (did you mean {near[0]}?)" if near else arg)
+            if hints:
+                message = "unrecognized arguments: " + ", ".join(hints)
+        raise ConfigError(f"command line: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser for Megatron-LM's standard flags (names and defaults as Megatron-LM's) plus the
+    ``earl`` group; use it when Megatron-LM is not installed."""
+    parser = _Parser(
+        description="megatron-earl trainer (Megatron-LM compatible arguments)", allow_abbrev=False
+    )
+    add_megatron_flags(parser)
+    ignored = parser.add_argument_group("accepted Megatron-LM flags with no effect here")
+    for flag, nargs in IGNORED_FLAGS.items():
+        if nargs == 0:
+            ignored.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        else:
+            ignored.add_argument(flag, nargs=nargs, help=argparse.SUPPRESS)
+    return add_earl_args(parser)
+
+
+def add_earl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: add the ``earl`` group; returns the parser."""
+    group = parser.add_argument_group(title="earl", description="megatron-earl RL post-training")
+    group.add_argument("--earl-config", default=None, help="YAML run config (configs/*.yaml)")
+    group.add_argument(
+        "--earl-override",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted config overrides applied last, e.g. train.loss.kl_coef=0.01",
+    )
+    for phase in ("rollout", "experience"):
+        group.add_argument(
+            f"--earl-{phase}-layout",
+            default=None,
+            help=f"{phase} layout, e.g. tp4cp1pp1dp2 (default: the training layout)",
+        )
+    group.add_argument("--earl-env", default=None, help="environment name or pkg.module:Class")
+    group.add_argument("--earl-engine", default=None, choices=("embedded", "sglang"))
+    group.add_argument("--earl-engine-urls", nargs="+", default=None, help="SGLang server URLs")
+    group.add_argument("--earl-max-turns", type=int, default=None, help="model turns per episode")
+    group.add_argument("--earl-prompts-per-step", type=int, default=None)
+    group.add_argument("--earl-samples-per-prompt", type=int, default=None)
+    group.add_argument("--earl-output-dir", default=None, help="parent of run directories")
+    group.add_argument("--earl-run-name", default=None, help="run directory name")
+    return parser
+
+
+def config_from_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+    """The ``RunConfig`` described by parsed Megatron-LM + earl arguments (see module docstring).
+
+    ``world_size`` (for the data-parallel size of the training layout): the argument, else
+    ``args.world_size`` (Megatron-LM sets it), else the ``WORLD_SIZE`` environment variable, else 1.
+    """
+    if world_size is None:
+        world_size = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    yaml_tree = merged_tree(args.earl_config)
+    megatron = _megatron_tree(args, world_size)
+    conflicts = [
+        f"{key}: {yaml_value!r} in {args.earl_config} but {megatron[key]!r} from the Megatron "
+        "arguments"
+        for key, yaml_value in _flatten(yaml_tree).items()
+        if key in megatron and not _same(key, megatron[key], yaml_value)
+    ]
+    if conflicts:
+        raise ConfigError(
+            "the YAML config and the Megatron arguments disagree (set each once):\n  "
+            + "\n  ".join(conflicts)
+        )
+    flat = {**megatron, **_earl_tree(args)}
+    for phase in ("rollout", "experience"):  # default: the training layout
+        if f"layouts.{phase}" not in flat and phase not in (yaml_tree.get("layouts") or {}):
+            flat[f"layouts.{phase}"] = megatron["layouts.train"]
+    tree = _deep_merge(yaml_tree, _unflatten(flat))
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.create(tree), parse_overrides(args.earl_override))
+    return config_from_tree(OmegaConf.to_container(merged, resolve=True))
+
+
+def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    """Dotted ``RunConfig`` keys from Megatron-LM's standard arguments."""
+    problems = []
+    if args.normalization != "RMSNorm":
+        problems.append(f"--normalization {args.normalization}: only RMSNorm models are supported")
+    if not args.swiglu:
+        problems.append("--swiglu is required: the models are SwiGLU (Llama/Qwen family)")
+    if args.add_bias_linear:
+        problems.append("--disable-bias-linear is required: linear layers have no bias here")
+    rope = args.position_embedding_type == "rope" or getattr(
+        args, "use_rotary_position_embeddings", False
+    )
+    if not rope:
+        problems.append(f"--position-embedding-type {args.position_embedding_type}: only rope")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, flag) is None:
+            problems.append(f"--{flag.replace('_', '-')} is required")
+    if args.vocab_size is None:
+        problems.append("--vocab-size is required (no Megatron tokenizer is built here)")
+    tp = args.tensor_model_parallel_size
+    cp = args.context_parallel_size
+    pp = args.pipeline_model_parallel_size
+    if not problems and world_size % (tp * cp * pp):
+        problems.append(
+            f"world size ({world_size}) is not divisible by tp ({tp}) x cp ({cp}) x pp ({pp})"
+        )
+    if problems:
+        raise ConfigError("Megatron arguments: " + "; ".join(problems))
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is None and args.num_layers_per_virtual_pipeline_stage:
+        vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+    dp = world_size // (tp * cp * pp)
+    layout = f"tp{tp}cp{cp}pp{pp}" + (f"vpp{vpp}" if vpp else "") + f"dp{dp}"
+    ffn = args.ffn_hidden_size
+    if ffn is None:  # Megatron-LM's default for SwiGLU
+        ffn = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    tree = {
+        "model.num_layers": args.num_layers,
+        "model.hidden_size": args.hidden_size,
+        "model.ffn_hidden_size": ffn,
+        "model.num_attention_heads": args.num_attention_heads,
+        "model.num_query_groups": args.num_query_groups if args.group_query_attention else None,
+        "model.kv_channels": args.kv_channels,
+        "model.vocab_size": args.vocab_size,
+        "model.make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
+        "model.max_position_embeddings": args.max_position_embeddings or args.seq_length,
+        "model.rotary_base": float(args.rotary_base),
+        "model.norm_epsilon": args.norm_epsilon,
+        "model.add_qkv_bias": args.add_qkv_bias,
+        "model.qk_layernorm": args.qk_layernorm,
+        "model.tie_embeddings": not args.untie_embeddings_and_output_weights,
+        "model.init_method_std": args.init_method_std,
+        "model.attention_dropout": args.attention_dropout,
+        "model.hidden_dropout": args.hidden_dropout,
+        "model.params_dtype": dtype,
+        "model.recompute_granularity": args.recompute_granularity,
+        "model.recompute_num_layers": args.recompute_num_layers or 1,
+        "layouts.train": layout,
+        "seed": args.seed,
+        "train.lr": args.lr,
+        "train.min_lr": args.min_lr,
+        "train.weight_decay": args.weight_decay,
+        "train.adam_beta1": args.adam_beta1,
+        "train.adam_beta2": args.adam_beta2,
+        "train.adam_eps": args.adam_eps,
+        "train.clip_grad": args.clip_grad,
+        "train.use_distributed_optimizer": args.use_distributed_optimizer,
+        "rollout.max_context": args.seq_length,
+        "steps": args.train_iters,
+        "checkpoint.load": args.load,
+        "checkpoint.dir": args.save,
+        "checkpoint.interval": args.save_interval,
+        "logging.tensorboard_dir": args.tensorboard_dir,
+    }
+    # An omitted flag whose Megatron-LM default is None leaves the YAML/default value alone;
+    # num_query_groups=None is meaningful (no --group-query-attention: multi-head attention).
+    return {k: v for k, v in tree.items() if v is not None or k == "model.num_query_groups"}
+
+
+def _earl_tree(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted keys from the ``--earl-*`` convenience flags that were given."""
+    flags = {
+        "layouts.rollout": args.earl_rollout_layout,
+        "layouts.experience": args.earl_experience_layout,
+        "env.name": args.earl_env,
+        "rollout.engine": args.earl_engine,
+        "rollout.engine_urls": args.earl_engine_urls,
+        "rollout.max_turns": args.earl_max_turns,
+        "batch.prompts_per_step": args.earl_prompts_per_step,
+        "batch.samples_per_prompt": args.earl_samples_per_prompt,
+        "output_dir": args.earl_output_dir,
+        "name": args.earl_run_name,
+    }
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    """Equal config values; layouts compare as layouts ("tp2dp1" == "tp2cp1pp1dp1")."""
+    if key.startswith("layouts.") and isinstance(a, str) and isinstance(b, str):
+        try:
+            return ParallelLayout.parse(a) == ParallelLayout.parse(b)
+        except LayoutError:
+            return False
+    return a == b
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key not in ("kwargs", "advantage_kwargs"):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,179 @@
+"""The standard Megatron-LM flags the minimal parser (``megatron_args.build_parser``) accepts.
+
+``add_megatron_flags`` declares the flags ``config_from_megatron_args`` maps onto ``RunConfig``,
+with Megatron-LM's names, destinations and defaults (megatron/training/arguments.py), so the same
+namespace comes out of Megatron-LM's own parser and ours. ``IGNORED_FLAGS`` are flags recipes
+commonly carry that have no effect here (data loading, fusions, kernels, logging, schedules that
+RL post-training replaces); they are accepted so a recipe's argument list works unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+IGNORED_FLAGS: dict[str, int | str] = {
+    # flag -> number of values (0: a switch; "+": one or more)
+    **dict.fromkeys(
+        (
+            "--sequence-parallel",
+            "--use-flash-attn",
+            "--use-mcore-models",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--accumulate-allreduce-grads-in-fp32",
+            "--attention-softmax-in-fp32",
+            "--no-masked-softmax-fusion",
+            "--no-bias-gelu-fusion",
+            "--no-bias-swiglu-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-rope-fusion",
+            "--no-gradient-accumulation-fusion",
+            "--no-persist-layer-norm",
+            "--cross-entropy-loss-fusion",
+            "--tp-comm-overlap",
+            "--use-rope-scaling",
+            "--no-load-optim",
+            "--no-load-rng",
+            "--no-save-optim",
+            "--no-save-rng",
+            "--finetune",
+            "--use-checkpoint-args",
+            "--use-dist-ckpt",
+            "--auto-detect-ckpt-format",
+            "--async-save",
+            "--exit-on-missing-checkpoint",
+            "--calculate-per-token-loss",
+            "--log-throughput",
+            "--log-timers-to-tensorboard",
+            "--log-memory-to-tensorboard",
+            "--log-validation-ppl-to-tensorboard",
+            "--no-create-attention-mask-in-dataloader",
+            "--mock-data",
+            "--manual-gc",
+            "--use-precision-aware-optimizer",
+            "--no-check-for-nan-in-loss-and-grad",
+            "--override-opt_param-scheduler",
+            "--use-checkpoint-opt_param-scheduler",
+        ),
+        0,
+    ),
+    **dict.fromkeys(
+        (
+            "--micro-batch-size",
+            "--global-batch-size",
+            "--tokenizer-type",
+            "--tokenizer-model",
+            "--vocab-file",
+            "--merge-file",
+            "--split",
+            "--eval-iters",
+            "--eval-interval",
+            "--lr-decay-style",
+            "--lr-decay-iters",
+            "--lr-warmup-iters",
+            "--lr-warmup-fraction",
+            "--lr-warmup-init",
+            "--optimizer",
+            "--ckpt-format",
+            "--dist-ckpt-strictness",
+            "--distributed-backend",
+            "--distributed-timeout-minutes",
+            "--transformer-impl",
+            "--attention-backend",
+            "--recompute-method",
+            "--rotary-percent",
+            "--rotary-seq-len-interpolation-factor",
+            "--rope-scaling-factor",
+            "--loss-scale",
+            "--initial-loss-scale",
+            "--min-loss-scale",
+            "--loss-scale-window",
+            "--hysteresis",
+            "--exit-interval",
+            "--exit-duration-in-mins",
+            "--num-workers",
+            "--data-cache-path",
+            "--log-interval",
+            "--tensorboard-log-interval",
+            "--timing-log-level",
+            "--wandb-project",
+            "--wandb-exp-name",
+            "--wandb-save-dir",
+            "--ddp-bucket-size",
+            "--pretrained-checkpoint",
+            "--ckpt-step",
+            "--train-samples",
+        ),
+        1,
+    ),
+    **dict.fromkeys(
+        ("--data-path", "--train-data-path", "--valid-data-path", "--rampup-batch-size"), "+"
+    ),
+}
+"""Accepted and ignored (documented in docs/megatron_args.md)."""
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare the mapped Megatron-LM flags (Megatron-LM's names, dests and defaults)."""
+    model = parser.add_argument_group("network size (Megatron-LM)")
+    add = model.add_argument
+    add("--num-layers", type=int, default=None)
+    add("--hidden-size", type=int, default=None)
+    add("--ffn-hidden-size", type=int, default=None)
+    add("--num-attention-heads", type=int, default=None)
+    add("--kv-channels", type=int, default=None)
+    add("--group-query-attention", action="store_true")
+    add("--num-query-groups", type=int, default=1)
+    add("--max-position-embeddings", type=int, default=None)
+    add("--seq-length", type=int, default=None)
+    add(
+        "--position-embedding-type",
+        default="learned_absolute",
+        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+    )
+    add("--use-rotary-position-embeddings", action="store_true")
+    add("--rotary-base", type=int, default=10000)
+    add("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    add("--norm-epsilon", type=float, default=1e-5)
+    add("--swiglu", action="store_true")
+    add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    add("--add-qkv-bias", action="store_true")
+    add("--qk-layernorm", action="store_true")
+    add("--untie-embeddings-and-output-weights", action="store_true")
+    add("--vocab-size", type=int, default=None)
+    add("--make-vocab-size-divisible-by", type=int, default=128)
+    add("--init-method-std", type=float, default=0.02)
+    add("--attention-dropout", type=float, default=0.1)
+    add("--hidden-dropout", type=float, default=0.1)
+    add("--bf16", action="store_true")
+    add("--fp16", action="store_true")
+    add("--recompute-granularity", default=None, choices=("full", "selective"))
+    add("--recompute-num-layers", type=int, default=None)
+
+    parallel = parser.add_argument_group("distributed (Megatron-LM)")
+    add = parallel.add_argument
+    add("--tensor-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--context-parallel-size", type=int, default=1)
+    add("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+
+    train = parser.add_argument_group("training (Megatron-LM)")
+    add = train.add_argument
+    add("--lr", type=float, default=None)
+    add("--min-lr", type=float, default=0.0)
+    add("--weight-decay", type=float, default=0.01)
+    add("--adam-beta1", type=float, default=0.9)
+    add("--adam-beta2", type=float, default=0.999)
+    add("--adam-eps", type=float, default=1e-08)
+    add("--clip-grad", type=float, default=1.0)
+    add("--use-distributed-optimizer", action="store_true")
+    add("--seed", type=int, default=1234)
+    add("--train-iters", type=int, default=None)
+
+    ckpt = parser.add_argument_group("checkpointing and logging (Megatron-LM)")
+    add = ckpt.add_argument
+    add("--load", default=None)
+    add("--save", default=None)
+    add("--save-interval", type=int, default=None)
+    add("--tensorboard-dir", default=None)

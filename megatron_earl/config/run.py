@@ -1,0 +1,306 @@
+"""Typed configuration of a whole RL run: ``RunConfig`` and its sections.
+
+``RunConfig`` composes the component configs that already exist (``ModelConfig``, ``OptimConfig``
+via ``TrainConfig``, ``PolicyLossConfig``, ``SamplingParams``) with the run-level sections below.
+YAML files and dotted overrides map onto it through ``config.loader``; start-up validation against
+the world size lives in ``config.validate``. Every section validates its own values in
+``__post_init__`` and raises ``ConfigError`` naming the bad value and what would be valid.
+
+    seed, steps, name, output_dir, tokenizer     top-level scalars
+    model        ModelConfig                     shape and numerics of the policy
+    layouts      LayoutsConfig                   one ParallelLayout string per phase
+    batch        BatchConfig                     prompts/samples per step, token budget
+    rollout      RolloutConfig                   engine, turn/context limits, sampling
+    env          EnvConfig                       environment name + kwargs
+    train        TrainConfig(OptimConfig)        optimizer, policy loss, advantage estimator
+    eval         EvalConfig                      held-out evaluation
+    checkpoint   CheckpointConfig                directory, interval, retention, load path
+    logging      LoggingConfig                   JSONL, TensorBoard, progress bar
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.parallel.layout import LayoutError, ParallelLayout
+from megatron_earl.rollout.engine import SamplingParams
+from megatron_earl.training.losses import PolicyLossConfig
+from megatron_earl.training.setup import OptimConfig
+
+PHASES = ("rollout", "experience", "train")
+"""The phases of a step, in order; each has its own parallel layout."""
+ENGINES = ("embedded", "sglang")
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; the message lists every problem found."""
+
+
+def _require(problems: list[str], section: str) -> None:
+    if problems:
+        raise ConfigError(f"{section}: " + "; ".join(problems))
+
+
+def _positive(obj: Any, names: tuple[str, ...], minimum: int = 1) -> list[str]:
+    return [
+        f"{name} ({getattr(obj, name)}) must be >= {minimum}"
+        for name in names
+        if getattr(obj, name) < minimum
+    ]
+
+
+def _demo_vocab_size() -> int:
+    from megatron_earl.tokenizer.demo import DemoTokenizer
+
+    return DemoTokenizer().vocab_size
+
+
+@dataclass(frozen=True)
+class LayoutsConfig:
+    """Parallel layout of each phase, as strings ``ParallelLayout.parse`` reads ("tp2cp1pp1dp1")."""
+
+    rollout: str = "tp1cp1pp1dp1"
+    """Layout of the rollout phase (embedded engine generation)."""
+    experience: str = "tp1cp1pp1dp1"
+    """Layout of the experience phase (old/ref log-probs, advantages)."""
+    train: str = "tp1cp1pp1dp1"
+    """Layout of the training phase (policy loss, backward, optimizer step)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for phase in PHASES:
+            try:
+                ParallelLayout.parse(getattr(self, phase))
+            except LayoutError as err:
+                problems.append(f"{phase}: {err}")
+        _require(problems, "layouts")
+
+    def of(self, phase: str) -> ParallelLayout:
+        """The parsed layout of ``phase`` (one of ``PHASES``)."""
+        if phase not in PHASES:
+            raise ConfigError(f"unknown phase {phase!r}; valid: {PHASES}")
+        return ParallelLayout.parse(getattr(self, phase))
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How much data one RL step consumes."""
+
+    prompts_per_step: int = 8
+    """Prompts (groups) rolled out per step, over all ranks."""
+    samples_per_prompt: int = 4
+    """Trajectories per prompt (the group size of GRPO/RLOO baselines)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget of one packed micro-batch (experience and train phases), per rank."""
+    num_mini_batches: int = 1
+    """Optimizer steps per RL step (the step's samples split into this many mini-batches)."""
+
+    def __post_init__(self) -> None:
+        names = ("prompts_per_step", "samples_per_prompt", "max_tokens_per_micro_batch")
+        problems = _positive(self, (*names, "num_mini_batches"))
+        if not problems and self.num_mini_batches > self.samples_per_step:
+            problems.append(
+                f"num_mini_batches ({self.num_mini_batches}) > samples per step "
+                f"({self.samples_per_step} = {self.prompts_per_step} x {self.samples_per_prompt})"
+            )
+        _require(problems, "batch")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Multi-turn rollout limits, engine and sampling."""
+
+    engine: str = "embedded"
+    """ "embedded" (the Megatron model in the rollout layout) or "sglang" (SGLang servers)."""
+    engine_urls: tuple[str, ...] = ()
+    """SGLang server URLs (disaggregated servers); empty with engine=sglang: colocated servers
+    started by the trainer on its own GPUs."""
+    max_turns: int = 4
+    """Model turns per trajectory at most."""
+    max_context: int = 2048
+    """Tokens in a trajectory at most (prompt + all turns); a trajectory stops when reached."""
+    max_concurrency: int = 64
+    """Trajectories one rank drives concurrently."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=64))
+    """Sampling of each model turn; ``sampling.max_new_tokens`` is the per-turn token limit."""
+
+    def __post_init__(self) -> None:
+        problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
+        if self.engine not in ENGINES:
+            problems.append(f"engine {self.engine!r} is not one of {ENGINES}")
+        if self.engine_urls and self.engine != "sglang":
+            problems.append(f"engine_urls {list(self.engine_urls)} need engine=sglang")
+        bad_urls = [u for u in self.engine_urls if not u.startswith(("http://", "https://"))]
+        if bad_urls:
+            problems.append(f"engine_urls {bad_urls} must start with http:// or https://")
+        if self.sampling.max_new_tokens > self.max_context:
+            problems.append(
+                f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) > max_context "
+                f"({self.max_context})"
+            )
+        _require(problems, "rollout")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Which environment the agent loop runs (``megatron_earl.envs.ENVS``)."""
+
+    name: str = "arithmetic"
+    """Registered environment name or a dotted path "pkg.module:Class"."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+
+    def __post_init__(self) -> None:
+        _require([] if self.name else ["name must not be empty"], "env")
+
+    def spec(self) -> dict[str, Any]:
+        """The spec ``ENVS.build`` takes."""
+        return {"name": self.name, "kwargs": dict(self.kwargs)}
+
+
+@dataclass(frozen=True)
+class TrainConfig(OptimConfig):
+    """Training phase: the optimizer settings (inherited from ``OptimConfig``, so this object is
+    passed to ``build_optimizer`` as is), the policy loss and the advantage estimator."""
+
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss (PPO/GSPO clipping, KL, entropy, TIS, aggregation)."""
+    advantage: str = "grpo"
+    """Advantage estimator name (``training.advantages``: grpo, rloo, reinforce_pp)."""
+    advantage_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Fields of the estimator, e.g. {scale_by_std: false} for Dr.GRPO."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from megatron_earl.training.advantages import build_estimator
+
+        try:
+            build_estimator(self.advantage, **self.advantage_kwargs)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"train: advantage {self.advantage!r}: {err}") from None
+
+    def optim(self) -> OptimConfig:
+        """Just the optimizer settings, as a plain ``OptimConfig``."""
+        return OptimConfig(**{f.name: getattr(self, f.name) for f in fields(OptimConfig)})
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation (prompts from seeds the training stream never uses)."""
+
+    num_prompts: int = 0
+    """Held-out prompts per evaluation; 0 disables evaluation."""
+    interval: int = 0
+    """Evaluate every this many steps (0: only before the first and after the last step)."""
+    seed_offset: int = 1_000_000
+    """Environment seeds of held-out prompts start here (training seeds stay below)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0 = greedy)."""
+
+    def __post_init__(self) -> None:
+        problems = _positive(self, ("num_prompts", "interval", "seed_offset"), minimum=0)
+        if self.temperature < 0:
+            problems.append(f"temperature ({self.temperature}) must be >= 0")
+        _require(problems, "eval")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are written, how many are kept, what to start from."""
+
+    dir: str | None = None
+    """Checkpoint directory; None means ``<output_dir>/<name>/checkpoints``."""
+    interval: int = 0
+    """Save every this many steps (0: only at the end of the run)."""
+    keep_last: int = 2
+    """Retention: keep the newest this many checkpoints (0 keeps all)."""
+    load: str | None = None
+    """Checkpoint directory to start from (must exist); None starts fresh."""
+    resume: bool = True
+    """Resume from the newest checkpoint in ``dir`` when there is one (overrides ``load``)."""
+
+    def __post_init__(self) -> None:
+        _require(_positive(self, ("interval", "keep_last"), minimum=0), "checkpoint")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the run reports while it runs (rank 0 only)."""
+
+    jsonl: bool = True
+    """Write ``metrics.jsonl`` (one line per step) in the run directory."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars (skipped with a warning when ``tensorboard`` is not installed)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard directory; None means ``<run dir>/tensorboard``."""
+    progress: bool = True
+    """Show the progress bar on stderr."""
+    log_interval: int = 1
+    """Print a full progress line every this many steps when stderr is not a terminal."""
+
+    def __post_init__(self) -> None:
+        _require(_positive(self, ("log_interval",)), "logging")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one RL run needs; ``config.loader.load_config`` builds it from YAML."""
+
+    name: str = "run"
+    """Run name: the run directory is ``<output_dir>/<name>``."""
+    seed: int = 1234
+    """Seed of model init, data order and sampling."""
+    steps: int = 10
+    """RL steps to run (a resumed run stops at the same total)."""
+    output_dir: str = "runs"
+    """Parent directory of run directories (resolved config, metrics, checkpoints)."""
+    tokenizer: str = "demo"
+    """ "demo" (the built-in tokenizer) or a local Hugging Face tokenizer directory."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=_demo_vocab_size()))
+    """Policy model shape and numerics (default: a tiny model over the demo tokenizer)."""
+    layouts: LayoutsConfig = field(default_factory=LayoutsConfig)
+    """Parallel layout of each phase."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Batch sizes and token budget."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engine, limits and sampling."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environment."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer, policy loss and advantages."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and progress."""
+
+    def __post_init__(self) -> None:
+        problems = _positive(self, ("steps",)) + _positive(self, ("seed",), minimum=0)
+        if not self.name or "/" in self.name:
+            problems.append(f"name {self.name!r} must be a non-empty directory name (no '/')")
+        _require(problems, "run")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        tb = self.logging.tensorboard_dir
+        return Path(tb) if tb else self.run_dir / "tensorboard"
+
+    def layout(self, phase: str) -> ParallelLayout:
+        """The parsed layout of ``phase``."""
+        return self.layouts.of(phase)

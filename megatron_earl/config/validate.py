@@ -1,0 +1,92 @@
+"""Start-up validation of a ``RunConfig`` against the job: pure, run before any process group.
+
+    cfg = load_config(path, overrides)      # unknown keys, wrong types, per-section values
+    validate_run(cfg, world_size=4)         # layouts vs world size and model, paths, env, ...
+
+``validate_run`` takes the world size as an argument (the launcher reads it from ``WORLD_SIZE``
+before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming every problem:
+
+- each phase's layout must multiply to the world size and fit the model (heads, query groups, FFN,
+  padded vocab divisible by tp; layers by pp x vpp); the nearest valid layout is suggested;
+- every data-parallel rank of the experience and train layouts needs at least one sample;
+- ``checkpoint.load`` and a local ``tokenizer`` directory must exist;
+- the environment must be registered (or a dotted path that imports);
+- the demo tokenizer's vocabulary must fit ``model.vocab_size``;
+- group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_earl.config.run import PHASES, ConfigError, RunConfig
+from megatron_earl.parallel.layout import nearest_layout
+
+GROUP_BASELINES = ("grpo", "rloo")
+
+
+def run_problems(config: RunConfig, world_size: int) -> list[str]:
+    """Every reason ``config`` cannot start on ``world_size`` ranks (empty when it can)."""
+    if world_size < 1:
+        return [f"world size ({world_size}) must be >= 1"]
+    problems = []
+    for phase in PHASES:
+        layout = config.layout(phase)
+        found = layout.problems(world_size, config.model)
+        if found:
+            near = nearest_layout(layout, world_size, config.model)
+            hint = f"; nearest valid: '{near}'" if near else "; no layout fits"
+            problems.append(f"layouts.{phase} '{layout}': " + "; ".join(found) + hint)
+        elif phase != "rollout" and layout.dp > config.batch.samples_per_step:
+            problems.append(
+                f"layouts.{phase} '{layout}' has dp={layout.dp} but a step has only "
+                f"{config.batch.samples_per_step} samples (batch.prompts_per_step x "
+                "batch.samples_per_prompt); every data-parallel rank needs at least one"
+            )
+    load = config.checkpoint.load
+    if load is not None and not Path(load).exists():
+        problems.append(f"checkpoint.load: checkpoint path {load!r} does not exist")
+    problems.extend(_tokenizer_problems(config))
+    problems.extend(_env_problems(config))
+    if config.train.advantage in GROUP_BASELINES and config.batch.samples_per_prompt < 2:
+        problems.append(
+            f"train.advantage={config.train.advantage!r} uses a group baseline: "
+            f"batch.samples_per_prompt ({config.batch.samples_per_prompt}) must be >= 2"
+        )
+    return problems
+
+
+def validate_run(config: RunConfig, world_size: int) -> None:
+    """Raise one ``ConfigError`` listing every problem of ``config`` on ``world_size`` ranks."""
+    problems = run_problems(config, world_size)
+    if problems:
+        raise ConfigError(
+            f"configuration cannot run on {world_size} rank{'s' * (world_size != 1)}:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def _tokenizer_problems(config: RunConfig) -> list[str]:
+    if config.tokenizer == "demo":
+        from megatron_earl.tokenizer.demo import DemoTokenizer
+
+        vocab = DemoTokenizer().vocab_size
+        if config.model.vocab_size < vocab:
+            return [
+                f"model.vocab_size ({config.model.vocab_size}) < the demo tokenizer's vocabulary "
+                f"({vocab})"
+            ]
+        return []
+    if not Path(config.tokenizer).is_dir():
+        return [f"tokenizer {config.tokenizer!r} is neither 'demo' nor an existing directory"]
+    return []
+
+
+def _env_problems(config: RunConfig) -> list[str]:
+    from megatron_earl.envs import ENVS
+
+    try:
+        ENVS.resolve(config.env.name)
+    except (KeyError, ImportError) as err:
+        return [f"env.name: {err.args[0] if err.args else err}"]
+    return []

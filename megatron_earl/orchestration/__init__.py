@@ -1,0 +1,1 @@
+"""Orchestration: the RL loop, checkpoints, metrics."""
