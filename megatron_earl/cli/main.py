@@ -1,10 +1,12 @@
 """The ``megatron-earl`` command: one subcommand per entry point of the project.
 
     megatron-earl smoke --nproc 2 --layout tp2      # multi-process CPU training smoke run
+    megatron-earl train --nproc 2 --config configs/demo_cpu.yaml [key=value ...]   # RL run
     megatron-earl bench dispatch [--json]           # dispatcher: decentralized vs centralized
     megatron-earl bench reshard [--json]            # weight resharding vs all-gather
     megatron-earl bench engine                      # embedded-engine decode tokens/s
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
+    megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
 
 Subcommands that start processes go through ``torchrun`` (the same launcher users run under
 slurm); the others call the component's own ``main(argv)``.
@@ -23,8 +25,9 @@ _MODULES = {
     ("bench", "reshard"): "megatron_earl.redistribute.bench",
     ("bench", "engine"): "megatron_earl.rollout.bench",
     ("serve",): "megatron_earl.rollout.server",
+    ("plot",): "megatron_earl.orchestration.plot",
 }
-_TORCHRUN = {"smoke": "megatron_earl.cli.smoke"}
+_TORCHRUN = {"smoke": "megatron_earl.cli.smoke", "train": "megatron_earl.cli.train"}
 
 
 def _torchrun(module: str, argv: list[str]) -> int:

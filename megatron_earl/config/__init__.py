@@ -25,6 +25,7 @@ from megatron_earl.config.run import (
     LoggingConfig,
     RolloutConfig,
     RunConfig,
+    SFTConfig,
     TrainConfig,
 )
 from megatron_earl.config.validate import run_problems, validate_run
@@ -42,6 +43,7 @@ __all__ = [
     "ModelConfigError",
     "RolloutConfig",
     "RunConfig",
+    "SFTConfig",
     "TrainConfig",
     "config_from_tree",
     "config_to_tree",

@@ -14,6 +14,7 @@ the world size lives in ``config.validate``. Every section validates its own val
     env          EnvConfig                       environment name + kwargs
     train        TrainConfig(OptimConfig)        optimizer, policy loss, advantage estimator
     eval         EvalConfig                      held-out evaluation
+    sft          SFTConfig                       supervised warm start on demonstrations
     checkpoint   CheckpointConfig                directory, interval, retention, load path
     logging      LoggingConfig                   JSONL, TensorBoard, progress bar
 """
@@ -203,12 +204,43 @@ class EvalConfig:
     """Environment seeds of held-out prompts start here (training seeds stay below)."""
     temperature: float = 0.0
     """Sampling temperature of evaluation (0 = greedy)."""
+    samples_per_prompt: int = 1
+    """Trajectories per held-out prompt (with temperature > 0: the success rate is an average
+    over samples, i.e. the policy's expected success, not one draw's)."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("num_prompts", "interval", "seed_offset"), minimum=0)
+        problems += _positive(self, ("samples_per_prompt",))
         if self.temperature < 0:
             problems.append(f"temperature ({self.temperature}) must be >= 0")
         _require(problems, "eval")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start on the environment's generated demonstrations (before RL)."""
+
+    steps: int = 0
+    """Optimizer steps (0 disables the warm start)."""
+    examples_per_step: int = 32
+    """Demonstrations per optimizer step, over all DP ranks."""
+    lr: float | None = None
+    """Learning rate of the warm start (None: train.lr)."""
+    weak_teacher_fraction: float = 0.0
+    """Fraction of demonstrations from a weak teacher that answers at once with a guess instead
+    of using the tool (a realistic imperfect warm start for RL to improve on)."""
+    seed_offset: int = 2_000_000
+    """Environment seeds of demonstrations start here (disjoint from RL and eval seeds)."""
+
+    def __post_init__(self) -> None:
+        problems = _positive(self, ("steps",), minimum=0) + _positive(self, ("examples_per_step",))
+        if not 0.0 <= self.weak_teacher_fraction <= 1.0:
+            problems.append(
+                f"weak_teacher_fraction ({self.weak_teacher_fraction}) must be in [0, 1]"
+            )
+        if self.lr is not None and self.lr <= 0:
+            problems.append(f"lr ({self.lr}) must be > 0")
+        _require(problems, "sft")
 
 
 @dataclass(frozen=True)
@@ -277,6 +309,8 @@ class RunConfig:
     """Optimizer, policy loss and advantages."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start before RL."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,60 @@
+"""The RL trainer entry point; every rank runs it (torchrun / srun + torchrun):
+
+    torchrun --nproc_per_node 2 -m megatron_earl.cli.train --config configs/demo_cpu.yaml \
+        steps=40 train.lr=3e-4
+
+or ``megatron-earl train --nproc 2 --config ...`` (starts torchrun itself). The config is loaded,
+its overrides applied and the whole run validated against the world size *before* any process
+group exists; then: resume (newest checkpoint of the run) or warm start (SFT), a held-out
+evaluation, the RL steps (metrics, progress, checkpoints), a final evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="megatron_earl.cli.train", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_earl.config.loader import load_config, save_config
+    from megatron_earl.config.validate import validate_run
+
+    config = load_config(args.config, args.overrides)
+    validate_run(config, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
+
+    import torch.distributed as dist
+
+    from megatron_earl import runtime
+    from megatron_earl.orchestration.run import train
+
+    runtime.initialize()
+    if dist.get_rank() == 0:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, config.run_dir / "config.yaml")
+    start = time.time()
+    summary = train(config)
+    if dist.get_rank() == 0:
+        summary["wall_s"] = round(time.time() - start, 1)
+        print(json.dumps(summary), flush=True)
+    from megatron_earl.parallel.state import destroy_layouts
+
+    destroy_layouts()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""Training checkpoints: save/resume with megatron-core ``dist_checkpointing``, atomic, retained.
+
+    save_checkpoint(cfg, step, ddp_chunks, optimizer, weight_version=v, data_state={...})
+    state = load_checkpoint(cfg.save_dir, ddp_chunks, optimizer)    # follows 'latest'
+
+On disk (``save_dir``)::
+
+    iter_0000010/          a complete dist_checkpointing (torch_dist) directory + run_metadata.json
+    iter_0000020.tmp/      a save in progress (or interrupted): ignored, removed by clean_incomplete
+    latest                 "iter_0000020", replaced by atomic rename after the directory is final
+
+What a checkpoint holds: every model chunk's ``sharded_state_dict()`` (keys independent of the
+layout), the Megatron optimizer's ``sharded_state_dict(model_sd)`` (plain optimizer: sharded like
+the parameters; distributed optimizer: its default ``fully_sharded_model_space``), each rank's RNG
+states as one ``ShardedObject`` per rank (CPU generator, CUDA generator when present, Megatron's
+tracker states, Python and NumPy), and in ``common.pt`` the step, weight version, data position,
+layout and model config. ``run_metadata.json`` repeats the small facts for humans and tools.
+
+Layouts: the model always loads in another layout (dist_checkpointing reshards). The optimizer
+state loads in another TP/PP/DP layout too (both optimizer kinds above are described in model
+space); RNG states are per rank and restored only in the same layout and world size (elsewhere
+the streams cannot continue; ``ResumeState.rng_restored`` says which happened).
+
+Atomicity: all ranks write into ``iter_N.tmp/``; rank 0 then fsyncs every file and the directory,
+renames it to ``iter_N/``, writes ``latest.tmp``, fsyncs and renames it to ``latest``. A crash at
+any point leaves ``latest`` naming the previous complete checkpoint. Retention keeps the last
+``keep_last`` checkpoints plus every step divisible by ``keep_every``.
+
+``dist_checkpointing.save`` normally starts a *spawned* multiprocessing manager, which re-imports
+``__main__`` (a script without an ``if __name__ == "__main__":`` guard hangs) and costs seconds;
+``save_checkpoint`` hands it an in-process queue instead for its synchronous save (see
+``_in_process_results_queue``). Keep the guard in scripts anyway: Megatron still forks writers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+COMMON_KEY = "megatron_earl"
+LATEST = "latest"
+_PREFIX = "iter_"
+# megatron-core 0.16's default distributed-optimizer format (fully_sharded_model_space) builds
+# flattened ShardedTensors that its own validation rejects ("flattened_range is not supported").
+_DIST_OPT_FORMATS = ("fully_reshardable", "dp_reshardable")
+
+
+class CheckpointError(ValueError):
+    """A missing or unusable checkpoint; the message names the path."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to save, what to keep, what to resume from."""
+
+    save_dir: str | None = None
+    """Directory of this run's checkpoints (None: never save)."""
+    save_interval: int = 0
+    """Save every this many steps (0: only when asked)."""
+    keep_last: int = 2
+    """Keep the most recent K checkpoints (>= 1)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of N (0: none)."""
+    load: str | None = None
+    """Resume from: a run directory (follows ``latest``) or one ``iter_*`` directory."""
+    load_optimizer: bool = True
+    """Restore the optimizer state on resume."""
+    load_rng: bool = True
+    """Restore RNG states on resume (same layout only)."""
+    dist_opt_format: str = "fully_reshardable"
+    """Distributed-optimizer state format: "fully_reshardable" (gathered per DP group on save,
+    loads in any layout) or "dp_reshardable" (fully parallel, reshards over DP only)."""
+
+    def __post_init__(self) -> None:
+        if self.dist_opt_format not in _DIST_OPT_FORMATS:
+            raise ValueError(
+                f"dist_opt_format {self.dist_opt_format!r} is not one of {_DIST_OPT_FORMATS}"
+            )
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.keep_every < 0 or self.save_interval < 0:
+            raise ValueError(
+                f"keep_every ({self.keep_every}) and save_interval ({self.save_interval}) "
+                "must be >= 0"
+            )
+
+
+@dataclass
+class ResumeState:
+    """What a loaded checkpoint tells the training loop."""
+
+    path: Path
+    step: int
+    weight_version: int
+    data_state: dict[str, Any] = field(default_factory=dict)
+    optimizer_restored: bool = False
+    rng_restored: bool = False
+    saved_layout: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- pure planning
+
+
+def iter_dir_name(step: int) -> str:
+    return f"{_PREFIX}{step:07d}"
+
+
+def retained_steps(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
+    """Steps to keep: the ``keep_last`` largest, plus multiples of ``keep_every`` (if > 0)."""
+    kept = set(sorted(steps)[-keep_last:]) if keep_last > 0 else set()
+    if keep_every > 0:
+        kept.update(s for s in steps if s % keep_every == 0)
+    return kept
+
+
+def complete_steps(save_dir: str | Path) -> list[int]:
+    """Steps of the complete ``iter_*`` directories (``.tmp`` ones excluded), ascending."""
+    out = []
+    for p in Path(save_dir).glob(f"{_PREFIX}*"):
+        tail = p.name[len(_PREFIX) :]
+        if p.is_dir() and tail.isdigit():
+            out.append(int(tail))
+    return sorted(out)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The ``iter_*`` (or any dist_checkpointing) directory ``path`` names: itself, or via
+    ``latest`` (falling back to the newest complete ``iter_*``) for a run directory."""
+    p = Path(path)
+    if (p / "metadata.json").is_file():
+        return p
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist")
+    latest = p / LATEST
+    if latest.is_file():
+        target = p / latest.read_text().strip()
+        if (target / "metadata.json").is_file():
+            return target
+        raise CheckpointError(f"{latest} names {target}, which is not a complete checkpoint")
+    steps = complete_steps(p)
+    if steps:
+        return p / iter_dir_name(steps[-1])
+    raise CheckpointError(
+        f"no checkpoint at {p}: expected a dist_checkpointing directory (metadata.json), a "
+        f"'{LATEST}' file or {_PREFIX}NNNNNNN/ directories"
+    )
+
+
+# ----------------------------------------------------------------------------- file system
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def clean_incomplete(save_dir: str | Path) -> list[Path]:
+    """Remove interrupted saves (``*.tmp`` entries) from ``save_dir``. Returns what was removed.
+
+    Which ranks call: rank 0 only (or a single process), before the first save of a run.
+    """
+    removed = []
+    root = Path(save_dir)
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        if p.name.endswith(".tmp") or ".tmp-" in p.name:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            removed.append(p)
+    return removed
+
+
+def _publish(tmp: Path, final: Path, save_dir: Path) -> None:
+    """Make ``tmp`` the checkpoint ``final`` and point ``latest`` at it (rank 0)."""
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_path(save_dir)
+    latest_tmp = save_dir / f"{LATEST}.tmp"
+    with open(latest_tmp, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, save_dir / LATEST)
+    _fsync_path(save_dir)
+
+
+def _apply_retention(save_dir: Path, keep_last: int, keep_every: int, newest: int) -> None:
+    steps = complete_steps(save_dir)
+    keep = retained_steps(steps, keep_last, keep_every) | {newest}
+    for step in steps:
+        if step not in keep:
+            shutil.rmtree(save_dir / iter_dir_name(step), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- state pieces
+
+
+def _layout() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "torch_cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch_cpu"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_object(data: Any):
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", data, (world,), (rank,), replica_id=0)
+
+
+@contextlib.contextmanager
+def _allow_child_processes() -> Iterator[None]:
+    """Let a daemonic process (e.g. a ``run_distributed`` rank) save: megatron-core's torch_dist
+    writer forks one writer process per bucket and starts a multiprocessing manager, which
+    ``multiprocessing`` refuses in daemonic processes. The writers are joined before ``save``
+    returns, so the flag only matters during the call."""
+    config = mp.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+
+
+@torch.no_grad()
+def _init_empty_adam_state(optimizer: Any) -> None:
+    """Give a fresh distributed optimizer's torch Adam (no Apex/TE) zero moments and step 0:
+    megatron-core 0.16 reads every parameter's ``step`` before it can describe the state to load
+    (``DistributedOptimizer.state_dict``), which a never-stepped torch Adam does not have. The
+    loaded checkpoint then overwrites all of it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(sub, DistributedOptimizer):
+            continue
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p]["step"] = torch.tensor(0.0)
+                    inner.state[p]["exp_avg"] = torch.zeros_like(p)
+                    inner.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def _cpu_redirect() -> contextlib.AbstractContextManager:
+    """The CPU compatibility layer's CUDA -> CPU redirect when it is active (no GPU), else
+    nothing: the distributed optimizer's state (de)sharding hard-codes CUDA devices."""
+    from megatron_earl.compat import cpu as cpu_compat
+
+    return cpu_compat.cuda_to_cpu() if cpu_compat.is_applied() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _in_process_results_queue() -> Iterator[None]:
+    """Scoped for one synchronous save (megatron-core 0.16): the torch_dist writer collects its
+    write results through a module-level queue that it creates on first use from a *spawned*
+    ``multiprocessing`` manager. Spawning costs ~10 s per process on a loaded 2-core machine and
+    re-imports ``__main__`` (the cause of the documented hang of scripts without a main guard).
+    A synchronous save produces and consumes the results in this process, so a plain
+    ``queue.Queue`` is enough; the previous value is restored afterwards (async saves, which we do
+    not use, still get their manager queue)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def _unwrap(chunk: nn.Module) -> nn.Module:
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:
+    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    config: CheckpointConfig,
+    step: int,
+    model_chunks: list[nn.Module],
+    optimizer: Any = None,
+    *,
+    weight_version: int = 0,
+    data_state: dict[str, Any] | None = None,
+    model_config: Any = None,
+    family: str | None = None,
+    run_metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Save ``iter_<step>`` atomically under ``config.save_dir`` and apply retention.
+
+    ``data_state`` (JSON-like, the same on every rank) is the data position to resume from.
+    Which ranks call: every rank of the world (``dist_checkpointing.save`` is collective).
+    """
+    from megatron.core.dist_checkpointing import serialization
+
+    if config.save_dir is None:
+        raise CheckpointError("CheckpointConfig.save_dir is None: nowhere to save")
+    save_dir = Path(config.save_dir)
+    final = save_dir / iter_dir_name(step)
+    tmp = save_dir / f"{final.name}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    layout = _layout()
+    info = {
+        "step": step,
+        "weight_version": weight_version,
+        "data_state": dict(data_state or {}),
+        "layout": layout,
+        "model_config": model_config.to_dict() if model_config is not None else None,
+        "family": family,
+    }
+    state: dict[str, Any] = _model_sharded_state_dict(model_chunks)
+    if optimizer is not None:
+        meta = {"distrib_optim_sharding_type": config.dist_opt_format}
+        with _cpu_redirect():
+            state["optimizer"] = optimizer.sharded_state_dict(dict(state), metadata=meta)
+        info["dist_opt_format"] = config.dist_opt_format
+    state["rng_state"] = _rng_object(_rng_state())
+    state[COMMON_KEY] = info
+    started = time.time()
+    with _allow_child_processes(), _in_process_results_queue():
+        serialization.save(state, str(tmp))  # ends with a barrier
+    if rank == 0:
+        meta = {
+            **{k: v for k, v in info.items() if k != "model_config"},
+            "model_config": info["model_config"],
+            "saved_at_unix": started,
+            "save_seconds": round(time.time() - started, 3),
+            "has_optimizer": optimizer is not None,
+            **(run_metadata or {}),
+        }
+        (tmp / "run_metadata.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        _publish(tmp, final, save_dir)
+        _apply_retention(save_dir, config.keep_last, config.keep_every, step)
+    dist.barrier()
+    return final
+
+
+def read_common(path: str | Path) -> dict[str, Any]:
+    """This project's common metadata of a checkpoint (step, layout, ...). Local."""
+    ckpt = resolve_checkpoint(path)
+    common = torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
+    return common.get(COMMON_KEY, {})
+
+
+def load_checkpoint(
+    path: str | Path,
+    model_chunks: list[nn.Module],
+    optimizer: Any = None,
+    *,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+) -> ResumeState:
+    """Load model (any layout), optimizer (if given, saved and ``load_optimizer``) and RNG
+    (same layout only) from ``path`` (a run directory or one ``iter_*`` directory).
+
+    Which ranks call: every rank of the world.
+    """
+    from megatron.core.dist_checkpointing import serialization
+
+    ckpt = resolve_checkpoint(path)
+    info = read_common(ckpt)
+    has_optimizer = any(k.startswith("optimizer.") for k in _tensor_keys(ckpt))
+    want_optimizer = optimizer is not None and load_optimizer and has_optimizer
+    same_layout = info.get("layout") == _layout()
+    want_rng = load_rng and same_layout
+    state: dict[str, Any] = _model_sharded_state_dict(model_chunks)
+    if want_optimizer:
+        _init_empty_adam_state(optimizer)
+        meta = {"distrib_optim_sharding_type": info.get("dist_opt_format", "fully_reshardable")}
+        with _cpu_redirect():
+            state["optimizer"] = optimizer.sharded_state_dict(
+                dict(state), is_loading=True, metadata=meta
+            )
+    if want_rng:
+        state["rng_state"] = _rng_object(None)
+    loaded = serialization.load(state, str(ckpt))
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if want_optimizer:
+        with _cpu_redirect():
+            optimizer.load_state_dict(loaded["optimizer"])
+    if want_rng:
+        _set_rng_state(loaded["rng_state"])
+    return ResumeState(
+        path=ckpt,
+        step=int(info.get("step", 0)),
+        weight_version=int(info.get("weight_version", 0)),
+        data_state=dict(info.get("data_state") or {}),
+        optimizer_restored=want_optimizer,
+        rng_restored=want_rng,
+        saved_layout=dict(info.get("layout") or {}),
+    )
+
+
+def load_model_weights(model_chunks: list[nn.Module], path: str | Path) -> None:
+    """Model weights only (e.g. an initial checkpoint). Which ranks call: every rank."""
+    load_checkpoint(path, model_chunks, None, load_optimizer=False, load_rng=False)
+
+
+def _tensor_keys(ckpt: Path) -> list[str]:
+    from megatron_earl.convert.dcp import check_checkpoint
+
+    return list(check_checkpoint(ckpt))

@@ -1,0 +1,282 @@
+"""The SPMD RL loop: every rank runs this same loop; there is no driver process.
+
+One step, with the per-phase layouts of the run config:
+
+    rollout     use_layout(R); reshard policy -> R; agent loops on the embedded engine
+                (trajectories stay on TP rank 0 of each rollout replica; GRPO advantages there)
+    experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs;
+                reverse path E -> the rollout ranks (rollout/train mismatch metric)
+    train       use_layout(T); dispatch R -> T; RL train step(s); weight version + 1
+    checkpoint  every ``checkpoint.interval`` steps (atomic, any layout on load)
+
+Every plan (prompt split, dispatch, reshard) is computed on every rank from all-gathered metadata.
+Per-phase timings, layouts, rewards, lengths and losses go to the metrics log every step.
+
+Which ranks call: every rank of the world (``run`` under torchrun / srun).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_earl.config.run import RunConfig
+from megatron_earl.dispatch import Destination, PlanConfig
+from megatron_earl.dispatch.execute import execute, plan_for
+from megatron_earl.dispatch.reverse import return_results
+from megatron_earl.orchestration.policy import Policy
+from megatron_earl.orchestration.rollout import PromptSet, group_index, run_rollout
+from megatron_earl.orchestration.samples import (
+    attach_token_field,
+    dispatched_samples,
+    replica_layout,
+    schema_batch,
+    trajectories_to_batch,
+    with_token_field,
+)
+from megatron_earl.parallel.state import use_layout
+from megatron_earl.rollout.agent.loop import AgentLoopConfig
+from megatron_earl.rollout.agent.trajectory import Trajectory
+from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_earl.training.advantages import build_estimator
+from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
+
+SAMPLE_ID_STRIDE = 1_000_000
+"""Sample ids of rollout replica d start at d * SAMPLE_ID_STRIDE (unique in a step)."""
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+class RLLoop:
+    """State of one run on this rank: the policy in every phase layout, the engine, the step."""
+
+    def __init__(self, config: RunConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
+        self.policy = Policy.build(config.model, self.layouts, config.train.optim(), config.seed)
+        use_layout(self.layouts["rollout"])
+        rollout_chunks = [_unwrap(c) for c in self.policy.chunks(self.layouts["rollout"])]
+        self.engine = EmbeddedEngine(
+            rollout_chunks,
+            config.model,
+            EmbeddedEngineConfig(
+                max_batch_size=min(config.rollout.max_concurrency, 64),
+                max_seq_len=config.rollout.max_context,
+                seed=config.seed,
+            ),
+            detokenize=tokenizer.decode,
+        )
+        use_layout(self.layouts["train"])
+        self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
+        self.step = 0
+
+    # ------------------------------------------------------------------ phases
+
+    def agent_config(self, *, group_size: int, temperature: float, seed: int) -> AgentLoopConfig:
+        r = self.config.rollout
+        return AgentLoopConfig(
+            max_turns=r.max_turns,
+            max_new_tokens_per_turn=r.sampling.max_new_tokens,
+            max_context_tokens=r.max_context,
+            group_size=group_size,
+            temperature=temperature,
+            top_p=r.sampling.top_p,
+            top_k=r.sampling.top_k,
+            sampling_seed=seed,
+            max_concurrency_per_engine=r.max_concurrency,
+        )
+
+    def rollout(self, prompts: PromptSet, agent: AgentLoopConfig) -> tuple[list[Trajectory], bool]:
+        """Generate in the rollout layout with the current policy. Returns this rank's
+        trajectories and whether it is a source (holds trajectories)."""
+        layout = self.layouts["rollout"]
+        use_layout(layout)
+        self.policy.sync(layout)
+        self.engine.mark_weights_updated(self.policy.version)
+        self.engine.model.eval()
+        result = run_rollout(self.engine, self.tokenizer, prompts, agent)
+        for chunk in self.policy.ddp_chunks:
+            chunk.train()
+        return result.trajectories, result.is_source
+
+    def experience(self, batch):
+        """Old log-probs of every sample in the experience layout, returned to the owners."""
+        layout = self.layouts["experience"]
+        use_layout(layout)
+        self.policy.sync(layout)
+        budget = self.config.batch.max_tokens_per_micro_batch
+        plan = plan_for(
+            batch,
+            Destination(replica_layout(layout), "experience"),
+            PlanConfig(max_tokens_per_micro_batch=budget),
+        )
+        local = execute(plan, batch)
+        out = forward_logprobs(
+            self.policy.chunks(layout),
+            dispatched_samples(local),
+            max_tokens=budget,
+            vocab_size=self.config.model.vocab_size,
+        )
+        if out is not None:
+            attach_token_field(local, "old_logprobs", out[0])
+        back = return_results(plan, local, ["old_logprobs"])
+        values = back.token_fields.get("old_logprobs", torch.empty(0))
+        return with_token_field(batch, "old_logprobs", values)
+
+    def train(self, batch) -> dict[str, float]:
+        """Dispatch to the train layout and take ``num_mini_batches`` optimizer steps."""
+        layout = self.layouts["train"]
+        use_layout(layout)
+        budget = self.config.batch.max_tokens_per_micro_batch
+        plan = plan_for(
+            batch,
+            Destination(replica_layout(layout), "train"),
+            PlanConfig(max_tokens_per_micro_batch=budget),
+        )
+        samples = dispatched_samples(execute(plan, batch))
+        step_config = RLStepConfig(
+            loss=self.config.train.loss,
+            max_tokens_per_micro_batch=budget,
+            vocab_size=self.config.model.vocab_size,
+        )
+        n = self.config.batch.num_mini_batches
+        metrics: dict[str, float] = {}
+        for i in range(n):
+            metrics = rl_train_step(
+                self.policy.ddp_chunks, self.policy.optimizer, samples[i::n], step_config
+            )
+            self.policy.version += 1
+        return metrics
+
+    # ------------------------------------------------------------------ one step
+
+    def step_seeds(self, step: int) -> tuple[int, ...]:
+        n = self.config.batch.prompts_per_step
+        return tuple(range(step * n, (step + 1) * n))
+
+    def run_step(self) -> dict[str, float | str]:
+        """One RL step (every rank). Returns the step's metrics (the same on every rank)."""
+        cfg = self.config
+        times: dict[str, float] = {}
+        start = time.perf_counter()
+        prompts = PromptSet(cfg.env.spec(), self.step_seeds(self.step), tag=f"s{self.step}")
+        agent = self.agent_config(
+            group_size=cfg.batch.samples_per_prompt,
+            temperature=cfg.rollout.sampling.temperature,
+            seed=cfg.seed * 1_000_003 + self.step,
+        )
+        trajs, is_source = self.rollout(prompts, agent)
+        times["rollout"] = time.perf_counter() - start
+
+        t0 = time.perf_counter()
+        ok = [t for t in trajs if t.ok]
+        replica = parallel_state.get_data_parallel_rank() if is_source else 0
+        batch = (
+            trajectories_to_batch(ok, replica * SAMPLE_ID_STRIDE, group_index(ok), self.estimator)
+            if is_source
+            else schema_batch()
+        )
+        batch = self.experience(batch)
+        times["experience"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        train_metrics = self.train(batch)
+        times["train"] = time.perf_counter() - t0
+        self.step += 1
+        metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
+        metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns))
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["time/step"] = time.perf_counter() - start
+        metrics.update({f"layout/{p}": str(lay) for p, lay in self.layouts.items()})
+        metrics["weight_version"] = float(self.policy.version)
+        metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
+        return metrics
+
+    def evaluate(
+        self, num_prompts: int, seed_offset: int, samples: int, temperature: float
+    ) -> dict[str, float]:
+        """Success rate on held-out prompts (every rank; the same result everywhere)."""
+        prompts = PromptSet(
+            self.config.env.spec(), tuple(range(seed_offset, seed_offset + num_prompts)), "eval"
+        )
+        agent = self.agent_config(group_size=samples, temperature=temperature, seed=seed_offset)
+        trajs, _ = self.rollout(prompts, agent)
+        stats = torch.tensor(
+            [len(trajs), sum(t.reward >= 1.0 for t in trajs if t.ok), sum(t.reward for t in trajs)],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(stats)
+        use_layout(self.layouts["train"])
+        n = max(float(stats[0]), 1.0)
+        return {
+            "eval/success_rate": float(stats[1]) / n,
+            "eval/reward": float(stats[2]) / n,
+            "eval/trajectories": float(stats[0]),
+        }
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[str, float]:
+    """Step-level rollout statistics summed over the rollout sources (every rank calls)."""
+    k = max_turns
+    vec = torch.zeros(7 + 2 * k, dtype=torch.float64)
+    for t in trajs:
+        vec[0] += 1
+        vec[1] += t.reward
+        vec[2] += float(t.ok and t.reward >= 1.0)
+        vec[3] += sum(t.loss_mask)
+        vec[4] += len(t.token_ids)
+        vec[5] += float(not t.ok)
+        vec[6] += t.num_turns
+        for i, turn in enumerate(t.turns[:k]):
+            vec[7 + i] += len(t.prompt_ids) + turn.end
+            vec[7 + k + i] += 1
+    longest = torch.tensor([max((len(t.token_ids) for t in trajs), default=0)], dtype=torch.float64)
+    mismatch = torch.zeros(2, dtype=torch.float64)
+    if batch.num_samples and "old_logprobs" in batch.token_fields:
+        mask = batch.token_fields["loss_mask"] > 0
+        diff = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
+        mismatch += torch.tensor(
+            [float(diff[mask].abs().sum()), float(mask.sum())], dtype=torch.float64
+        )
+    dist.all_reduce(vec)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(mismatch)
+    n = max(float(vec[0]), 1.0)
+    out = {
+        "rollout/trajectories": float(vec[0]),
+        "reward/mean": float(vec[1]) / n,
+        "success_rate": float(vec[2]) / n,
+        "response_len/mean": float(vec[3]) / n,
+        "context_len/mean": float(vec[4]) / n,
+        "context_len/max": float(longest[0]),
+        "rollout/failed": float(vec[5]),
+        "rollout/turns_mean": float(vec[6]) / n,
+        "rollout/tokens": float(vec[4]),
+        "rollout/logprob_mismatch": float(mismatch[0]) / max(float(mismatch[1]), 1.0),
+    }
+    for i in range(k):
+        if vec[7 + k + i] > 0:
+            out[f"context_len_per_turn/{i}"] = float(vec[7 + i] / vec[7 + k + i])
+    return out
+
+
+def step_metrics_summary(metrics: dict) -> str:
+    """One human line for logs."""
+    return (
+        f"reward {metrics.get('reward/mean', 0):.3f} success {metrics.get('success_rate', 0):.2f} "
+        f"loss {metrics.get('train/loss', float('nan')):.4f} "
+        f"ctx {metrics.get('context_len/mean', 0):.0f} "
+        f"t {metrics.get('time/step', 0):.1f}s"
+    )
+
+
+def replace_config(config: RunConfig, **changes) -> RunConfig:
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,128 @@
+"""A whole run on this rank: resume or warm start, evaluate, RL steps, checkpoints, evaluate.
+
+    summary = train(config)      # every rank; the same summary everywhere
+
+Resume: when the run's checkpoint directory holds a complete checkpoint (or ``checkpoint.load``
+names one), the model, optimizer, RNG states, step and weight version are restored and the run
+continues at the next step; the warm start and the first evaluation are skipped (their results
+are in the checkpoint). Prompts of step k are a pure function of k, so the resumed steps see the
+same data as an uninterrupted run; sampling seeds are per step, so they generate the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_earl.config.run import RunConfig
+from megatron_earl.orchestration import checkpoint as ckpt
+from megatron_earl.orchestration.loop import RLLoop
+from megatron_earl.orchestration.metrics import MetricsLogger
+from megatron_earl.orchestration.progress import ProgressBar
+from megatron_earl.orchestration.sft import warm_start
+from megatron_earl.parallel.state import use_layout
+from megatron_earl.tokenizer import build_tokenizer
+
+
+def checkpoint_config(config: RunConfig) -> ckpt.CheckpointConfig:
+    c = config.checkpoint
+    return ckpt.CheckpointConfig(
+        save_dir=str(config.checkpoint_dir),
+        save_interval=c.interval,
+        keep_last=max(c.keep_last, 1),
+    )
+
+
+def _resume_source(config: RunConfig) -> str | None:
+    if config.checkpoint.resume and ckpt.complete_steps(config.checkpoint_dir):
+        return str(config.checkpoint_dir)
+    return config.checkpoint.load
+
+
+def train(config: RunConfig) -> dict[str, Any]:
+    """Run ``config`` to ``config.steps``; returns the before/after evaluation summary."""
+    rank0 = dist.get_rank() == 0
+    tokenizer = build_tokenizer(config.tokenizer)
+    loop = RLLoop(config, tokenizer)
+    use_layout(loop.layouts["train"])
+    policy = loop.policy
+    saving = checkpoint_config(config)
+    summary: dict[str, Any] = {}
+
+    source = _resume_source(config)
+    if source is not None:
+        if rank0:
+            ckpt.clean_incomplete(config.checkpoint_dir)
+        dist.barrier()
+        state = ckpt.load_checkpoint(source, policy.ddp_chunks, policy.optimizer)
+        loop.step = int(state.data_state.get("step", state.step))
+        policy.version = state.weight_version
+        summary.update(state.data_state.get("summary", {}))
+    else:
+        if config.sft.steps:
+            warm_start(
+                policy.ddp_chunks,
+                policy.optimizer,
+                config.sft,
+                config.env.spec(),
+                tokenizer,
+                max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch,
+                vocab_size=config.model.vocab_size,
+            )
+            policy.version += config.sft.steps
+        if config.eval.num_prompts:
+            summary["before"] = _evaluate(loop, config)
+            if rank0:
+                print(f"eval before RL: {summary['before']}", flush=True)
+
+    logger = MetricsLogger(
+        config.run_dir,
+        jsonl=config.logging.jsonl,
+        tensorboard=config.logging.tensorboard,
+        tensorboard_dir=config.tensorboard_dir,
+        enabled=rank0,
+        resume_step=loop.step if source is not None else None,
+    )
+    bar = ProgressBar(
+        config.steps,
+        start_step=loop.step,
+        enabled=rank0 and config.logging.progress,
+        log_interval=config.logging.log_interval,
+    )
+    with logger:
+        while loop.step < config.steps:
+            metrics = loop.run_step()
+            if config.eval.interval and loop.step % config.eval.interval == 0:
+                metrics.update(_evaluate(loop, config))
+            record = logger.log(loop.step, metrics)
+            bar.update(loop.step, record)
+            if saving.save_interval and loop.step % saving.save_interval == 0:
+                _save(loop, saving, config, summary)
+        bar.close()
+    if config.eval.num_prompts:
+        summary["after"] = _evaluate(loop, config)
+        if rank0:
+            print(f"eval after RL: {summary['after']}", flush=True)
+    if saving.save_interval == 0 or loop.step % saving.save_interval:
+        _save(loop, saving, config, summary)
+    summary["steps"] = loop.step
+    return summary
+
+
+def _evaluate(loop: RLLoop, config: RunConfig) -> dict[str, float]:
+    e = config.eval
+    return loop.evaluate(e.num_prompts, e.seed_offset, e.samples_per_prompt, e.temperature)
+
+
+def _save(loop: RLLoop, saving: ckpt.CheckpointConfig, config: RunConfig, summary: dict) -> None:
+    use_layout(loop.layouts["train"])
+    ckpt.save_checkpoint(
+        saving,
+        loop.step,
+        loop.policy.ddp_chunks,
+        loop.policy.optimizer,
+        weight_version=loop.policy.version,
+        data_state={"step": loop.step, "summary": summary},
+        model_config=config.model,
+    )
