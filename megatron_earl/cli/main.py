@@ -61,6 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] == "train":
+        # Validate the whole run before any process (or process group) is started.
+        from megatron_earl.config.check import main as check
+
+        rest = argv[1:]
+        nproc = rest[rest.index("--nproc") + 1] if "--nproc" in rest else "2"
+        plain = [a for i, a in enumerate(rest) if a != "--nproc" and rest[i - 1 : i] != ["--nproc"]]
+        status = check(["--world-size", nproc, *plain])
+        if status:
+            return status
     if argv[0] in _TORCHRUN:
         return _torchrun(_TORCHRUN[argv[0]], argv[1:])
     for words, module in _MODULES.items():

@@ -7,11 +7,20 @@ grouped QKV, TP-split gated ``linear_fc1`` (two pieces: gate and up), layer stac
 stages (a prepended layer axis) and tied embeddings (two local parameters, one global key) without a
 per-name table.
 
-No communication here: ``shard_pieces`` is local; planners combine the pieces of many ranks.
+Parts of ``sharded_state_dict()`` read Megatron's global parallel state (DP/CP replica ids, layer
+offsets), so call ``shard_pieces`` while the model's own layout is the current one; the pieces stay
+valid (they are views) after the layout changes. They alias the parameters' storage at the time
+of the call: take them after anything that re-binds ``param.data`` (Megatron DDP moves parameters
+into its contiguous buffer when it wraps the model).
+
+Region arithmetic (``intersect``, ``region_shape``, ``relative``) is pure and shared by the
+planners. No communication here: ``shard_pieces`` is local; planners combine the pieces of many
+ranks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +67,14 @@ class ShardPiece:
         """Picklable description (no tensor) for all-gathers and planners."""
         return self.key, self.global_shape, self.region
 
+    def region_view(self) -> torch.Tensor:
+        """``local`` with the region's full shape (squeezed prepended axes restored as size 1)."""
+        view = self.local
+        for _ in range(len(self.region) - view.dim()):
+            view = view.unsqueeze(0)
+        assert tuple(view.shape) == region_shape(self.region), (self.key, view.shape, self.region)
+        return view
+
 
 def _pieces_of(sh_ten, param_name: str, param: torch.Tensor) -> ShardPiece:
     if sh_ten.flattened_range is not None:
@@ -73,7 +90,9 @@ def _pieces_of(sh_ten, param_name: str, param: torch.Tensor) -> ShardPiece:
         key=sh_ten.key,
         global_shape=tuple(sh_ten.global_shape),
         region=region,
-        local=sh_ten.data,
+        # A detached alias: copies into it (reshard, load) are plain storage writes, never
+        # autograd view updates (Megatron builds fc1's halves as views under no_grad).
+        local=sh_ten.data.detach(),
         param_name=param_name,
         param=param,
         is_replica=is_replica,
@@ -108,6 +127,30 @@ def shard_pieces(model_chunks: list[nn.Module]) -> list[ShardPiece]:
 
 def region_slices(region: Region) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in region)
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(b - a for a, b in region)
+
+
+def region_numel(region: Region) -> int:
+    return math.prod(b - a for a, b in region)
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    """The common box of two regions of the same tensor, or None when they do not overlap."""
+    if len(a) != len(b):
+        raise ValueError(f"regions of different rank: {a} vs {b}")
+    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in box) else box
+
+
+def relative(region: Region, origin: Region) -> Region:
+    """``region`` (global coordinates) in the coordinates of the box ``origin`` that contains it."""
+    out = tuple((a - o, b - o) for (a, b), (o, _) in zip(region, origin))
+    if any(a < 0 or b > o1 - o0 for (a, b), (o0, o1) in zip(out, origin)):
+        raise ValueError(f"region {region} is not inside {origin}")
+    return out
 
 
 @torch.no_grad()

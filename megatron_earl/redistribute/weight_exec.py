@@ -1,0 +1,207 @@
+"""Executor of weight resharding plans: batched point-to-point isend/irecv on the world group.
+
+    # layout A current:  chunks_a = build_model(...); pieces_a = shard_pieces(chunks_a)
+    # use_layout(B):     chunks_b = build_model(...); pieces_b = shard_pieces(chunks_b)
+    stats = reshard_weights(pieces_a, pieces_b, bucket_bytes=64 << 20)   # A -> B
+    stats = reshard_weights(pieces_b, pieces_a, bucket_bytes=64 << 20)   # and back
+
+The plan (``weight_plan.plan_weights``) is computed on every rank from piece metadata that is
+all-gathered once; ``execute_plan`` then runs the local copies and, round by round, packs each
+outgoing message into one byte buffer per peer, exchanges all messages of the round with one
+``batch_isend_irecv`` and unpacks into the destination parameters. A message that is a single
+contiguous box on one side skips the buffer on that side (sent from / received into the
+parameter). Per round a rank allocates at most its send and receive buffers of that round
+(<= ``bucket_bytes``), so no rank ever materialises more of the model than the destination layout
+gives it. Gloo on CPU, NCCL on GPU: buffers live on
+the parameters' device. The traffic uses the default (world) group, so it does not depend on
+either layout's process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_earl.redistribute.geometry import ShardPiece, region_shape, region_slices
+from megatron_earl.redistribute.weight_plan import PieceMeta, Transfer, WeightPlan, plan_weights
+
+
+@dataclass(frozen=True)
+class ReshardStats:
+    """What one rank did in one reshard."""
+
+    bytes_sent: int
+    """Payload bytes this rank sent."""
+    bytes_received: int
+    """Payload bytes this rank received."""
+    bytes_local: int
+    """Bytes copied from this rank's own source pieces (no communication)."""
+    num_rounds: int
+    """Rounds of the plan (every rank walks all of them; idle rounds cost nothing)."""
+    peak_buffer_bytes: int
+    """Largest send + receive buffer bytes this rank held at once (<= the plan's bucket_bytes)."""
+    plan_s: float
+    """Seconds spent all-gathering metadata and planning (0 when a plan was given)."""
+    exec_s: float
+    """Seconds spent copying and communicating."""
+
+
+def piece_metas(pieces: Sequence[ShardPiece]) -> list[PieceMeta]:
+    """Planner metadata of local pieces (local, no communication)."""
+    return [PieceMeta(p.key, p.global_shape, p.region, p.local.element_size()) for p in pieces]
+
+
+def gather_plan(
+    src_pieces: Sequence[ShardPiece],
+    dst_pieces: Sequence[ShardPiece],
+    bucket_bytes: int,
+    group: dist.ProcessGroup | None = None,
+) -> WeightPlan:
+    """All-gather every rank's piece metadata once and plan the reshard (cached per metadata).
+
+    Collective: every rank of ``group`` (default: world) calls it, with its own pieces (possibly
+    none). The returned plan is identical on every rank.
+    """
+    gathered: list = [None] * dist.get_world_size(group)
+    mine = (tuple(piece_metas(src_pieces)), tuple(piece_metas(dst_pieces)))
+    dist.all_gather_object(gathered, mine, group=group)
+    return _cached_plan(tuple(g[0] for g in gathered), tuple(g[1] for g in gathered), bucket_bytes)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_plan(src: tuple, dst: tuple, bucket_bytes: int) -> WeightPlan:
+    """Plans are pure functions of the metadata: switching back and forth between the same
+    layouts plans once per direction (every rank caches the same plans)."""
+    return plan_weights(src, dst, bucket_bytes)
+
+
+@torch.no_grad()
+def execute_plan(
+    plan: WeightPlan,
+    src_pieces: Sequence[ShardPiece],
+    dst_pieces: Sequence[ShardPiece],
+    group: dist.ProcessGroup | None = None,
+) -> ReshardStats:
+    """Run this rank's part of ``plan``: local copies, then the rounds of messages.
+
+    Point to point: every rank of ``group`` (default: world) calls it with the same plan and the
+    pieces the plan was made from; a rank only talks to the peers the plan pairs it with.
+    """
+    rank = dist.get_rank(group)
+    if plan.world_size != dist.get_world_size(group):
+        raise ValueError(
+            f"plan for {plan.world_size} ranks executed on a group of {dist.get_world_size(group)}"
+        )
+    start = time.perf_counter()
+    src_views = [p.region_view() for p in src_pieces]
+    dst_views = [p.region_view() for p in dst_pieces]
+    local_bytes = 0
+    for t in plan.local:
+        if t.dst_rank == rank:
+            dst_views[t.dst_index][region_slices(t.dst_region)].copy_(
+                src_views[t.src_index][region_slices(t.src_region)]
+            )
+            local_bytes += t.nbytes
+    sent = received = peak = 0
+    for transfers in plan.rounds:
+        sends: dict[int, list[Transfer]] = defaultdict(list)
+        recvs: dict[int, list[Transfer]] = defaultdict(list)
+        for t in transfers:
+            if t.src_rank == rank:
+                sends[t.dst_rank].append(t)
+            elif t.dst_rank == rank:
+                recvs[t.src_rank].append(t)
+        if not sends and not recvs:
+            continue
+        ops, unpack = [], []
+        round_bytes = 0
+        for peer, ts in sends.items():
+            buf = _direct(ts, src_views, "src")
+            if buf is None:
+                buf = _buffer(ts, src_views[ts[0].src_index].device)
+                round_bytes += buf.numel()
+                for t in ts:
+                    _slot(buf, t, src_views[t.src_index].dtype).copy_(
+                        src_views[t.src_index][region_slices(t.src_region)]
+                    )
+            sent += sum(t.nbytes for t in ts)
+            ops.append(dist.P2POp(dist.isend, buf, _global(peer, group), group))
+        for peer, ts in recvs.items():
+            buf = _direct(ts, dst_views, "dst")
+            if buf is None:
+                buf = _buffer(ts, dst_views[ts[0].dst_index].device)
+                round_bytes += buf.numel()
+                unpack.append((buf, ts))
+            received += sum(t.nbytes for t in ts)
+            ops.append(dist.P2POp(dist.irecv, buf, _global(peer, group), group))
+        peak = max(peak, round_bytes)
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for buf, ts in unpack:
+            for t in ts:
+                dst_views[t.dst_index][region_slices(t.dst_region)].copy_(
+                    _slot(buf, t, dst_views[t.dst_index].dtype)
+                )
+    return ReshardStats(
+        bytes_sent=sent,
+        bytes_received=received,
+        bytes_local=local_bytes,
+        num_rounds=len(plan.rounds),
+        peak_buffer_bytes=peak,
+        plan_s=0.0,
+        exec_s=time.perf_counter() - start,
+    )
+
+
+def reshard_weights(
+    src_pieces: Sequence[ShardPiece],
+    dst_pieces: Sequence[ShardPiece],
+    *,
+    bucket_bytes: int = 64 << 20,
+    group: dist.ProcessGroup | None = None,
+) -> ReshardStats:
+    """Copy every destination piece's region out of the source pieces: plan, then execute.
+
+    Collective: every rank of ``group`` (default: world) calls it. ``src_pieces`` must have been
+    taken (``geometry.shard_pieces``) while the source layout was current, ``dst_pieces`` while
+    the destination layout was; the parallel state may be anything when this is called.
+    """
+    start = time.perf_counter()
+    plan = gather_plan(src_pieces, dst_pieces, bucket_bytes, group)
+    plan_s = time.perf_counter() - start
+    stats = execute_plan(plan, src_pieces, dst_pieces, group)
+    return dataclasses.replace(stats, plan_s=plan_s)
+
+
+def _buffer(ts: list[Transfer], device: torch.device) -> torch.Tensor:
+    """A message buffer: the transfers at their offsets (no padding after the last one)."""
+    last = ts[-1]
+    return torch.empty(last.offset + last.nbytes, dtype=torch.uint8, device=device)
+
+
+def _direct(ts: list[Transfer], views: list[torch.Tensor], side: str) -> torch.Tensor | None:
+    """The parameter memory itself as the message, when the message is one transfer whose box is
+    contiguous on this side (no staging copy, no buffer); else None. Each side decides alone: the
+    message bytes are the same either way."""
+    if len(ts) != 1:
+        return None
+    t = ts[0]
+    index, region = (t.src_index, t.src_region) if side == "src" else (t.dst_index, t.dst_region)
+    box = views[index][region_slices(region)]
+    return box.reshape(-1).view(torch.uint8) if box.is_contiguous() else None
+
+
+def _slot(buf: torch.Tensor, t: Transfer, dtype: torch.dtype) -> torch.Tensor:
+    """The transfer's box inside a message buffer, as a tensor of ``dtype`` and the box's shape."""
+    return buf[t.offset : t.offset + t.nbytes].view(dtype).view(region_shape(t.region))
+
+
+def _global(peer: int, group: dist.ProcessGroup | None) -> int:
+    return peer if group is None else dist.get_global_rank(group, peer)
