@@ -48,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = train(config)
     if dist.get_rank() == 0:
         summary["wall_s"] = round(time.time() - start, 1)
+        if "before" in summary and "after" in summary:
+            before = summary["before"]["eval/success_rate"]
+            after = summary["after"]["eval/success_rate"]
+            print(
+                f"held-out success rate: before RL {before:.3f} -> after RL {after:.3f} "
+                f"({after - before:+.3f}) in {summary['wall_s']:.0f} s",
+                flush=True,
+            )
         print(json.dumps(summary), flush=True)
     from megatron_earl.parallel.state import destroy_layouts
 

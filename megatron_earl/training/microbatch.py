@@ -1,0 +1,215 @@
+"""Token-budget micro-batching (pure): variable-length samples -> packed (thd) micro-batches.
+
+A **sample** is a dict of 1-D per-token tensors of one length L, aligned on *input positions*:
+
+- ``tokens`` [L] (int): the model input (prompt, model turns, tool/environment turns);
+- ``labels`` [L] (int): the next token, ``labels[t] = tokens[t + 1]`` (any valid id at the end);
+- ``loss_mask`` [L]: non-zero where ``labels[t]`` is model-generated (trainable);
+- any other per-token field (``advantages``, ``old_logprobs``, ``ref_logprobs``,
+  ``rollout_logprobs`` ...) aligned like ``labels``: the value for predicting ``labels[t]``.
+
+``next_token_sample`` builds that from a trajectory stored token by token (a generated-token mask
+and e.g. the rollout engine's per-token log-probs, both aligned with ``tokens``).
+
+Micro-batches are built by a per-rank **token budget**, not a sample count
+(``plan_micro_batches``): the number of micro-batches is the one first-fit-decreasing packing
+needs (``dispatch.plan.pack_micro_batches``, shared with the dispatcher, which raises for a sample
+above the budget naming it), then samples are re-spread over that many micro-batches
+largest-first onto the lightest one, so the micro-batches carry similar token counts. A sample is
+never split across micro-batches (attention needs it whole).
+
+``pack_micro_batch`` concatenates samples into one packed row ``[1, t]`` with
+``PackedSeqParams(qkv_format="thd")``; with cp > 1 every sample is padded to a multiple of
+``2 * cp`` (padding has ``loss_mask`` 0) and ``split_micro_batch`` keeps this CP
+rank's chunks (``parallel.cp.split_batch_for_cp``). A packed micro-batch dict holds ``tokens``,
+``labels``, ``position_ids``, ``loss_mask`` (float), ``seq_ids`` (the sample's slot in the
+micro-batch for every token, its CP padding included: then every CP rank holds a token of every
+sample and per-sample sums have the same shape on all CP ranks; padding adds 0 since its mask is
+0), the other per-token fields ``[1, t]``, ``packed_seq_params`` and ``sample_index`` (the
+samples' indices in the caller's list).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_earl.dispatch.plan import cp_padded_length, pack_micro_batches
+from megatron_earl.parallel.cp import merge_cp_shards, split_batch_for_cp
+
+Sample = Mapping[str, torch.Tensor]
+REQUIRED_FIELDS = ("tokens", "labels", "loss_mask")
+INT_FIELDS = ("tokens", "labels")
+
+
+class MicroBatchError(ValueError):
+    """Samples that cannot be micro-batched as asked; the message names the values involved."""
+
+
+def next_token_sample(
+    tokens: torch.Tensor, generated: torch.Tensor, **token_fields: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A sample (input-position aligned) from a trajectory stored token by token.
+
+    ``generated`` [L] marks model-generated tokens; each of ``token_fields`` [L] is aligned with
+    ``tokens`` (e.g. ``rollout_logprobs[t] = log p(tokens[t])`` from the engine). Position t then
+    predicts ``tokens[t + 1]``: it is trainable iff that token was generated; the last position
+    predicts nothing (label 0, mask 0).
+    """
+    if tokens.dim() != 1 or tokens.numel() < 1:
+        raise MicroBatchError(f"tokens must be 1-D with >= 1 token; got {tuple(tokens.shape)}")
+    for name, t in {"generated": generated, **token_fields}.items():
+        if t.shape != tokens.shape:
+            raise MicroBatchError(f"{name} shape {tuple(t.shape)} != tokens {tuple(tokens.shape)}")
+
+    def shift(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[1:], t.new_zeros(1)])
+
+    out = {"tokens": tokens, "labels": shift(tokens), "loss_mask": shift(generated.float())}
+    out.update({k: shift(v) for k, v in token_fields.items()})
+    return out
+
+
+def sample_length(sample: Sample) -> int:
+    return int(sample["tokens"].numel())
+
+
+def check_samples(samples: Sequence[Sample]) -> None:
+    """Raise ``MicroBatchError`` for a sample without the required fields, an empty sample, or
+    fields of different lengths/kinds than the first sample's."""
+    if not samples:
+        return
+    names = set(samples[0])
+    for i, s in enumerate(samples):
+        missing = [f for f in REQUIRED_FIELDS if f not in s]
+        if missing or set(s) != names:
+            raise MicroBatchError(
+                f"sample {i} has fields {sorted(s)}; every sample needs {list(REQUIRED_FIELDS)} "
+                f"and the same fields as sample 0 ({sorted(names)})"
+            )
+        n = sample_length(s)
+        if n < 1:
+            raise MicroBatchError(f"sample {i} has 0 tokens; a sample needs >= 1 token")
+        bad = {k: tuple(v.shape) for k, v in s.items() if v.shape != (n,)}
+        if bad:
+            raise MicroBatchError(f"sample {i}: fields {bad} are not 1-D of length {n} (tokens)")
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, cp: int = 1) -> list[list[int]]:
+    """Sample indices per micro-batch under a per-rank budget of ``max_tokens`` tokens.
+
+    A sample costs ``cp_padded_length(len, cp) / cp`` tokens on each CP rank. The micro-batch count
+    is first-fit-decreasing's; samples are then spread largest-first onto the lightest micro-batch
+    that has room (balanced token counts). Indices inside a micro-batch are ascending.
+    """
+    if max_tokens < 1:
+        raise MicroBatchError(f"max_tokens={max_tokens}; valid: >= 1 tokens per rank")
+    if not lengths:
+        return []
+    cost = [cp_padded_length(n, cp) // cp for n in lengths]
+    over = [i for i, c in enumerate(cost) if c > max_tokens]
+    if over:
+        i = max(over, key=lambda i: cost[i])
+        raise MicroBatchError(
+            f"sample {i} has {lengths[i]} tokens ({cost[i]} per rank at cp={cp}), above the "
+            f"micro-batch budget max_tokens={max_tokens} ({len(over)} such sample(s): "
+            f"{over[:8]}); raise max_tokens to >= {cost[i]} or use a layout with more cp"
+        )
+    ffd = pack_micro_batches(range(len(lengths)), dict(enumerate(lengths)), cp, max_tokens)
+    bins: list[list[int]] = [[] for _ in ffd]
+    loads = [0] * len(ffd)
+    for i in sorted(range(len(lengths)), key=lambda i: (-cost[i], i)):
+        fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= max_tokens]
+        if not fits:  # the balanced spread does not fit this many bins: keep FFD's packing
+            return [sorted(b) for b in ffd]
+        b = min(fits, key=lambda b: (loads[b], b))
+        bins[b].append(i)
+        loads[b] += cost[i]
+    return [sorted(b) for b in bins]
+
+
+def pack_micro_batch(
+    samples: Sequence[Sample], indices: Sequence[int], cp: int = 1
+) -> dict[str, object]:
+    """One packed (thd) micro-batch of ``samples[i] for i in indices`` (whole, not CP-split).
+
+    Each sample is padded to ``cp_padded_length`` (a multiple of 2 * cp when cp > 1) with token
+    0, loss mask 0, the sample's seq id and zeros in the other fields.
+    """
+    if not indices:
+        raise MicroBatchError("a micro-batch needs at least one sample")
+    chosen = [samples[i] for i in indices]
+    lengths = [sample_length(s) for s in chosen]
+    padded = [cp_padded_length(n, cp) for n in lengths]
+    fields: dict[str, list[torch.Tensor]] = {name: [] for name in chosen[0]}
+    seq_ids, positions = [], []
+    for slot, (s, n, p) in enumerate(zip(chosen, lengths, padded, strict=True)):
+        for name, t in s.items():
+            t = t.long() if name in INT_FIELDS else t.float()
+            fields[name].append(torch.cat([t, t.new_zeros(p - n)]) if p > n else t)
+        seq_ids.append(torch.full((p,), slot))
+        positions.append(torch.arange(p))
+    cu = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32)
+    cu_real = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    out: dict[str, object] = {name: torch.cat(ts).unsqueeze(0) for name, ts in fields.items()}
+    out["loss_mask"] = out["loss_mask"].float()
+    out["seq_ids"] = torch.cat(seq_ids).unsqueeze(0)
+    out["position_ids"] = torch.cat(positions).unsqueeze(0)
+    out["packed_seq_params"] = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_real,
+        cu_seqlens_kv=cu_real,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+    )
+    out["sample_index"] = torch.tensor(list(indices), dtype=torch.long)
+    return out
+
+
+def split_micro_batch(micro_batch: dict[str, object], cp: int, cp_rank: int) -> dict[str, object]:
+    """This CP rank's share of a packed micro-batch (every per-token tensor; cu_seqlens stay the
+    global padded boundaries, as the CP attention and Megatron's thd RoPE expect)."""
+    if cp == 1:
+        return dict(micro_batch)
+    params = micro_batch["packed_seq_params"]
+    assert isinstance(params, PackedSeqParams)
+    return split_batch_for_cp(
+        micro_batch, cp, cp_rank, cu_seqlens_padded=params.cu_seqlens_q_padded
+    )
+
+
+def build_micro_batches(
+    samples: Sequence[Sample], max_tokens: int, cp: int = 1
+) -> list[dict[str, object]]:
+    """Check, plan and pack ``samples`` into whole (not CP-split) packed micro-batches."""
+    check_samples(samples)
+    plan = plan_micro_batches([sample_length(s) for s in samples], max_tokens, cp)
+    return [pack_micro_batch(samples, mb, cp) for mb in plan]
+
+
+def unpack_per_sample(
+    values: torch.Tensor, micro_batch: Mapping[str, object]
+) -> list[torch.Tensor]:
+    """Per-sample 1-D views (real tokens only, in the micro-batch's sample order) of a per-token
+    result ``[1, t]`` of the whole micro-batch (merge CP ranks' results first: ``merge_cp``)."""
+    params = micro_batch["packed_seq_params"]
+    assert isinstance(params, PackedSeqParams)
+    starts = params.cu_seqlens_q_padded.tolist()
+    lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
+    row = values.reshape(-1)
+    return [row[a : a + n] for a, n in zip(starts[:-1], lengths, strict=True)]
+
+
+def merge_cp(shards: Sequence[torch.Tensor], micro_batch: Mapping[str, object]) -> torch.Tensor:
+    """A per-token result of the whole micro-batch from the CP ranks' local results (index = CP
+    rank), each ``[1, t / cp]``; inverse of ``split_micro_batch``."""
+    if len(shards) == 1:
+        return shards[0]
+    params = micro_batch["packed_seq_params"]
+    assert isinstance(params, PackedSeqParams)
+    return merge_cp_shards(list(shards), cu_seqlens_padded=params.cu_seqlens_q_padded)

@@ -1,0 +1,129 @@
+"""Token-budget micro-batching: budgets respected, balanced, clear errors, packed thd layout, CP
+split/merge round trip, next-token alignment."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megatron_earl.training.microbatch import (
+    MicroBatchError,
+    build_micro_batches,
+    merge_cp,
+    next_token_sample,
+    pack_micro_batch,
+    plan_micro_batches,
+    split_micro_batch,
+    unpack_per_sample,
+)
+
+
+def _sample(n: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 50, (n,), generator=gen)
+    generated = torch.rand(n, generator=gen) < 0.5
+    return next_token_sample(tokens, generated, rollout_logprobs=-torch.rand(n, generator=gen))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_respects_budget_covers_all_and_balances(cp, seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 40))]
+    budget = 320
+    plan = plan_micro_batches(lengths, budget, cp)
+    cost = [(-(-n // (2 * cp)) * 2 * cp if cp > 1 else n) // cp for n in lengths]
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    loads = [sum(cost[i] for i in mb) for mb in plan]
+    assert max(loads) <= budget
+    assert all(mb == sorted(mb) and mb for mb in plan)
+    # never more micro-batches than first-fit-decreasing needs, and no trivially wasted bin
+    assert len(plan) <= max(1, 2 * -(-sum(cost) // budget))
+    if len(plan) > 1:  # balanced: the spread is at most the largest sample
+        assert max(loads) - min(loads) <= max(cost)
+
+
+def test_plan_spreads_tokens_evenly():
+    lengths = [100] * 6 + [50] * 4
+    plan = plan_micro_batches(lengths, max_tokens=400, cp=1)
+    loads = sorted(sum(lengths[i] for i in mb) for mb in plan)
+    assert loads == [400, 400]
+
+
+def test_sample_above_budget_names_it():
+    with pytest.raises(MicroBatchError, match=r"sample 2 has 900 tokens .* raise max_tokens"):
+        plan_micro_batches([10, 20, 900, 30], max_tokens=512)
+    with pytest.raises(MicroBatchError, match="max_tokens=0"):
+        plan_micro_batches([1], max_tokens=0)
+    assert plan_micro_batches([], max_tokens=8) == []
+    # at cp=2 a 900-token sample holds 450 tokens per rank: it fits
+    assert plan_micro_batches([900], max_tokens=512, cp=2) == [[0]]
+
+
+def test_next_token_alignment():
+    tokens = torch.tensor([5, 6, 7, 8])
+    generated = torch.tensor([False, False, True, True])
+    engine_lp = torch.tensor([0.0, 0.0, -0.5, -0.25])
+    s = next_token_sample(tokens, generated, rollout_logprobs=engine_lp)
+    assert s["labels"].tolist() == [6, 7, 8, 0]
+    assert s["loss_mask"].tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert s["rollout_logprobs"].tolist() == [0.0, -0.5, -0.25, 0.0]
+    with pytest.raises(MicroBatchError, match="generated shape"):
+        next_token_sample(tokens, generated[:3])
+
+
+def test_pack_layout_thd():
+    samples = [_sample(n, i) for i, n in enumerate([5, 3, 7])]
+    mb = pack_micro_batch(samples, [0, 2], cp=1)
+    params = mb["packed_seq_params"]
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 5, 12]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 5, 12]
+    assert mb["tokens"].shape == (1, 12)
+    assert mb["seq_ids"].tolist() == [[0] * 5 + [1] * 7]
+    assert mb["position_ids"].tolist() == [[*range(5), *range(7)]]
+    assert torch.equal(mb["tokens"][0, 5:], samples[2]["tokens"])
+    assert mb["sample_index"].tolist() == [0, 2]
+    pieces = unpack_per_sample(mb["rollout_logprobs"], mb)
+    assert torch.equal(pieces[1], samples[2]["rollout_logprobs"])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_padding_split_and_merge_round_trip(cp):
+    samples = [_sample(n, i) for i, n in enumerate([5, 3, 9, 1])]
+    mb = pack_micro_batch(samples, [0, 1, 2, 3], cp=cp)
+    params = mb["packed_seq_params"]
+    padded = [-(-n // (2 * cp)) * 2 * cp for n in (5, 3, 9, 1)]
+    assert (params.cu_seqlens_q_padded[1:] - params.cu_seqlens_q_padded[:-1]).tolist() == padded
+    assert params.cu_seqlens_q.tolist() == [0, 5, 8, 17, 18]
+    assert float(mb["loss_mask"].sum()) == sum(float(s["loss_mask"].sum()) for s in samples)
+    shards = [split_micro_batch(mb, cp, r) for r in range(cp)]
+    for shard in shards:
+        assert shard["tokens"].size(1) == sum(padded) // cp
+        # every CP rank holds a token of every sample (per-sample sums line up across ranks)
+        assert set(shard["seq_ids"].unique().tolist()) == {0, 1, 2, 3}
+        assert shard["packed_seq_params"] is params
+    for name in ("tokens", "labels", "loss_mask", "rollout_logprobs", "seq_ids"):
+        merged = merge_cp([s[name] for s in shards], mb)
+        assert torch.equal(merged, mb[name]), name
+    pieces = unpack_per_sample(merge_cp([s["labels"] for s in shards], mb), mb)
+    for piece, sample in zip(pieces, samples, strict=True):
+        assert torch.equal(piece, sample["labels"])
+
+
+def test_build_checks_samples():
+    good = [_sample(4, 0), _sample(6, 1)]
+    assert len(build_micro_batches(good, max_tokens=10)) == 1
+    assert len(build_micro_batches(good, max_tokens=6)) == 2
+    bad = dict(good[1])
+    del bad["labels"]
+    with pytest.raises(MicroBatchError, match="sample 1 has fields"):
+        build_micro_batches([good[0], bad], max_tokens=10)
+    short = {**good[1], "loss_mask": torch.zeros(5)}
+    with pytest.raises(MicroBatchError, match="not 1-D of length 6"):
+        build_micro_batches([short], max_tokens=10)
+    empty = {k: v[:0] for k, v in good[0].items()}
+    with pytest.raises(MicroBatchError, match="sample 0 has 0 tokens"):
+        build_micro_batches([empty], max_tokens=10)
