@@ -29,6 +29,17 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 
+def packed_bounds(params: PackedSeqParams, who: str) -> list[int]:
+    """Sequence boundaries of a packed (thd) self-attention batch (padded ones when given)."""
+    cu_q = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+    cu_kv = (
+        params.cu_seqlens_kv if params.cu_seqlens_kv_padded is None else params.cu_seqlens_kv_padded
+    )
+    if not torch.equal(cu_q, cu_kv):
+        raise ValueError(f"{who} (self-attention) needs cu_seqlens_q == cu_seqlens_kv")
+    return [int(x) for x in cu_q.tolist()]
+
+
 class SDPAttention(MegatronModule):
     """Causal GQA core attention on SDPA; supports packed (thd) sequences."""
 
@@ -126,19 +137,7 @@ class SDPAttention(MegatronModule):
     def _forward_packed(
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
-        cu_q = (
-            params.cu_seqlens_q_padded
-            if params.cu_seqlens_q_padded is not None
-            else params.cu_seqlens_q
-        )
-        cu_kv = (
-            params.cu_seqlens_kv_padded
-            if params.cu_seqlens_kv_padded is not None
-            else params.cu_seqlens_kv
-        )
-        if not torch.equal(cu_q, cu_kv):
-            raise ValueError("SDPAttention (self-attention) needs cu_seqlens_q == cu_seqlens_kv")
-        bounds = cu_q.tolist()
+        bounds = packed_bounds(params, type(self).__name__)
         out = torch.zeros_like(query)
         for start, end in itertools.pairwise(bounds):
             if end == start:

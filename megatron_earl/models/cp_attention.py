@@ -51,7 +51,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from megatron_earl.models.attention import SDPAttention
+from megatron_earl.models.attention import SDPAttention, packed_bounds
 from megatron_earl.parallel.cp import check_cp_length
 
 
@@ -182,19 +182,7 @@ class ContextParallelSDPAttention(SDPAttention):
     def _forward_packed(
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
-        cu_q = (
-            params.cu_seqlens_q_padded
-            if params.cu_seqlens_q_padded is not None
-            else params.cu_seqlens_q
-        )
-        cu_kv = (
-            params.cu_seqlens_kv_padded
-            if params.cu_seqlens_kv_padded is not None
-            else params.cu_seqlens_kv
-        )
-        if not torch.equal(cu_q, cu_kv):
-            raise ValueError("ContextParallelSDPAttention needs cu_seqlens_q == cu_seqlens_kv")
-        bounds = [int(x) for x in cu_q.tolist()]
+        bounds = packed_bounds(params, type(self).__name__)
         if bounds[-1] != query.size(0) * self.cp:
             raise ValueError(
                 f"packed cu_seqlens end at {bounds[-1]} tokens but this rank holds "
