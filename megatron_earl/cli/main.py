@@ -7,6 +7,8 @@
     megatron-earl bench engine                      # embedded-engine decode tokens/s
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
+    megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
+    megatron-earl bench selector                    # context-length sweep: selector vs static
 
 Subcommands that start processes go through ``torchrun`` (the same launcher users run under
 slurm); the others call the component's own ``main(argv)``.
@@ -26,6 +28,8 @@ _MODULES = {
     ("bench", "engine"): "megatron_earl.rollout.bench",
     ("serve",): "megatron_earl.rollout.server",
     ("plot",): "megatron_earl.orchestration.plot",
+    ("plan",): "megatron_earl.selector.plan_cli",
+    ("bench", "selector"): "megatron_earl.selector.bench",
 }
 _TORCHRUN = {"smoke": "megatron_earl.cli.smoke", "train": "megatron_earl.cli.train"}
 

@@ -1,0 +1,371 @@
+"""Per-rank peak-memory model of each phase (rollout, experience, train) in a parallel layout.
+
+    mem = MemoryModel(model_config, MemorySettings.gpu())
+    work = PhaseWorkload.for_lengths("train", lengths, token_budget=8192)
+    breakdown = mem.peak("train", ParallelLayout(tp=4, cp=2, dp=4), work)    # bytes per rank
+    breakdown.total, breakdown.as_dict()
+
+Terms (bytes on the most loaded rank: the first or last pipeline stage):
+
+* weights: the stage's parameters / tp (norms replicated), embedding on the first stage, the
+  output layer on the last (untied), in the params dtype;
+* gradients (train; every phase when ``train_state_resident``): Megatron DDP's grad buffer,
+  ``grad_bytes`` per local parameter (fp32);
+* optimizer (train): Adam's two fp32 moments, plus an fp32 master copy when the params dtype is
+  not fp32; divided by dp with the distributed optimizer;
+* activations: saved tensors per token per layer (``activation_elements_per_token``: residual
+  stream and norms, QKV, rotated Q/K, GQA-expanded K/V, attention output, SwiGLU), times layers
+  per stage, times micro-batches in flight (1F1B holds min(pp, micro-batches) on the first stage),
+  times the rank's tokens of one micro-batch (CP divides the sequence). Attention runs on SDPA /
+  flash: no s^2 term, except the CP attention of this project on CPU whose causal masks hold
+  (2 cp + 1) (s / 2cp)^2 elements per sequence and layer (``cp_mask_bytes``, 0 on GPU/TE).
+  Recompute: "full" keeps only each layer's input plus one layer's activations; "selective" drops
+  the core-attention tensors. Forward-only phases keep no activations: one layer's transient;
+* log-prob buffers: the chunked output layer (``training.logprobs``) holds a few
+  ``chunk x V/tp`` fp32 buffers, whatever the sequence length;
+* KV cache (rollout): layers/pp x 2 x kv heads/tp x head dim x tokens x bytes;
+* overhead: a fixed per-rank amount (framework, communicator buffers).
+
+Activations and log-prob buffers are scaled by per-phase constants (``activation_scale``,
+``fixed_bytes``) fitted by ``calibrate.fit`` from short CPU runs of the real model; on GPU the
+analytic defaults (scale 1) are used. Pure: no torch, no processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.parallel.layout import ParallelLayout
+
+PHASES = ("rollout", "experience", "train")
+GiB = 1 << 30
+MiB = 1 << 20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PhaseWorkload:
+    """What one phase processes per data-parallel replica (the inputs of the memory model)."""
+
+    phase: str
+    """"rollout", "experience" or "train"."""
+    max_seq_len: int
+    """Longest sequence of the batch (tokens): nothing is truncated, so this one must fit."""
+    tokens_per_micro_batch: int
+    """Tokens of one micro-batch per DP replica before the CP split (>= max_seq_len)."""
+    num_micro_batches: int = 1
+    """Micro-batches per step per DP replica (bounds the micro-batches 1F1B keeps in flight)."""
+    concurrent_sequences: int = 1
+    """Rollout: sequences decoded at once by one engine replica (their KV cache is resident)."""
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase {self.phase!r} is not one of {PHASES}")
+        small = {
+            k: getattr(self, k)
+            for k in ("max_seq_len", "num_micro_batches", "concurrent_sequences")
+            if getattr(self, k) < 1
+        }
+        if small:
+            raise ValueError(f"workload values must be >= 1, got {small}")
+        if self.tokens_per_micro_batch < self.max_seq_len:
+            raise ValueError(
+                f"tokens_per_micro_batch ({self.tokens_per_micro_batch}) < max_seq_len "
+                f"({self.max_seq_len}): a sequence is never split across micro-batches"
+            )
+
+    @classmethod
+    def for_lengths(
+        cls,
+        phase: str,
+        lengths: Sequence[int],
+        *,
+        token_budget: int = 8192,
+        dp: int = 1,
+        concurrent_sequences: int | None = None,
+    ) -> PhaseWorkload:
+        """The workload of a batch of sequence ``lengths`` spread over ``dp`` replicas, packed
+        into micro-batches of ``max(token_budget, longest)`` tokens."""
+        if not lengths:
+            raise ValueError("lengths is empty: a phase needs at least one sequence")
+        longest = max(lengths)
+        per_mb = max(token_budget, longest)
+        share = math.ceil(sum(lengths) / dp)
+        return cls(
+            phase=phase,
+            max_seq_len=longest,
+            tokens_per_micro_batch=per_mb,
+            num_micro_batches=max(1, math.ceil(share / per_mb)),
+            concurrent_sequences=concurrent_sequences or max(1, math.ceil(len(lengths) / dp)),
+        )
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """Numerics and constants of the memory model (``gpu()`` / ``cpu()`` give the defaults)."""
+
+    grad_bytes: int = 4
+    """Bytes per local parameter of the gradient buffer (Megatron DDP grad_reduce_in_fp32)."""
+    use_distributed_optimizer: bool = True
+    """Optimizer state (and fp32 master weights) sharded over DP (Megatron's ZeRO-1)."""
+    recompute: str | None = None
+    """Activation recompute: None, "selective" or "full"."""
+    logprob_chunk_size: int = 1024
+    """Tokens per output-layer chunk of the log-prob pass (``training.logprobs``)."""
+    logprob_buffers: float = 4.0
+    """fp32 ``chunk x V/tp`` buffers alive at once in the chunked output layer's backward (the
+    forward-only pass of the experience phase holds half as many)."""
+    activation_scale: dict[str, float] = field(default_factory=lambda: {p: 1.0 for p in PHASES})
+    """Per-phase multiplier of the analytic activation bytes (fitted on CPU; 1 on GPU)."""
+    fixed_bytes: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    """Per-phase fixed bytes added to the log-prob buffers (fitted on CPU)."""
+    cp_mask_bytes: float = 0.0
+    """Bytes per element of the causal masks of this project's CP attention kept for backward
+    (CPU SDPA keeps an fp32 copy: 4); 0 where a ring/TE CP attention has no s^2 term."""
+    overhead_bytes: float = 0.0
+    """Fixed per-rank overhead (CUDA context, NCCL buffers, allocator slack)."""
+    train_state_resident: bool = False
+    """Gradients and optimizer state stay on the device during rollout and experience (no
+    offload); False assumes they are offloaded while those phases run."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(
+                f"recompute {self.recompute!r} is not one of None, 'selective', 'full'"
+            )
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        for name in ("activation_scale", "fixed_bytes"):
+            missing = set(PHASES) - set(getattr(self, name))
+            if missing:
+                raise ValueError(f"{name} lacks phases {sorted(missing)}; give all of {PHASES}")
+
+    @classmethod
+    def gpu(cls, **overrides) -> MemorySettings:
+        """Analytic defaults for NVIDIA GPUs (distributed optimizer, 3 GiB framework overhead)."""
+        return cls(**{"overhead_bytes": 3.0 * GiB, **overrides})
+
+    @classmethod
+    def cpu(cls, **overrides) -> MemorySettings:
+        """Defaults for the CPU runs of this project (plain optimizer, CP masks on SDPA)."""
+        return cls(
+            **{
+                "use_distributed_optimizer": False,
+                "train_state_resident": True,
+                "cp_mask_bytes": 4.0,
+                "logprob_chunk_size": 512,
+                # fitted by calibrate.fit on dp2/tp2/cp2/pp2 x 512..4096 tokens (docs/selector.md)
+                "activation_scale": {"rollout": 1.0, "experience": 1.03, "train": 1.265},
+                "fixed_bytes": {"rollout": 0.0, "experience": -1.45 * MiB, "train": -1.6 * MiB},
+                **overrides,
+            }
+        )
+
+    def with_calibration(
+        self, activation_scale: dict[str, float], fixed_bytes: dict[str, float]
+    ) -> MemorySettings:
+        return replace(
+            self,
+            activation_scale={**self.activation_scale, **activation_scale},
+            fixed_bytes={**self.fixed_bytes, **fixed_bytes},
+        )
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted peak bytes per rank, by term."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logprob_buffers: float
+    kv_cache: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logprob_buffers
+            + self.kv_cache
+            + self.overhead
+        )
+
+    @property
+    def static(self) -> float:
+        """State living across phases: weights, gradients, optimizer."""
+        return self.weights + self.gradients + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        names = ("weights", "gradients", "optimizer", "activations", "logprob_buffers")
+        out = {k: getattr(self, k) for k in (*names, "kv_cache", "overhead")}
+        out["total"] = self.total
+        return out
+
+
+class MemoryModel:
+    """Analytic per-rank peak memory of a phase in a layout (module docstring)."""
+
+    def __init__(self, model: ModelConfig, settings: MemorySettings | None = None) -> None:
+        self.model = model
+        self.settings = settings or MemorySettings.gpu()
+        self.param_bytes = _DTYPE_BYTES[model.params_dtype]
+
+    # ------------------------------------------------------------------ parameters
+
+    def layer_parameters(self, tp: int) -> float:
+        """Parameters of one transformer layer on one TP rank."""
+        m = self.model
+        h, f, d = m.hidden_size, m.ffn_hidden_size, m.head_dim
+        qkv_out = (m.num_attention_heads + 2 * m.query_groups) * d
+        split = h * qkv_out + m.num_attention_heads * d * h + 3 * h * f
+        split += qkv_out if m.add_qkv_bias else 0
+        replicated = 2 * h + (2 * d if m.qk_layernorm else 0)
+        return split / tp + replicated
+
+    def stage_parameters(self, layout: ParallelLayout) -> float:
+        """Parameters on the most loaded pipeline stage's rank."""
+        m = self.model
+        layers = self.layer_parameters(layout.tp) * m.num_layers / layout.pp
+        vocab = m.padded_vocab_size * m.hidden_size / layout.tp
+        if layout.pp == 1:
+            return layers + vocab * (1 if m.tie_embeddings else 2) + m.hidden_size
+        # first stage: embedding; last stage: output layer (+ tied copy) and the final norm
+        return layers + vocab + m.hidden_size
+
+    # ------------------------------------------------------------------ activations
+
+    def activation_elements_per_token(
+        self, tp: int, recompute: str | None = None, cp: int = 1
+    ) -> float:
+        """Elements one layer saves for backward per local token on a TP rank."""
+        m = self.model
+        h, f = m.hidden_size, m.ffn_hidden_size
+        q = m.num_attention_heads * m.head_dim
+        kv = m.query_groups * m.head_dim
+        norms = 4 * h  # input and output of both RMSNorms (replicated over TP without SP)
+        qkv = q + 2 * kv  # fused QKV output
+        rotated = q + kv
+        # CP all-gathers K/V of the whole sequence (cp x the local tokens), then GQA repeats them
+        gathered = 2 * kv * cp if cp > 1 else 0
+        expanded = 2 * q * cp if m.query_groups != m.num_attention_heads else 0
+        rotated += gathered
+        core = q + q  # attention output and its contiguous copy fed to linear_proj
+        mlp = 4 * f  # fc1 output (2f), silu(gate), silu(gate) * up
+        if recompute == "selective":
+            return norms + (qkv + q + mlp) / tp
+        return norms + (qkv + rotated + expanded + core + mlp) / tp
+
+    def _layer_transient(self, tp: int, cp: int = 1) -> float:
+        """Elements per local token alive inside one layer's forward (forward-only phases): the
+        residual stream and norm output, plus the larger of attention (QKV, rotated Q/K, K/V
+        gathered over CP and GQA-expanded, output) and SwiGLU (fc1 out, silu, product)."""
+        m = self.model
+        q = m.num_attention_heads * m.head_dim
+        kv = m.query_groups * m.head_dim
+        attn = (q + 2 * kv) + (q + kv) + (2 * kv * cp if cp > 1 else 0) + q
+        attn += 2 * q * cp if m.query_groups != m.num_attention_heads else 0
+        return 2 * m.hidden_size + max(attn, 4 * m.ffn_hidden_size) / tp
+
+    def saved_activation_bytes(
+        self, phase: str, layout: ParallelLayout, work: PhaseWorkload, stage: str = "last"
+    ) -> float:
+        """Analytic activation bytes before the fitted ``activation_scale`` (no CP masks) on the
+        "first" or "last" pipeline stage (the same stage when pp = 1)."""
+        m, s = self.model, self.settings
+        tokens = math.ceil(work.tokens_per_micro_batch / layout.cp)  # this rank's share
+        layers = m.num_layers / layout.pp
+        if phase == "train":
+            per_layer = self.activation_elements_per_token(layout.tp, s.recompute, layout.cp)
+            # 1F1B: the first stage holds min(pp, micro-batches) in flight, the last stage one
+            in_flight = min(layout.pp, work.num_micro_batches) if stage == "first" else 1
+            if s.recompute == "full":  # layer inputs of every micro-batch in flight + one layer
+                saved = layers * m.hidden_size * in_flight + per_layer
+            else:
+                saved = layers * per_layer * in_flight
+            elements = (saved + 3 * m.hidden_size) * tokens
+        elif phase == "experience":  # + the final hidden states kept for the chunked head
+            extra = 2 * m.hidden_size if stage == "last" else m.hidden_size
+            elements = (self._layer_transient(layout.tp, layout.cp) + extra) * tokens
+        else:  # rollout: prefill of one sequence at a time, then decode
+            elements = self._layer_transient(layout.tp) * work.max_seq_len
+        return elements * self.param_bytes
+
+    def cp_mask_bytes(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> float:
+        """Causal masks of this project's CP attention: (2cp + 1) (s / 2cp)^2 elements per
+        sequence and layer (kept for backward in training; one layer at a time otherwise)."""
+        s = self.settings
+        if layout.cp == 1 or phase == "rollout" or not s.cp_mask_bytes:
+            return 0.0
+        chunk = work.max_seq_len / (2 * layout.cp)
+        per_seq = (2 * layout.cp + 1) * chunk * chunk * s.cp_mask_bytes
+        seqs = max(1, work.tokens_per_micro_batch // work.max_seq_len)
+        layers = self.model.num_layers / layout.pp if phase == "train" else 1
+        return per_seq * layers * seqs
+
+    def activations(
+        self, phase: str, layout: ParallelLayout, work: PhaseWorkload, stage: str = "last"
+    ) -> float:
+        scale = self.settings.activation_scale[phase]
+        saved = self.saved_activation_bytes(phase, layout, work, stage)
+        return scale * saved + self.cp_mask_bytes(phase, layout, work)
+
+    def logprob_buffers(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> float:
+        s = self.settings
+        return self.chunk_buffer_bytes(phase, layout, work) + s.fixed_bytes[phase]
+
+    def chunk_buffer_bytes(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> float:
+        """The chunked output layer's fp32 ``chunk x V/tp`` buffers (no fitted constant)."""
+        s = self.settings
+        vocab = self.model.padded_vocab_size / layout.tp
+        if phase == "rollout":  # next-token logits of the decoding batch
+            chunk = work.concurrent_sequences
+        else:
+            chunk = min(s.logprob_chunk_size, math.ceil(work.tokens_per_micro_batch / layout.cp))
+        buffers = s.logprob_buffers if phase == "train" else s.logprob_buffers / 2
+        return chunk * vocab * 4 * buffers
+
+    def kv_cache(self, layout: ParallelLayout, work: PhaseWorkload) -> float:
+        m = self.model
+        kv_heads = max(1.0, m.query_groups / layout.tp)
+        tokens = work.concurrent_sequences * work.max_seq_len
+        per_token = 2 * kv_heads * m.head_dim * self.param_bytes
+        return m.num_layers / layout.pp * per_token * tokens / layout.cp
+
+    # ------------------------------------------------------------------ total
+
+    def peak(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> MemoryBreakdown:
+        """Predicted peak bytes on the most loaded rank of ``layout`` for ``phase``."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+        s = self.settings
+        params = self.stage_parameters(layout)
+        grads = optim = 0.0
+        if phase == "train" or s.train_state_resident:
+            grads = params * s.grad_bytes
+            master = 0 if self.param_bytes == 4 else 4
+            optim = params * (8 + master)
+            if s.use_distributed_optimizer:  # Megatron shards over the dp x cp group
+                optim /= layout.dp * layout.cp
+        # The last stage adds the log-prob buffers; the first holds more micro-batches (1F1B).
+        last = self.activations(phase, layout, work, "last")
+        buffers = self.logprob_buffers(phase, layout, work)
+        first = self.activations(phase, layout, work, "first") if layout.pp > 1 else 0.0
+        if first > last + buffers:
+            last, buffers = first, 0.0
+        return MemoryBreakdown(
+            weights=params * self.param_bytes,
+            gradients=grads,
+            optimizer=optim,
+            activations=last,
+            logprob_buffers=buffers,
+            kv_cache=self.kv_cache(layout, work) if phase == "rollout" else 0.0,
+            overhead=s.overhead_bytes,
+        )
