@@ -9,6 +9,7 @@
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
     megatron-earl bench selector                    # context-length sweep: selector vs static
+    megatron-earl convert hf-to-mcore --hf DIR --out DIR   (or mcore-to-hf --ckpt DIR --out DIR)
 
 Subcommands that start processes go through ``torchrun`` (the same launcher users run under
 slurm); the others call the component's own ``main(argv)``.
@@ -29,6 +30,7 @@ _MODULES = {
     ("serve",): "megatron_earl.rollout.server",
     ("plot",): "megatron_earl.orchestration.plot",
     ("plan",): "megatron_earl.selector.plan_cli",
+    ("convert",): "megatron_earl.convert.cli",
     ("bench", "selector"): "megatron_earl.selector.bench",
 }
 _TORCHRUN = {"smoke": "megatron_earl.cli.smoke", "train": "megatron_earl.cli.train"}
@@ -67,14 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "train":
         # Validate the whole run before any process (or process group) is started.
-        from megatron_earl.config.check import main as check
+        from megatron_earl.cli.train import resolve_config
+        from megatron_earl.config.run import ConfigError
+        from megatron_earl.config.validate import validate_run
 
         rest = argv[1:]
-        nproc = rest[rest.index("--nproc") + 1] if "--nproc" in rest else "2"
+        nproc = int(rest[rest.index("--nproc") + 1]) if "--nproc" in rest else 2
         plain = [a for i, a in enumerate(rest) if a != "--nproc" and rest[i - 1 : i] != ["--nproc"]]
-        status = check(["--world-size", nproc, *plain])
-        if status:
-            return status
+        try:
+            validate_run(resolve_config(plain, nproc), nproc)
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
     if argv[0] in _TORCHRUN:
         return _torchrun(_TORCHRUN[argv[0]], argv[1:])
     for words, module in _MODULES.items():

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 -m megatron_earl.cli.train --config configs/demo_cpu.yaml \
         steps=40 train.lr=3e-4
+    torchrun ... -m megatron_earl.cli.train "${MEGATRON_LM_RECIPE_ARGS[@]}" --earl-env arithmetic
 
 or ``megatron-earl train --nproc 2 --config ...`` (starts torchrun itself). The config is loaded,
 its overrides applied and the whole run validated against the world size *before* any process
@@ -18,22 +19,36 @@ import sys
 import time
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def resolve_config(argv: list[str], world_size: int):
+    """The run config of a command line, in either of two styles:
+
+    - ``--config FILE key=value ...`` (YAML + dotted overrides);
+    - Megatron-LM flags (``--num-layers 28 --tensor-model-parallel-size 4 ...``) with this
+      plugin's ``--earl-*`` flags: an existing Megatron recipe's bash arguments, unchanged
+      (``config.megatron_args``; docs/megatron_args.md).
+    """
+    from megatron_earl.config.loader import load_config
+
+    if any(a.startswith("--") and a.split("=")[0] != "--config" for a in argv):
+        from megatron_earl.config.megatron_args import build_parser, config_from_megatron_args
+
+        return config_from_megatron_args(build_parser().parse_args(argv), world_size=world_size)
     parser = argparse.ArgumentParser(
         prog="megatron_earl.cli.train", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--config", default=None, help="YAML run config (configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from megatron_earl.config.loader import load_config, save_config
+    from megatron_earl.config.loader import save_config
     from megatron_earl.config.validate import validate_run
 
-    config = load_config(args.config, args.overrides)
-    validate_run(config, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config = resolve_config(list(sys.argv[1:] if argv is None else argv), world_size)
+    validate_run(config, world_size)  # before any process group
 
     import torch.distributed as dist
 

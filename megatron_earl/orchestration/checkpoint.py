@@ -7,19 +7,21 @@ On disk (``save_dir``)::
 
     iter_0000010/          a complete dist_checkpointing (torch_dist) directory + run_metadata.json
     iter_0000020.tmp/      a save in progress (or interrupted): ignored, removed by clean_incomplete
-    latest                 "iter_0000020", replaced by atomic rename after the directory is final
+    latest                 "iter_0000010", replaced by atomic rename once a new directory is final
 
 What a checkpoint holds: every model chunk's ``sharded_state_dict()`` (keys independent of the
 layout), the Megatron optimizer's ``sharded_state_dict(model_sd)`` (plain optimizer: sharded like
-the parameters; distributed optimizer: its default ``fully_sharded_model_space``), each rank's RNG
+the parameters; distributed optimizer: ``dp_reshardable`` or ``fully_reshardable``), each rank's RNG
 states as one ``ShardedObject`` per rank (CPU generator, CUDA generator when present, Megatron's
 tracker states, Python and NumPy), and in ``common.pt`` the step, weight version, data position,
 layout and model config. ``run_metadata.json`` repeats the small facts for humans and tools.
 
-Layouts: the model always loads in another layout (dist_checkpointing reshards). The optimizer
-state loads in another TP/PP/DP layout too (both optimizer kinds above are described in model
-space); RNG states are per rank and restored only in the same layout and world size (elsewhere
-the streams cannot continue; ``ResumeState.rng_restored`` says which happened).
+Layouts: the model always loads in another layout (dist_checkpointing reshards). The plain
+optimizer's state loads in any TP/PP/DP layout; the distributed optimizer's in any layout with
+``fully_reshardable`` (Apex/TE Adam) and across DP sizes with ``dp_reshardable`` (the torch-Adam
+fallback; another TP/PP is refused by name). RNG states are per rank and restored only in the same
+layout and world size (``ResumeState.rng_restored`` says which happened). See
+megatron_earl/docs/checkpoints.md for the megatron-core 0.16.1 details.
 
 Atomicity: all ranks write into ``iter_N.tmp/``; rank 0 then fsyncs every file and the directory,
 renames it to ``iter_N/``, writes ``latest.tmp``, fsyncs and renames it to ``latest``. A crash at
@@ -82,12 +84,14 @@ class CheckpointConfig:
     """Restore the optimizer state on resume."""
     load_rng: bool = True
     """Restore RNG states on resume (same layout only)."""
-    dist_opt_format: str = "fully_reshardable"
+    dist_opt_format: str | None = None
     """Distributed-optimizer state format: "fully_reshardable" (gathered per DP group on save,
-    loads in any layout) or "dp_reshardable" (fully parallel, reshards over DP only)."""
+    loads in any layout), "dp_reshardable" (fully parallel, reshards over DP only) or None: the
+    former with Apex/TE optimizers, the latter on the torch-Adam fallback (megatron-core 0.16.1
+    cannot load fully_reshardable state into torch Adam: KeyError 'step')."""
 
     def __post_init__(self) -> None:
-        if self.dist_opt_format not in _DIST_OPT_FORMATS:
+        if self.dist_opt_format not in (None, *_DIST_OPT_FORMATS):
             raise ValueError(
                 f"dist_opt_format {self.dist_opt_format!r} is not one of {_DIST_OPT_FORMATS}"
             )
@@ -283,6 +287,41 @@ def _allow_child_processes() -> Iterator[None]:
             config["daemon"] = daemon
 
 
+def _default_dist_opt_format() -> str:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return "fully_reshardable" if distrib_optimizer.HAVE_APEX_OR_TE else "dp_reshardable"
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(sub, DistributedOptimizer) for sub in subs)
+
+
+def _check_optimizer_layout(ckpt: Path, info: dict[str, Any], optimizer: Any) -> None:
+    """Refuse, with the reason, an optimizer state this layout cannot load."""
+    saved = info.get("layout") or {}
+    now = _layout()
+    kind = "distributed" if _is_distributed(optimizer) else "plain"
+    if info.get("optimizer_kind", kind) != kind:
+        raise CheckpointError(
+            f"{ckpt}: optimizer state of a {info['optimizer_kind']} optimizer cannot be loaded "
+            f"into a {kind} one (use_distributed_optimizer must match, or load_optimizer=False)"
+        )
+    if info.get("dist_opt_format") == "dp_reshardable":
+        moved = [a for a in ("tp", "cp", "pp", "vpp") if saved.get(a) != now[a]]
+        if moved:
+            raise CheckpointError(
+                f"{ckpt}: distributed-optimizer state was saved as 'dp_reshardable' at "
+                f"{ {a: saved.get(a) for a in moved} }, which reshards over DP only; this layout "
+                f"has { {a: now[a] for a in moved} }. Load with load_optimizer=False, or save "
+                "with dist_opt_format='fully_reshardable' (needs Apex/TE Adam) or the plain "
+                "optimizer"
+            )
+
+
 @torch.no_grad()
 def _init_empty_adam_state(optimizer: Any) -> None:
     """Give a fresh distributed optimizer's torch Adam (no Apex/TE) zero moments and step 0:
@@ -368,7 +407,7 @@ def save_checkpoint(
     rank = dist.get_rank()
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_incomplete(save_dir)  # interrupted earlier saves (one save runs at a time)
         tmp.mkdir()
     dist.barrier()
     layout = _layout()
@@ -382,10 +421,12 @@ def save_checkpoint(
     }
     state: dict[str, Any] = _model_sharded_state_dict(model_chunks)
     if optimizer is not None:
-        meta = {"distrib_optim_sharding_type": config.dist_opt_format}
+        info["optimizer_kind"] = "distributed" if _is_distributed(optimizer) else "plain"
+        if info["optimizer_kind"] == "distributed":
+            info["dist_opt_format"] = config.dist_opt_format or _default_dist_opt_format()
+        meta = {"distrib_optim_sharding_type": info.get("dist_opt_format")}
         with _cpu_redirect():
             state["optimizer"] = optimizer.sharded_state_dict(dict(state), metadata=meta)
-        info["dist_opt_format"] = config.dist_opt_format
     state["rng_state"] = _rng_object(_rng_state())
     state[COMMON_KEY] = info
     started = time.time()
@@ -437,6 +478,7 @@ def load_checkpoint(
     want_rng = load_rng and same_layout
     state: dict[str, Any] = _model_sharded_state_dict(model_chunks)
     if want_optimizer:
+        _check_optimizer_layout(ckpt, info, optimizer)
         _init_empty_adam_state(optimizer)
         meta = {"distrib_optim_sharding_type": info.get("dist_opt_format", "fully_reshardable")}
         with _cpu_redirect():
@@ -449,7 +491,7 @@ def load_checkpoint(
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if want_optimizer:
-        with _cpu_redirect():
+        with _cpu_redirect(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
     if want_rng:
         _set_rng_state(loaded["rng_state"])
