@@ -254,7 +254,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Retention: keep the newest this many checkpoints (0 keeps all)."""
     load: str | None = None
-    """Checkpoint directory to start from (must exist); None starts fresh."""
+    """Initial weights (must exist): a Hugging Face model directory or a Megatron checkpoint in
+    any layout; weights only, the run starts at step 0. None: random initialisation."""
     resume: bool = True
     """Resume from the newest checkpoint in ``dir`` when there is one (overrides ``load``)."""
 

@@ -2,11 +2,14 @@
 
     summary = train(config)      # every rank; the same summary everywhere
 
-Resume: when the run's checkpoint directory holds a complete checkpoint (or ``checkpoint.load``
-names one), the model, optimizer, RNG states, step and weight version are restored and the run
-continues at the next step; the warm start and the first evaluation are skipped (their results
-are in the checkpoint). Prompts of step k are a pure function of k, so the resumed steps see the
-same data as an uninterrupted run; sampling seeds are per step, so they generate the same tokens.
+Resume: when the run's checkpoint directory holds a complete checkpoint, the model, optimizer,
+RNG states, step and weight version are restored and the run continues at the next step; the
+warm start and the first evaluation are skipped (their results are in the checkpoint). Prompts of
+step k are a pure function of k, so the resumed steps see the same data as an uninterrupted run;
+sampling seeds are per step, so they generate the same tokens.
+
+Start from existing weights: ``checkpoint.load`` names a Hugging Face model directory or a Megatron
+checkpoint (saved in any layout); only the weights are loaded, then warm start and RL as usual.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ def checkpoint_config(config: RunConfig) -> ckpt.CheckpointConfig:
 
 
 def _resume_source(config: RunConfig) -> str | None:
+    """The run's own newest checkpoint, when resuming is on and one exists."""
     if config.checkpoint.resume and ckpt.complete_steps(config.checkpoint_dir):
         return str(config.checkpoint_dir)
-    return config.checkpoint.load
+    return None
 
 
 def train(config: RunConfig) -> dict[str, Any]:
@@ -60,6 +64,13 @@ def train(config: RunConfig) -> dict[str, Any]:
         policy.version = state.weight_version
         summary.update(state.data_state.get("summary", {}))
     else:
+        if config.checkpoint.load:
+            # Initial weights only (a Hugging Face directory or a Megatron checkpoint, any
+            # layout); the run starts at step 0 with a fresh optimizer.
+            from megatron_earl.convert.initial import load_initial_weights
+
+            kind = load_initial_weights(policy.ddp_chunks, config.checkpoint.load)
+            summary["initial_weights"] = f"{kind}:{config.checkpoint.load}"
         if config.sft.steps:
             warm_start(
                 policy.ddp_chunks,
