@@ -1,5 +1,5 @@
-"""TP=2, PP=2 (1F1B and interleaved), DP=2 and TP2xPP2 log-probs and gradients equal a single-process
-TP=1 reference built from the same weights (fp32, tolerance 1e-5)."""
+"""TP=2, PP=2 (1F1B and interleaved), DP=2 and TP2xPP2 log-probs and gradients equal a
+single-process TP=1 reference built from the same weights (fp32, tolerance 1e-5)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,10 @@ def reference():
 )
 def test_logprobs_and_grads_match_single_process(reference, layout):
     results = run_distributed(
-        _run, layout.world_size, args=(layout, MODEL, reference["weights"], _batches()), timeout_s=240
+        _run,
+        layout.world_size,
+        args=(layout, MODEL, reference["weights"], _batches()),
+        timeout_s=240,
     )
     # Log-probs: micro-batch i of DP rank d is global micro-batch d + i * dp.
     ref_lp = reference["logprobs"]

@@ -42,13 +42,23 @@ WALL_CLOCK = ("time/", "tokens_per_s", "train/tokens_per_s")
 
 
 def _command(config: str | Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "megatron_earl.cli.main", "train", "--nproc", "2",
-            "--config", str(config), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "megatron_earl.cli.main",
+        "train",
+        "--nproc",
+        "2",
+        "--config",
+        str(config),
+        *overrides,
+    ]
 
 
-def _run(config, overrides, timeout=300) -> subprocess.CompletedProcess:  # noqa: ANN001
-    return subprocess.run(_command(config, overrides), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def _run(config, overrides, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command(config, overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -75,9 +85,13 @@ def test_sigkill_mid_step_resumes_to_identical_metrics(tmp_path):
 
     # Same run, killed (SIGKILL, whole process group) as soon as the step-2 checkpoint is out.
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_command(demo, [*TINY, f"output_dir={tmp_path}", "name=killed"]),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _command(demo, [*TINY, f"output_dir={tmp_path}", "name=killed"]),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 300
     while not (latest.exists() and "2" in latest.read_text()):
@@ -110,8 +124,9 @@ def test_sigkill_mid_step_resumes_to_identical_metrics(tmp_path):
     ],
 )
 def test_bad_config_fails_before_any_process_group(tmp_path, overrides, fragment):
-    result = _run(ROOT / "configs" / "demo_cpu.yaml", [*overrides, f"output_dir={tmp_path}"],
-                  timeout=120)
+    result = _run(
+        ROOT / "configs" / "demo_cpu.yaml", [*overrides, f"output_dir={tmp_path}"], timeout=120
+    )
     assert result.returncode != 0
     assert fragment in result.stderr
     assert "init_process_group" not in result.stderr
