@@ -62,6 +62,22 @@ def family_by_name(name: str) -> Family:
     return _BY_NAME[name]
 
 
+def family_for_model(model: Any) -> Family:
+    """The HF family whose attention matches a ``ModelConfig`` (qk norm -> qwen3, qkv bias ->
+    qwen2, neither -> llama); for exporting a policy trained from scratch."""
+    matches = [
+        f
+        for f in FAMILIES.values()
+        if (f.qkv_bias, f.qk_norm) == (model.add_qkv_bias, model.qk_layernorm)
+    ]
+    if not matches:
+        raise ConversionError(
+            f"no HF family has qkv bias={model.add_qkv_bias} and qk norm={model.qk_layernorm}; "
+            f"supported: {sorted(_BY_NAME)}"
+        )
+    return matches[0]
+
+
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():

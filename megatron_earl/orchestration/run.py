@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_earl.config.run import RunConfig
+from megatron_earl.convert.families import family_for_model
 from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.orchestration.metrics import MetricsLogger
@@ -136,4 +137,5 @@ def _save(loop: RLLoop, saving: ckpt.CheckpointConfig, config: RunConfig, summar
         weight_version=loop.policy.version,
         data_state={"step": loop.step, "summary": summary},
         model_config=config.model,
+        family=family_for_model(config.model).name,
     )

@@ -76,11 +76,18 @@ def _assert_same(a: dict, b: dict) -> None:
             assert value == other, (a["step"], key, value, other)
 
 
-def test_sigkill_mid_step_resumes_to_identical_metrics(tmp_path):
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> Path:
+    """An uninterrupted tiny run (4 steps, checkpoints at 2 and 4); its run directory."""
+    out = tmp_path_factory.mktemp("runs")
+    result = _run(ROOT / "configs" / "demo_cpu.yaml", [*TINY, f"output_dir={out}", "name=full"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "full"
+
+
+def test_sigkill_mid_step_resumes_to_identical_metrics(full_run, tmp_path):
     demo = ROOT / "configs" / "demo_cpu.yaml"
-    full = _run(demo, [*TINY, f"output_dir={tmp_path}", "name=full"])
-    assert full.returncode == 0, full.stderr[-3000:]
-    reference = _metrics(tmp_path / "full")
+    reference = _metrics(full_run)
     assert [r["step"] for r in reference] == [1, 2, 3, 4]
 
     # Same run, killed (SIGKILL, whole process group) as soon as the step-2 checkpoint is out.
@@ -112,6 +119,78 @@ def test_sigkill_mid_step_resumes_to_identical_metrics(tmp_path):
         _assert_same(want, got)
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4
+
+
+def _engine_greedy(ckpt: str, model_fields: dict, prompt: list[int], n: int) -> list[int]:
+    from megatron_earl.config.model import ModelConfig
+    from megatron_earl.convert.initial import load_initial_weights
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.parallel.layout import ParallelLayout
+    from megatron_earl.parallel.state import use_layout
+    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
+
+    use_layout(ParallelLayout())
+    model = ModelConfig(**model_fields)
+    chunks = build_model(model)
+    load_initial_weights(chunks, ckpt)
+    engine = EmbeddedEngine(chunks, model, EmbeddedEngineConfig(max_batch_size=1, max_seq_len=256))
+    request = GenerateRequest(tuple(prompt), SamplingParams(max_new_tokens=n, temperature=0.0))
+    result = run_engine(engine, lambda eng: eng.generate(request))
+    return list(result.output_ids)
+
+
+def test_trained_policy_exports_to_hf_with_identical_greedy_tokens(full_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from megatron_earl.config.loader import load_config
+    from megatron_earl.envs.arithmetic import make_expression
+    from megatron_earl.testing.distributed import run_distributed
+    from megatron_earl.tokenizer.demo import DemoTokenizer
+
+    hf_dir = tmp_path / "hf"
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_earl.cli.main",
+            "convert",
+            "mcore-to-hf",
+            "--ckpt",
+            str(full_run / "checkpoints"),
+            "--out",
+            str(hf_dir),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    config = load_config(full_run / "config.yaml")
+    tokenizer = DemoTokenizer()
+    prompt = tokenizer.render_messages(
+        [{"role": "user", "content": make_expression(7, 2)}], add_generation_prompt=True
+    )
+    n = 24
+    ours = run_distributed(
+        _engine_greedy,
+        1,
+        args=(str(full_run / "checkpoints"), config.model.to_dict(), prompt, n),
+        timeout_s=180,
+    )[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    assert out[0, len(prompt) :].tolist() == ours
 
 
 @pytest.mark.parametrize(
