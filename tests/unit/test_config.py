@@ -61,7 +61,7 @@ def test_dotted_overrides_are_typed():
     assert cfg.rollout.sampling.stop_token_ids == (1, 3)
     assert cfg.env.kwargs == {"difficulty": 3}
     assert isinstance(cfg.model.rotary_base, float)
-    assert cfg.model.num_layers == 2  # untouched keys keep the file's values
+    assert cfg.model.num_layers == 4  # untouched keys keep the file's values
 
 
 def test_train_config_is_an_optim_config():
