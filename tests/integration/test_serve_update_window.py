@@ -1,0 +1,71 @@
+"""``megatron-earl serve`` during a weight update: generation requests get HTTP 503 with a clear
+message while the update runs, the update then completes (version bumped), and generation works
+again. The engine's weight load is held on an event so the window is deterministic; everything
+else (HTTP server, engine, model) is real."""
+
+from __future__ import annotations
+
+from megatron_earl.testing.distributed import run_distributed
+
+
+def _update_window() -> dict:
+    import asyncio
+
+    import torch
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from megatron_earl.rollout.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.weight_sync import serialize_named_tensors
+
+    engine, model = build_engine(parse_args(["--seed", "0", "--max-seq-len", "64"]))
+    server = Server(engine, "random")
+    loading = asyncio.Event
+    out: dict = {}
+
+    async def main() -> None:
+        await engine.start()
+        release, started = loading(), loading()
+        original = engine.load_state_dict
+
+        async def held_load(full, version):
+            started.set()
+            await release.wait()
+            await original(full, version)
+
+        engine.load_state_dict = held_load
+        client = TestClient(TestServer(server.app()))
+        await client.start_server()
+        try:
+            gen = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+            out["before"] = (await client.post("/generate", json=gen)).status
+            payload = serialize_named_tensors(
+                [("model.norm.weight", torch.full((model.hidden_size,), 2.0))]
+            )
+            update = asyncio.create_task(
+                client.post(
+                    "/update_weights_from_tensor",
+                    json={"serialized_named_tensors": [payload], "weight_version": "7"},
+                )
+            )
+            await started.wait()
+            during = await client.post("/generate", json=gen)
+            out["during"] = (during.status, (await during.json())["error"]["message"])
+            release.set()
+            out["update"] = (await update).status
+            out["after"] = (await client.post("/generate", json=gen)).status
+            out["version"] = engine.weight_version
+        finally:
+            await client.close()
+            await engine.shutdown()
+
+    asyncio.run(main())
+    return out
+
+
+def test_generate_during_weight_update_gets_503_then_serves():
+    out = run_distributed(_update_window, 1, timeout_s=120)[0]
+    assert out["before"] == 200
+    status, message = out["during"]
+    assert status == 503 and "weight update is in progress" in message
+    assert out["update"] == 200 and out["version"] == 7
+    assert out["after"] == 200
