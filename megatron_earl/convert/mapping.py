@@ -36,7 +36,7 @@ HF_FINAL_NORM = "model.norm.weight"
 HF_OUTPUT = "lm_head.weight"
 
 # Megatron layer suffix -> HF layer-relative names, in concatenation order.
-_LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
+LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",)),
     (
         "self_attention.linear_qkv.weight",
@@ -66,7 +66,7 @@ EXTRA_STATE_SUFFIXES = (
 def layer_suffixes(model: ModelConfig) -> list[str]:
     """Megatron layer-key suffixes this model has (``decoder.layers.`` + suffix is the key)."""
     out = []
-    for suffix, _ in _LAYER_TABLE:
+    for suffix, _ in LAYER_TABLE:
         if suffix.endswith("linear_qkv.bias") and not model.add_qkv_bias:
             continue
         if "q_layernorm" in suffix or "k_layernorm" in suffix:
@@ -78,7 +78,7 @@ def layer_suffixes(model: ModelConfig) -> list[str]:
 
 def hf_layer_names(model: ModelConfig, layer: int) -> list[str]:
     """Full HF names of layer ``layer``'s tensors."""
-    table = dict(_LAYER_TABLE)
+    table = dict(LAYER_TABLE)
     return [f"model.layers.{layer}.{n}" for s in layer_suffixes(model) for n in table[s]]
 
 
@@ -123,7 +123,7 @@ def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], mode
         )
 
 
-def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig):
+def group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig):
     g, per = model.query_groups, model.num_attention_heads // model.query_groups
     d = model.head_dim
     tail = q.shape[1:]
@@ -131,7 +131,7 @@ def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelCo
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
-def _ungroup_qkv(qkv: torch.Tensor, model: ModelConfig):
+def ungroup_qkv(qkv: torch.Tensor, model: ModelConfig):
     g, per = model.query_groups, model.num_attention_heads // model.query_groups
     d = model.head_dim
     tail = qkv.shape[1:]
@@ -149,13 +149,13 @@ def hf_layer_to_mcore(
         if name not in hf:
             raise ConversionError(f"tensor {name} is missing from the HF checkpoint")
         check_shape(name, hf[name], shape, model)
-    table = dict(_LAYER_TABLE)
+    table = dict(LAYER_TABLE)
     prefix = f"model.layers.{layer}."
     out = {}
     for suffix in layer_suffixes(model):
         parts = [hf[prefix + n] for n in table[suffix]]
         if suffix.startswith("self_attention.linear_qkv.") and len(parts) == 3:
-            out[suffix] = _group_qkv(*parts, model)
+            out[suffix] = group_qkv(*parts, model)
         elif len(parts) == 2:
             out[suffix] = torch.cat(parts, dim=0)
         else:
@@ -219,7 +219,7 @@ def mcore_to_hf_tensors(
     if key.startswith(LAYER_PREFIX):
         if layer is None:
             raise ValueError(f"{key} is a layer key: pass the layer index")
-        table = dict(_LAYER_TABLE)
+        table = dict(LAYER_TABLE)
         suffix = key[len(LAYER_PREFIX) :]
         if suffix not in table:
             raise ConversionError(f"no HF name for Megatron tensor {key}")
@@ -235,9 +235,9 @@ def mcore_to_hf_tensors(
 
 
 def _single_layer_to_hf(suffix: str, tensor: torch.Tensor, model: ModelConfig, layer: int):
-    names = [f"model.layers.{layer}.{n}" for n in dict(_LAYER_TABLE)[suffix]]
+    names = [f"model.layers.{layer}.{n}" for n in dict(LAYER_TABLE)[suffix]]
     if len(names) == 3:
-        parts = tuple(_ungroup_qkv(tensor, model))
+        parts = tuple(ungroup_qkv(tensor, model))
     elif len(names) == 2:
         parts = torch.chunk(tensor, 2, dim=0)
     else:
