@@ -121,8 +121,8 @@ class RolloutConfig:
     engine: str = "embedded"
     """ "embedded" (the Megatron model in the rollout layout) or "sglang" (SGLang servers)."""
     engine_urls: tuple[str, ...] = ()
-    """SGLang server URLs (disaggregated servers); empty with engine=sglang: colocated servers
-    started by the trainer on its own GPUs."""
+    """SGLang server URLs (disaggregated servers); required with engine=sglang (the trainer does
+    not start colocated SGLang servers itself)."""
     max_turns: int = 4
     """Model turns per trajectory at most."""
     max_context: int = 2048

@@ -43,6 +43,7 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
                 f"{config.batch.samples_per_step} samples (batch.prompts_per_step x "
                 "batch.samples_per_prompt); every data-parallel rank needs at least one"
             )
+    problems.extend(_engine_problems(config))
     load = config.checkpoint.load
     if load is not None and not Path(load).exists():
         problems.append(f"checkpoint.load: checkpoint path {load!r} does not exist")
@@ -64,6 +65,23 @@ def validate_run(config: RunConfig, world_size: int) -> None:
             f"configuration cannot run on {world_size} rank{'s' * (world_size != 1)}:\n  "
             + "\n  ".join(problems)
         )
+
+
+def _engine_problems(config: RunConfig) -> list[str]:
+    rollout = config.layout("rollout")
+    if config.rollout.engine == "embedded" and (rollout.pp > 1 or rollout.cp > 1):
+        return [
+            f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "
+            f"(pp={rollout.pp}, cp={rollout.cp}); use e.g. "
+            f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
+        ]
+    if config.rollout.engine == "sglang" and not config.rollout.engine_urls:
+        return [
+            "rollout.engine=sglang needs rollout.engine_urls (the SGLang servers to drive, e.g. "
+            "from scripts/slurm_disaggregated.sbatch); the trainer does not start colocated "
+            "SGLang servers itself"
+        ]
+    return []
 
 
 def _tokenizer_problems(config: RunConfig) -> list[str]:

@@ -121,13 +121,13 @@ def apply_hf_tensor(
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """A full Megatron state from a complete HF state dict (padding rows zero)."""
     first = next(iter(hf.values()))
-    full = {k: torch.zeros(s, dtype=first.dtype) for k, s in _global_shapes(model).items()}
+    full = {k: torch.zeros(s, dtype=first.dtype) for k, s in global_shapes(model).items()}
     for name, tensor in hf.items():
         apply_hf_tensor(full, name, tensor, model)
     return full
 
 
-def _global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     vocab = (model.padded_vocab_size, model.hidden_size)
     shapes = {
         mapping.LAYER_PREFIX + suffix: (model.num_layers, *shape)

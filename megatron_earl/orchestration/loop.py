@@ -4,6 +4,8 @@ One step, with the per-phase layouts of the run config:
 
     rollout     use_layout(R); reshard policy -> R; agent loops on the embedded engine
                 (trajectories stay on TP rank 0 of each rollout replica; GRPO advantages there)
+                -- or, with SGLang engines, push weights if stale and drive them from every rank
+                (``orchestration.remote``)
     experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs;
                 reverse path E -> the rollout ranks (rollout/train mismatch metric)
     train       use_layout(T); dispatch R -> T; RL train step(s); weight version + 1
@@ -30,6 +32,7 @@ from megatron_earl.dispatch import Destination, PlanConfig
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
 from megatron_earl.orchestration.policy import Policy
+from megatron_earl.orchestration.remote import RemoteEngines
 from megatron_earl.orchestration.rollout import PromptSet, group_index, run_rollout
 from megatron_earl.orchestration.samples import (
     attach_token_field,
@@ -47,7 +50,7 @@ from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
 
 SAMPLE_ID_STRIDE = 1_000_000
-"""Sample ids of rollout replica d start at d * SAMPLE_ID_STRIDE (unique in a step)."""
+"""Sample ids of rollout source d (replica or rank) start at d * SAMPLE_ID_STRIDE."""
 
 
 def _unwrap(chunk):
@@ -61,19 +64,27 @@ class RLLoop:
         self.config = config
         self.tokenizer = tokenizer
         self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
-        self.policy = Policy.build(config.model, self.layouts, config.train.optim(), config.seed)
-        use_layout(self.layouts["rollout"])
-        rollout_chunks = [_unwrap(c) for c in self.policy.chunks(self.layouts["rollout"])]
-        self.engine = EmbeddedEngine(
-            rollout_chunks,
-            config.model,
-            EmbeddedEngineConfig(
-                max_batch_size=min(config.rollout.max_concurrency, 64),
-                max_seq_len=config.rollout.max_context,
-                seed=config.seed,
-            ),
-            detokenize=tokenizer.decode,
-        )
+        self.remote = None
+        self.engine = None
+        built = dict(self.layouts)
+        if config.rollout.engine == "sglang":
+            # External engines: no rollout copy of the policy in this job.
+            self.remote = RemoteEngines(config.rollout.engine_urls, config.model)
+            built.pop("rollout")
+        self.policy = Policy.build(config.model, built, config.train.optim(), config.seed)
+        if self.remote is None:
+            use_layout(self.layouts["rollout"])
+            rollout_chunks = [_unwrap(c) for c in self.policy.chunks(self.layouts["rollout"])]
+            self.engine = EmbeddedEngine(
+                rollout_chunks,
+                config.model,
+                EmbeddedEngineConfig(
+                    max_batch_size=min(config.rollout.max_concurrency, 64),
+                    max_seq_len=config.rollout.max_context,
+                    seed=config.seed,
+                ),
+                detokenize=tokenizer.decode,
+            )
         use_layout(self.layouts["train"])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
@@ -94,9 +105,19 @@ class RLLoop:
             max_concurrency_per_engine=r.max_concurrency,
         )
 
-    def rollout(self, prompts: PromptSet, agent: AgentLoopConfig) -> tuple[list[Trajectory], bool]:
-        """Generate in the rollout layout with the current policy. Returns this rank's
-        trajectories and whether it is a source (holds trajectories)."""
+    def rollout(
+        self, prompts: PromptSet, agent: AgentLoopConfig
+    ) -> tuple[list[Trajectory], int | None]:
+        """Generate with the current policy. Returns this rank's trajectories and its source
+        index (distinct per rank that holds trajectories; None on ranks that hold none)."""
+        if self.remote is not None:
+            use_layout(self.layouts["train"])
+            self.remote.sync(
+                self.policy.master_pieces, self.policy.version, self.config.model.torch_dtype
+            )
+            rank, world = dist.get_rank(), dist.get_world_size()
+            tasks = prompts.tasks_for(rank, world)
+            return self.remote.rollout(tasks, self.tokenizer, agent), rank
         layout = self.layouts["rollout"]
         use_layout(layout)
         self.policy.sync(layout)
@@ -105,7 +126,8 @@ class RLLoop:
         result = run_rollout(self.engine, self.tokenizer, prompts, agent)
         for chunk in self.policy.ddp_chunks:
             chunk.train()
-        return result.trajectories, result.is_source
+        source = parallel_state.get_data_parallel_rank() if result.is_source else None
+        return result.trajectories, source
 
     def experience(self, batch):
         """Old log-probs of every sample in the experience layout, returned to the owners."""
@@ -173,15 +195,14 @@ class RLLoop:
             temperature=cfg.rollout.sampling.temperature,
             seed=cfg.seed * 1_000_003 + self.step,
         )
-        trajs, is_source = self.rollout(prompts, agent)
+        trajs, source = self.rollout(prompts, agent)
         times["rollout"] = time.perf_counter() - start
 
         t0 = time.perf_counter()
         ok = [t for t in trajs if t.ok]
-        replica = parallel_state.get_data_parallel_rank() if is_source else 0
         batch = (
-            trajectories_to_batch(ok, replica * SAMPLE_ID_STRIDE, group_index(ok), self.estimator)
-            if is_source
+            trajectories_to_batch(ok, source * SAMPLE_ID_STRIDE, group_index(ok), self.estimator)
+            if source is not None
             else schema_batch()
         )
         batch = self.experience(batch)

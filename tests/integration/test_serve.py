@@ -106,7 +106,7 @@ def test_launcher_command():
 
 
 def test_generate_and_weight_update(servers):
-    from megatron_earl.models.hf_mapping import _global_shapes
+    from megatron_earl.models.hf_mapping import global_shapes
     from megatron_earl.rollout.weight_sync import WeightSyncConfig, hf_named_tensors, push_weights
 
     async def body():
@@ -119,7 +119,7 @@ def test_generate_and_weight_update(servers):
         same = await b.generate(GenerateRequest(PROMPT, GREEDY))
         assert same.output_ids == first.output_ids  # same seed, same weights
         gen = torch.Generator().manual_seed(11)
-        full = {k: torch.randn(s, generator=gen) * 0.3 for k, s in _global_shapes(MODEL).items()}
+        full = {k: torch.randn(s, generator=gen) * 0.3 for k, s in global_shapes(MODEL).items()}
         stats = await push_weights(
             [a, b], hf_named_tensors(full, MODEL), 1, WeightSyncConfig(bucket_bytes=64 << 10)
         )

@@ -8,7 +8,7 @@ import torch
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.models.hf_mapping import (
-    _global_shapes,
+    global_shapes,
     full_megatron_to_hf,
     hf_target,
     hf_to_megatron,
@@ -97,7 +97,7 @@ def test_qkv_rows_follow_megatron_grouping():
 
 def test_hf_round_trip_is_exact():
     gen = torch.Generator().manual_seed(0)
-    full = {k: torch.randn(s, generator=gen) for k, s in _global_shapes(MODEL).items()}
+    full = {k: torch.randn(s, generator=gen) for k, s in global_shapes(MODEL).items()}
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         full[key][MODEL.vocab_size :] = 0  # padding rows do not exist in HF
     hf = full_megatron_to_hf(full, MODEL)

@@ -1,0 +1,115 @@
+"""The trainer with SGLang engines (``rollout.engine=sglang``, the disaggregated setup): two
+``megatron-earl serve`` processes stand in for SGLang servers (same native HTTP API). The trainer
+(2 ranks under torchrun) pushes its weights to both before each rollout (versions tagged), drives
+multi-turn rollouts on them from every rank, and trains on the result."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_earl.config.loader import load_config
+from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.testing.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [
+    "steps=2",
+    "sft.steps=0",
+    "eval.num_prompts=0",
+    "batch.prompts_per_step=4",
+    "batch.samples_per_prompt=4",
+    "checkpoint.interval=0",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+    "layouts.experience=tp1cp1pp1dp2",
+]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engines")
+    model = load_config(ROOT / "configs" / "demo_cpu.yaml", RUN).model
+    (tmp / "model.json").write_text(json.dumps(model.to_dict()))
+    procs = [
+        ServerProcess(
+            LaunchConfig(
+                model_path="random",
+                port=free_port(),
+                module="megatron_earl.rollout.server",
+                extra_args=(
+                    "--model-config",
+                    str(tmp / "model.json"),
+                    "--max-seq-len",
+                    "256",
+                    "--max-batch-size",
+                    "16",
+                ),
+            ),
+            log_path=str(tmp / f"server{i}.log"),
+            env={"OMP_NUM_THREADS": "1"},
+        )
+        for i in range(2)
+    ]
+    try:
+        for proc in procs:
+            proc.wait_healthy(timeout_s=120)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop(stop_timeout_s=20)
+
+
+def _version(url: str) -> int:
+    async def get() -> int:
+        client = SGLangClient(url)
+        try:
+            await client.get_model_info()
+            return client.weight_version
+        finally:
+            await client.close()
+
+    return asyncio.run(get())
+
+
+def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(servers, tmp_path):
+    urls = ",".join(p.url for p in servers)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_earl.cli.main",
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            str(ROOT / "configs" / "demo_cpu.yaml"),
+            *RUN,
+            f"output_dir={tmp_path}",
+            "name=sgl",
+            "rollout.engine=sglang",
+            f"rollout.engine_urls=[{urls}]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "sgl" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["rollout/trajectories"] == 16
+        assert record["rollout/failed"] == 0
+        assert record["layout/train"] == "tp2cp1pp1dp1"
+    # Pushed before the rollout of step 2: the weights after one optimizer step (version 1).
+    assert [_version(p.url) for p in servers] == [1, 1]
