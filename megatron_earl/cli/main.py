@@ -36,7 +36,24 @@ _MODULES = {
 _TORCHRUN = {"smoke": "megatron_earl.cli.smoke", "train": "megatron_earl.cli.train"}
 
 
+ERROR_FILE_ENV = "MEGATRON_EARL_ERROR_FILE"
+"""Where ``cli.train`` rank 0 writes a run-ending user error (e.g. the selector's), so that
+``megatron-earl train`` repeats it as its last line, after torchrun's failure report."""
+
+
 def _torchrun(module: str, argv: list[str]) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        error_file = os.path.join(tmp, "error.txt")
+        rc = _torchrun_to(module, argv, {ERROR_FILE_ENV: error_file})
+        if rc and os.path.exists(error_file):
+            with open(error_file) as f:
+                print(f"megatron-earl {module.rsplit('.', 1)[-1]}: {f.read()}", file=sys.stderr)
+    return rc
+
+
+def _torchrun_to(module: str, argv: list[str], extra_env: dict[str, str]) -> int:
     nproc = 2
     if "--nproc" in argv:
         i = argv.index("--nproc")
@@ -52,7 +69,7 @@ def _torchrun(module: str, argv: list[str]) -> int:
         module,
         *argv,
     ]
-    env = dict(os.environ)
+    env = {**os.environ, **extra_env}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.call(cmd, env=env)
 
@@ -76,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
         nproc = int(rest[rest.index("--nproc") + 1]) if "--nproc" in rest else 2
         plain = [a for i, a in enumerate(rest) if a != "--nproc" and rest[i - 1 : i] != ["--nproc"]]
+        from megatron_earl.orchestration.selection import selector_problems
+
         try:
-            validate_run(resolve_config(plain, nproc), nproc)
+            config = resolve_config(plain, nproc)
+            validate_run(config, nproc)
+            if selector_problems(config, nproc):
+                raise ConfigError("\n  ".join(selector_problems(config, nproc)))
         except ConfigError as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2

@@ -49,18 +49,35 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = resolve_config(list(sys.argv[1:] if argv is None else argv), world_size)
     validate_run(config, world_size)  # before any process group
+    from megatron_earl.config.run import ConfigError
+    from megatron_earl.orchestration.selection import selector_problems
+
+    problems = selector_problems(config, world_size)
+    if problems:
+        raise ConfigError("\n  ".join(problems))
 
     import torch.distributed as dist
 
     from megatron_earl import runtime
     from megatron_earl.orchestration.run import train
+    from megatron_earl.selector.decide import NoFeasibleLayout
+    from megatron_earl.selector.oom import PhaseOutOfMemory
 
     runtime.initialize()
     if dist.get_rank() == 0:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, config.run_dir / "config.yaml")
     start = time.time()
-    summary = train(config)
+    try:
+        summary = train(config)
+    except (NoFeasibleLayout, PhaseOutOfMemory) as err:
+        # Every rank raises the same error (decisions are deterministic): one message, no trace.
+        if dist.get_rank() == 0:
+            print(f"selector error: {err}", file=sys.stderr, flush=True)
+            if os.environ.get("MEGATRON_EARL_ERROR_FILE"):  # set by ``megatron-earl train``
+                with open(os.environ["MEGATRON_EARL_ERROR_FILE"], "w") as f:
+                    f.write(f"selector error: {err}")
+        return 3
     if dist.get_rank() == 0:
         summary["wall_s"] = round(time.time() - start, 1)
         if "before" in summary and "after" in summary:

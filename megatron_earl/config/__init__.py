@@ -25,6 +25,7 @@ from megatron_earl.config.run import (
     LoggingConfig,
     RolloutConfig,
     RunConfig,
+    SelectorSettings,
     SFTConfig,
     TrainConfig,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",
+    "SelectorSettings",
     "TrainConfig",
     "config_from_tree",
     "config_to_tree",

@@ -17,6 +17,7 @@ the world size lives in ``config.validate``. Every section validates its own val
     sft          SFTConfig                       supervised warm start on demonstrations
     checkpoint   CheckpointConfig                directory, interval, retention, load path
     logging      LoggingConfig                   JSONL, TensorBoard, progress bar
+    selector     SelectorSettings                per-step layout selection (off by default)
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from megatron_earl.training.setup import OptimConfig
 PHASES = ("rollout", "experience", "train")
 """The phases of a step, in order; each has its own parallel layout."""
 ENGINES = ("embedded", "sglang")
+SELECTABLE_PHASES = ("experience", "rollout")
+"""Phases the selector may move between layouts; training stays on ``layouts.train``."""
 
 
 class ConfigError(ValueError):
@@ -283,6 +286,43 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class SelectorSettings:
+    """Per-step parallel layout selection of the experience (and rollout) phases from the batch's
+    context lengths and a per-rank memory budget (``megatron_earl.selector``; docs/selector.md).
+    Training stays on ``layouts.train``: moving the optimizer state between layouts every step is
+    out of scope."""
+
+    enabled: bool = False
+    """Select layouts per step; False runs every phase in its ``layouts`` entry."""
+    budget_mb: float = 81920.0
+    """Per-rank memory budget (MiB): enforced by the project on CPU (a phase past it is an OOM),
+    the device memory the selector plans with on GPU."""
+    phases: tuple[str, ...] = ("experience",)
+    """Phases to select a layout for: "experience" and/or "rollout" (rollout candidates are tp/dp
+    only: the embedded engine needs pp = cp = 1)."""
+    safety_margin: float = 0.1
+    """A layout fits when its predicted peak x (1 + safety_margin) <= budget; in [0, 1)."""
+    switch_gain: float = 0.1
+    """Leave a layout that still fits only for a predicted speed-up above this (relative)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.budget_mb <= 0:
+            problems.append(f"budget_mb ({self.budget_mb}) must be > 0")
+        bad = [p for p in self.phases if p not in SELECTABLE_PHASES]
+        if bad or not self.phases:
+            problems.append(
+                f"phases {list(self.phases)} must be a non-empty subset of {SELECTABLE_PHASES} "
+                "(training stays on layouts.train)"
+            )
+        if not 0 <= self.safety_margin < 1:
+            problems.append(f"safety_margin ({self.safety_margin}) must be in [0, 1)")
+        if self.switch_gain < 0:
+            problems.append(f"switch_gain ({self.switch_gain}) must be >= 0")
+        _require(problems, "selector")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one RL run needs; ``config.loader.load_config`` builds it from YAML."""
 
@@ -316,6 +356,8 @@ class RunConfig:
     """Checkpointing."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and progress."""
+    selector: SelectorSettings = field(default_factory=SelectorSettings)
+    """Per-step layout selection of the experience/rollout phases (off by default)."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("steps",)) + _positive(self, ("seed",), minimum=0)

@@ -12,7 +12,12 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
 - ``checkpoint.load`` and a local ``tokenizer`` directory must exist;
 - the environment must be registered (or a dotted path that imports);
 - the demo tokenizer's vocabulary must fit ``model.vocab_size``;
-- group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``.
+- group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``;
+- selecting the rollout layout (``selector.phases``) needs the embedded engine.
+
+Whether the selector's memory budget admits any layout is checked by
+``orchestration.selection.selector_problems`` (the launchers call it next: this layer does not
+import the selector).
 """
 
 from __future__ import annotations
@@ -69,6 +74,13 @@ def validate_run(config: RunConfig, world_size: int) -> None:
 
 def _engine_problems(config: RunConfig) -> list[str]:
     rollout = config.layout("rollout")
+    selected = config.selector.enabled and "rollout" in config.selector.phases
+    if selected and config.rollout.engine != "embedded":
+        return [
+            f"selector.phases {list(config.selector.phases)} selects the rollout layout, which "
+            f"needs rollout.engine=embedded (got {config.rollout.engine!r}); select 'experience' "
+            "only with SGLang engines"
+        ]
     if config.rollout.engine == "embedded" and (rollout.pp > 1 or rollout.cp > 1):
         return [
             f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "

@@ -81,6 +81,9 @@ class Destination:
     """Fields the first pipeline stage reads (the embedding input)."""
     last_stage_fields: tuple[str, ...] | None = None
     """Fields the last stage reads (targets, masks, log-probs, advantages); None = every field."""
+    middle_stage_fields: tuple[str, ...] = ()
+    """Fields the stages between the first and the last read (none for a plain forward; a
+    consumer that plans micro-batches on every stage needs at least the lengths' carrier)."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -93,6 +96,7 @@ class Destination:
         for label, wanted in (
             ("first_stage_fields", self.first_stage_fields),
             ("last_stage_fields", last),
+            ("middle_stage_fields", self.middle_stage_fields),
         ):
             missing = sorted(set(wanted) - set(names))
             if missing:
@@ -102,6 +106,8 @@ class Destination:
             chosen |= set(self.first_stage_fields)
         if pp_rank == self.layout.pp - 1:
             chosen |= set(last)
+        if 0 < pp_rank < self.layout.pp - 1:
+            chosen |= set(self.middle_stage_fields)
         return tuple(n for n in names if n in chosen)
 
 

@@ -14,6 +14,11 @@ One step, with the per-phase layouts of the run config:
 Every plan (prompt split, dispatch, reshard) is computed on every rank from all-gathered metadata.
 Per-phase timings, layouts, rewards, lengths and losses go to the metrics log every step.
 
+With ``selector.enabled`` the experience (and, when selected, rollout) layout is chosen per step
+from the all-gathered sequence lengths (``orchestration.selection``): the policy copy and the
+embedded engine of a layout are built the first time it is chosen and cached; an out-of-budget
+phase is re-run on the same data in the next layout. Training stays on ``layouts.train``.
+
 Which ranks call: every rank of the world (``run`` under torchrun / srun).
 """
 
@@ -42,10 +47,13 @@ from megatron_earl.orchestration.samples import (
     trajectories_to_batch,
     with_token_field,
 )
+from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
+from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_earl.selector.budget import state_bytes
 from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
 
@@ -72,22 +80,50 @@ class RLLoop:
             self.remote = RemoteEngines(config.rollout.engine_urls, config.model)
             built.pop("rollout")
         self.policy = Policy.build(config.model, built, config.train.optim(), config.seed)
+        self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
         if self.remote is None:
-            use_layout(self.layouts["rollout"])
-            rollout_chunks = [_unwrap(c) for c in self.policy.chunks(self.layouts["rollout"])]
-            self.engine = EmbeddedEngine(
-                rollout_chunks,
-                config.model,
-                EmbeddedEngineConfig(
-                    max_batch_size=min(config.rollout.max_concurrency, 64),
-                    max_seq_len=config.rollout.max_context,
-                    seed=config.seed,
-                ),
-                detokenize=tokenizer.decode,
-            )
+            self.engine = self.engine_for(self.layouts["rollout"])
         use_layout(self.layouts["train"])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
+        self.active = dict(self.layouts)
+        """Layout each phase last ran in (the selector's choice; ``layouts`` when it is off)."""
+        self.selection = None
+        if config.selector.enabled:
+            self.selection = PhaseSelection(config, dist.get_world_size())
+        self.last_lengths: list[int] = []
+
+    def engine_for(self, layout: ParallelLayout) -> EmbeddedEngine:
+        """The embedded engine over the policy's chunks in ``layout`` (built once, cached; it
+        needs pp = cp = 1). Activates ``layout``. Every rank calls."""
+        use_layout(layout)
+        if layout not in self.engines:
+            self.policy.ensure(layout)
+            self.engines[layout] = EmbeddedEngine(
+                [_unwrap(c) for c in self.policy.chunks(layout)],
+                self.config.model,
+                EmbeddedEngineConfig(
+                    max_batch_size=min(self.config.rollout.max_concurrency, 64),
+                    max_seq_len=self.config.rollout.max_context,
+                    seed=self.config.seed,
+                ),
+                detokenize=self.tokenizer.decode,
+            )
+        return self.engines[layout]
+
+    def prepare(self, layout: ParallelLayout) -> None:
+        """Activate ``layout`` and build the policy's copy in it if needed (the selector's
+        switch; the phase syncs the weights). Every rank calls."""
+        use_layout(layout)
+        self.policy.ensure(layout)
+
+    def resident_bytes(self, layout: ParallelLayout) -> int:
+        """State a phase in ``layout`` holds, as the memory model counts it: the master copy's
+        weights, gradients and Adam state, plus ``layout``'s own weights when it is another."""
+        total = state_bytes(self.policy.ddp_chunks, self.policy.optimizer)
+        if layout != self.policy.train_layout:
+            total += state_bytes(self.policy.copies[layout].chunks)
+        return total
 
     # ------------------------------------------------------------------ phases
 
@@ -106,7 +142,7 @@ class RLLoop:
         )
 
     def rollout(
-        self, prompts: PromptSet, agent: AgentLoopConfig
+        self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout | None = None
     ) -> tuple[list[Trajectory], int | None]:
         """Generate with the current policy. Returns this rank's trajectories and its source
         index (distinct per rank that holds trajectories; None on ranks that hold none)."""
@@ -118,26 +154,26 @@ class RLLoop:
             rank, world = dist.get_rank(), dist.get_world_size()
             tasks = prompts.tasks_for(rank, world)
             return self.remote.rollout(tasks, self.tokenizer, agent), rank
-        layout = self.layouts["rollout"]
-        use_layout(layout)
+        layout = layout or self.active["rollout"]
+        engine = self.engine_for(layout)
         self.policy.sync(layout)
-        self.engine.mark_weights_updated(self.policy.version)
-        self.engine.model.eval()
-        result = run_rollout(self.engine, self.tokenizer, prompts, agent)
+        engine.mark_weights_updated(self.policy.version)
+        engine.model.eval()
+        result = run_rollout(engine, self.tokenizer, prompts, agent)
         for chunk in self.policy.ddp_chunks:
             chunk.train()
         source = parallel_state.get_data_parallel_rank() if result.is_source else None
         return result.trajectories, source
 
-    def experience(self, batch):
+    def experience(self, batch, layout: ParallelLayout | None = None):
         """Old log-probs of every sample in the experience layout, returned to the owners."""
-        layout = self.layouts["experience"]
+        layout = layout or self.layouts["experience"]
         use_layout(layout)
         self.policy.sync(layout)
         budget = self.config.batch.max_tokens_per_micro_batch
         plan = plan_for(
             batch,
-            Destination(replica_layout(layout), "experience"),
+            every_stage(layout, "experience", ("tokens", "labels", "loss_mask")),
             PlanConfig(max_tokens_per_micro_batch=budget),
         )
         local = execute(plan, batch)
@@ -160,7 +196,7 @@ class RLLoop:
         budget = self.config.batch.max_tokens_per_micro_batch
         plan = plan_for(
             batch,
-            Destination(replica_layout(layout), "train"),
+            every_stage(layout, "train", tuple(sorted(batch.token_fields))),
             PlanConfig(max_tokens_per_micro_batch=budget),
         )
         samples = dispatched_samples(execute(plan, batch))
@@ -180,6 +216,10 @@ class RLLoop:
 
     # ------------------------------------------------------------------ one step
 
+    def selected(self, phase: str) -> bool:
+        """Whether the selector chooses ``phase``'s layout this run."""
+        return self.selection is not None and phase in self.selection.phases
+
     def step_seeds(self, step: int) -> tuple[int, ...]:
         n = self.config.batch.prompts_per_step
         return tuple(range(step * n, (step + 1) * n))
@@ -195,7 +235,21 @@ class RLLoop:
             temperature=cfg.rollout.sampling.temperature,
             seed=cfg.seed * 1_000_003 + self.step,
         )
-        trajs, source = self.rollout(prompts, agent)
+        selected: dict[str, float | str] = {}
+        if self.selected("rollout"):
+            lengths = self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
+            (trajs, source), self.active["rollout"], selected_rollout = self.selection.run(
+                "rollout",
+                (prompts, agent),
+                lengths,
+                lambda data, layout: self.rollout(*data, layout),
+                switch=self.engine_for,
+                static_bytes=self.resident_bytes,
+                step=self.step,
+            )
+            selected.update(selected_rollout)
+        else:
+            trajs, source = self.rollout(prompts, agent)
         times["rollout"] = time.perf_counter() - start
 
         t0 = time.perf_counter()
@@ -205,7 +259,22 @@ class RLLoop:
             if source is not None
             else schema_batch()
         )
-        batch = self.experience(batch)
+        lengths = gathered_lengths(batch.lengths) if self.selection is not None else []
+        self.last_lengths = lengths or self.last_lengths
+        if self.selected("experience") and lengths:
+            batch, self.active["experience"], selected_experience = self.selection.run(
+                "experience",
+                batch,
+                lengths,
+                self.experience,
+                switch=self.prepare,
+                static_bytes=self.resident_bytes,
+                step=self.step,
+            )
+            selected.update(selected_experience)
+            selected["selector/experience/samples"] = float(len(lengths))
+        else:
+            batch = self.experience(batch, self.active["experience"])
         times["experience"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -216,7 +285,8 @@ class RLLoop:
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns))
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start
-        metrics.update({f"layout/{p}": str(lay) for p, lay in self.layouts.items()})
+        metrics.update({f"layout/{p}": str(lay) for p, lay in self.active.items()})
+        metrics.update(selected)
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
         return metrics
@@ -242,6 +312,15 @@ class RLLoop:
             "eval/reward": float(stats[2]) / n,
             "eval/trajectories": float(stats[0]),
         }
+
+
+def every_stage(layout: ParallelLayout, phase: str, fields: tuple[str, ...]) -> Destination:
+    """Dispatch destination for the train step / log-prob pass: whole samples on every rank of a
+    replica (CP folded into TP, ``replica_layout``) and ``fields`` on every pipeline stage, since
+    both plan the same packed micro-batches on every stage (the last also reads the rest)."""
+    return Destination(
+        replica_layout(layout), phase, first_stage_fields=fields, middle_stage_fields=fields
+    )
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[str, float]:

@@ -4,7 +4,8 @@ The train layout's model chunks are the master copy (Megatron DDP + optimizer). 
 phase layout (rollout, experience) gets its own model chunks built in that layout, without
 gradients; ``sync(layout)`` reshards the master weights into them point to point
 (``redistribute.weight_exec``), so no rank ever gathers the whole model. A phase whose layout
-equals the train layout uses the master chunks directly.
+equals the train layout uses the master chunks directly. A layout first needed mid-run (the
+selector's choice) gets its copy lazily (``ensure``), built the same way on every rank.
 
 Which ranks call: every method is called by every rank of the world (SPMD).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from megatron_earl import runtime
@@ -50,6 +52,8 @@ class Policy:
     version: int = 0
     """Weight version of the master copy: the number of optimizer steps taken."""
     bucket_bytes: int = 64 << 20
+    seed: int = 0
+    """Seed of the copies' initialisation (their weights are overwritten by ``sync``)."""
 
     @classmethod
     def build(
@@ -68,18 +72,26 @@ class Policy:
                 continue
             use_layout(layout)
             runtime.seed(seed)
-            chunks = build_model(model, vpp=layout.vpp)
-            for chunk in chunks:
-                chunk.requires_grad_(False)
-                chunk.eval()
-            copies[layout] = PhaseCopy(layout, chunks, shard_pieces(chunks))
+            copies[layout] = _build_copy(model, layout)
         use_layout(train)
         runtime.seed(seed)
         ddp = wrap_ddp(build_model(model, vpp=train.vpp), optim)
         optimizer = build_optimizer(ddp, optim)
         wire_schedule_hooks(ddp, optimizer)
         # Pieces after DDP wrapping: DDP moves parameters into its contiguous buffers.
-        return cls(model, train, ddp, optimizer, shard_pieces(ddp), copies)
+        return cls(model, train, ddp, optimizer, shard_pieces(ddp), copies, seed=seed)
+
+    def ensure(self, layout: ParallelLayout) -> bool:
+        """Build ``layout``'s copy if it has none yet (``layout`` must be active; the global RNG
+        streams are left as they were). Returns True when it built one. Every rank calls, with
+        the same layout (building may create process groups: a collective over the world)."""
+        if layout == self.train_layout or layout in self.copies:
+            return False
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            runtime.seed(self.seed)
+            self.copies[layout] = _build_copy(self.model, layout)
+        return True
 
     def chunks(self, layout: ParallelLayout) -> list[nn.Module]:
         """The policy's chunks in ``layout`` (the master chunks for the train layout)."""
@@ -97,3 +109,12 @@ class Policy:
             "reshard_s": time.perf_counter() - start,
             "reshard_bytes_sent": float(stats.bytes_sent),
         }
+
+
+def _build_copy(model: ModelConfig, layout: ParallelLayout) -> PhaseCopy:
+    """Chunks of ``model`` in the active ``layout``, without gradients, in eval mode."""
+    chunks = build_model(model, vpp=layout.vpp)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        chunk.eval()
+    return PhaseCopy(layout, chunks, shard_pieces(chunks))

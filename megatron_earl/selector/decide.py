@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.selector.memory import PHASES, GiB, MemoryModel, PhaseWorkload
+from megatron_earl.selector.memory import PHASES, MemoryModel, PhaseWorkload, per_rank
 from megatron_earl.selector.throughput import ThroughputTable, bucket_of
 
 logger = logging.getLogger("megatron_earl.selector")
@@ -243,10 +243,10 @@ class Selector:
             smallest = min(ranked, key=lambda c: c.peak_bytes)
             raise NoFeasibleLayout(
                 f"{phase}: no layout of {len(ranked)} candidates fits the budget "
-                f"{self.config.budget_bytes / GiB:.3f} GiB per rank (margin "
+                f"{per_rank(self.config.budget_bytes)} (margin "
                 f"{self.config.safety_margin:.0%}) for a longest sequence of {stats.planned} "
                 f"tokens; the smallest is {smallest.layout}, which needs "
-                f"{smallest.peak_bytes / GiB:.3f} GiB per rank"
+                f"{per_rank(smallest.peak_bytes)}"
                 + (" (marked infeasible after an OOM)" if smallest.source == "infeasible" else "")
             )
         best = ranked[0]

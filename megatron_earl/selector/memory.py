@@ -46,6 +46,12 @@ MiB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def per_rank(num_bytes: float) -> str:
+    """``num_bytes`` for messages: "1.250 GiB per rank", with MiB added below 1 GiB."""
+    small = f" ({num_bytes / MiB:.2f} MiB)" if num_bytes < GiB else ""
+    return f"{num_bytes / GiB:.3f} GiB per rank{small}"
+
+
 @dataclass(frozen=True)
 class PhaseWorkload:
     """What one phase processes per data-parallel replica (the inputs of the memory model)."""
@@ -88,12 +94,13 @@ class PhaseWorkload:
         concurrent_sequences: int | None = None,
     ) -> PhaseWorkload:
         """The workload of a batch of sequence ``lengths`` spread over ``dp`` replicas, packed
-        into micro-batches of ``max(token_budget, longest)`` tokens."""
+        into micro-batches of ``max(min(token_budget, share), longest)`` tokens, where ``share``
+        is a replica's tokens (a micro-batch never holds more than its replica has)."""
         if not lengths:
             raise ValueError("lengths is empty: a phase needs at least one sequence")
         longest = max(lengths)
-        per_mb = max(token_budget, longest)
         share = math.ceil(sum(lengths) / dp)
+        per_mb = max(min(token_budget, share), longest)
         return cls(
             phase=phase,
             max_seq_len=longest,

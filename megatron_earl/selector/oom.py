@@ -37,7 +37,7 @@ import torch
 
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.decide import Decision, Selector
-from megatron_earl.selector.memory import GiB
+from megatron_earl.selector.memory import per_rank
 
 logger = logging.getLogger("megatron_earl.selector")
 
@@ -118,7 +118,7 @@ def _exhausted(
         f"{decision.phase} step {decision.step}: every candidate layout ran out of memory "
         f"(tried {[name for name, _ in report.attempts]}) for a longest sequence of "
         f"{decision.stats.planned} tokens under a budget of "
-        f"{selector.config.budget_bytes / GiB:.3f} GiB per rank; the smallest layout is "
-        f"{smallest}, predicted to need {peaks[smallest] / GiB:.3f} GiB per rank"
-        + (f" (measured {measured / GiB:.3f} GiB when it ran)" if measured else "")
+        f"{per_rank(selector.config.budget_bytes)}; the smallest layout is "
+        f"{smallest}, predicted to need {per_rank(peaks[smallest])}"
+        + (f", measured {per_rank(measured)} when it ran" if measured else "")
     )
