@@ -8,8 +8,8 @@ import torch
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.models.hf_mapping import (
-    global_shapes,
     full_megatron_to_hf,
+    global_shapes,
     hf_target,
     hf_to_megatron,
     qkv_rows,
