@@ -9,6 +9,7 @@
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
     megatron-earl bench selector                    # context-length sweep: selector vs static
+    megatron-earl bench-rl-sweep --nproc 2          # the RL loop with growing contexts, ditto
     megatron-earl convert hf-to-mcore --hf DIR --out DIR   (or mcore-to-hf --ckpt DIR --out DIR)
 
 Subcommands that start processes go through ``torchrun`` (the same launcher users run under
@@ -33,7 +34,11 @@ _MODULES = {
     ("convert",): "megatron_earl.convert.cli",
     ("bench", "selector"): "megatron_earl.selector.bench",
 }
-_TORCHRUN = {"smoke": "megatron_earl.cli.smoke", "train": "megatron_earl.cli.train"}
+_TORCHRUN = {
+    "smoke": "megatron_earl.cli.smoke",
+    "train": "megatron_earl.cli.train",
+    "bench-rl-sweep": "megatron_earl.orchestration.bench_rl",
+}
 
 
 ERROR_FILE_ENV = "MEGATRON_EARL_ERROR_FILE"
