@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,18 @@ def deserialize_named_tensors(payload: str) -> list[NamedTensor]:
     return [(str(n), t) for n, t in items]
 
 
+@contextlib.asynccontextmanager
+async def paused(clients: Sequence, config: WeightSyncConfig) -> AsyncIterator[None]:
+    """The push order RL trainers use: pause -> flush (optional) -> body -> continue (always)."""
+    await asyncio.gather(*(c.pause(config.pause_mode) for c in clients))
+    try:
+        if config.flush_cache:
+            await asyncio.gather(*(c.flush_cache() for c in clients))
+        yield
+    finally:
+        await asyncio.gather(*(c.resume() for c in clients))
+
+
 async def push_weights(
     clients: Sequence,
     named: Iterable[NamedTensor],
@@ -154,10 +167,7 @@ async def push_weights(
     """
     config = config or WeightSyncConfig()
     start = time.perf_counter()
-    await asyncio.gather(*(c.pause(config.pause_mode) for c in clients))
-    try:
-        if config.flush_cache:
-            await asyncio.gather(*(c.flush_cache() for c in clients))
+    async with paused(clients, config):
         buckets = list(iter_buckets(named, config.bucket_bytes))
         sent = tensors = 0
         for index, bucket in enumerate(buckets):
@@ -173,8 +183,6 @@ async def push_weights(
             )
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             tensors += len(bucket)
-    finally:
-        await asyncio.gather(*(c.resume() for c in clients))
     return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)
 
 
@@ -194,10 +202,7 @@ async def push_weights_distributed(
     """
     config = config or WeightSyncConfig()
     start = time.perf_counter()
-    await asyncio.gather(*(c.pause(config.pause_mode) for c in clients))
-    try:
-        if config.flush_cache:
-            await asyncio.gather(*(c.flush_cache() for c in clients))
+    async with paused(clients, config):
         buckets = list(iter_buckets(named, config.bucket_bytes))
         sent = tensors = 0
         for index, bucket in enumerate(buckets):
@@ -218,6 +223,4 @@ async def push_weights_distributed(
             await asyncio.gather(*requests, asyncio.to_thread(broadcast_bucket, bucket))
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             tensors += len(bucket)
-    finally:
-        await asyncio.gather(*(c.resume() for c in clients))
     return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)

@@ -18,6 +18,7 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
+from megatron_earl.testing.shards import assemble_regions
 
 TOL = 1e-5
 MODEL = ModelConfig(
@@ -127,21 +128,6 @@ def _run(layout: ParallelLayout, model: ModelConfig, full_weights, batches, cu_p
     }
 
 
-def _assemble(grad_lists):
-    """Global gradients from (key, global shape, region, grad) pieces; every element covered."""
-    out, covered = {}, {}
-    for grads in grad_lists:
-        for key, shape, region, g in grads:
-            full = out.setdefault(key, torch.zeros(shape))
-            cov = covered.setdefault(key, torch.zeros(shape, dtype=torch.bool))
-            sl = tuple(slice(a, b) for a, b in region)
-            full[sl] = g.reshape(full[sl].shape)
-            cov[sl] = True
-    for key, cov in covered.items():
-        assert cov.all(), f"{key}: gradient not fully covered by the ranks' shards"
-    return out
-
-
 def _check(reference, results, layout: ParallelLayout, cu_padded=None):
     from megatron_earl.parallel.cp import merge_cp_shards
 
@@ -158,13 +144,13 @@ def _check(reference, results, layout: ParallelLayout, cu_padded=None):
             torch.testing.assert_close(merged, ref_lp[dp_rank + i * layout.dp], rtol=0, atol=TOL)
             for r in ranks:  # the loss metric is the whole micro-batch's, on every CP rank
                 assert abs(r["losses"][i] - reference["losses"][dp_rank + i * layout.dp]) < TOL
-    ref_grads = _assemble([reference["grads"]])
+    ref_grads = assemble_regions([reference["grads"]])
     for res in results:  # every rank's gradient pieces equal the reference's regions
-        got = _assemble([res["grads"]]) if layout.tp == 1 else None
+        got = assemble_regions([res["grads"]]) if layout.tp == 1 else None
         if got is not None:
             for key, full in got.items():
                 torch.testing.assert_close(full, ref_grads[key], rtol=0, atol=TOL, msg=key)
-    got = _assemble(r["grads"] for r in results)
+    got = assemble_regions(r["grads"] for r in results)
     assert set(got) == set(ref_grads)
     for key, full in got.items():
         torch.testing.assert_close(full, ref_grads[key], rtol=0, atol=TOL, msg=key)

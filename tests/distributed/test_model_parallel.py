@@ -9,6 +9,7 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
+from megatron_earl.testing.shards import assemble_regions
 
 TOL = 1e-5
 MODEL = ModelConfig(
@@ -74,21 +75,6 @@ def _run(layout: ParallelLayout, model: ModelConfig, full_weights, batches):
     }
 
 
-def _assemble(grad_lists):
-    """Global gradients from (key, global shape, region, grad) pieces; every element covered."""
-    out, covered = {}, {}
-    for grads in grad_lists:
-        for key, shape, region, g in grads:
-            full = out.setdefault(key, torch.zeros(shape))
-            cov = covered.setdefault(key, torch.zeros(shape, dtype=torch.bool))
-            sl = tuple(slice(a, b) for a, b in region)
-            full[sl] = g.reshape(full[sl].shape)
-            cov[sl] = True
-    for key, cov in covered.items():
-        assert cov.all(), f"{key}: gradient not fully covered by the ranks' shards"
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference():
     return run_distributed(
@@ -123,8 +109,8 @@ def test_logprobs_and_grads_match_single_process(reference, layout):
         for i, lp in enumerate(res["logprobs"]):
             torch.testing.assert_close(lp, ref_lp[res["dp_rank"] + i * layout.dp], rtol=0, atol=TOL)
     # Gradients: every region of every global tensor, reassembled from the ranks' pieces.
-    ref_grads = _assemble([reference["grads"]])
-    got = _assemble(r["grads"] for r in results)
+    ref_grads = assemble_regions([reference["grads"]])
+    got = assemble_regions(r["grads"] for r in results)
     assert set(got) == set(ref_grads)
     for key, full in got.items():
         torch.testing.assert_close(full, ref_grads[key], rtol=0, atol=TOL, msg=key)
