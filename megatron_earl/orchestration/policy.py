@@ -7,12 +7,23 @@ gradients; ``sync(layout)`` reshards the master weights into them point to point
 equals the train layout uses the master chunks directly. A layout first needed mid-run (the
 selector's choice) gets its copy lazily (``ensure``), built the same way on every rank.
 
+The master itself can move: ``move_master(layout)`` builds the chunks, DDP and optimizer in
+``layout`` and reshards the weights *and* Adam's state into them
+(``redistribute.optimizer_state``), losslessly, so the next step computes what it would have
+computed in the old layout (up to the new layout's floating-point reduction order). The old
+master is dropped (``ensure`` rebuilds a copy of the old layout when a phase needs it again);
+a copy that existed in ``layout`` is dropped too (the master serves that layout now); copies in
+other layouts stay valid. The distributed optimizer's state cannot move (``ValueError``).
+While moving, a rank holds both masters (the old one is freed afterwards).
+
 Which ranks call: every method is called by every rank of the world (SPMD).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +35,10 @@ from megatron_earl.models.gpt import build_model
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.redistribute.geometry import ShardPiece, shard_pieces
+from megatron_earl.redistribute.optimizer_state import (
+    check_supported,
+    reshard_model_and_optimizer,
+)
 from megatron_earl.redistribute.weight_exec import reshard_weights
 from megatron_earl.training.setup import OptimConfig, build_optimizer, wire_schedule_hooks, wrap_ddp
 
@@ -54,6 +69,8 @@ class Policy:
     bucket_bytes: int = 64 << 20
     seed: int = 0
     """Seed of the copies' initialisation (their weights are overwritten by ``sync``)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings of the master (a moved master gets a new optimizer with them)."""
 
     @classmethod
     def build(
@@ -79,7 +96,7 @@ class Policy:
         optimizer = build_optimizer(ddp, optim)
         wire_schedule_hooks(ddp, optimizer)
         # Pieces after DDP wrapping: DDP moves parameters into its contiguous buffers.
-        return cls(model, train, ddp, optimizer, shard_pieces(ddp), copies, seed=seed)
+        return cls(model, train, ddp, optimizer, shard_pieces(ddp), copies, seed=seed, optim=optim)
 
     def ensure(self, layout: ParallelLayout) -> bool:
         """Build ``layout``'s copy if it has none yet (``layout`` must be active; the global RNG
@@ -87,11 +104,35 @@ class Policy:
         the same layout (building may create process groups: a collective over the world)."""
         if layout == self.train_layout or layout in self.copies:
             return False
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            runtime.seed(self.seed)
+        with _isolated_rng(self.seed):
             self.copies[layout] = _build_copy(self.model, layout)
         return True
+
+    def move_master(self, layout: ParallelLayout) -> dict[str, float]:
+        """Move the master copy (weights and Adam state) to ``layout`` (module docstring);
+        ``train_layout``, ``ddp_chunks``, ``optimizer`` and ``master_pieces`` then describe the
+        new master. Returns ``move_s`` and ``move_bytes_sent`` (this rank), or {} when
+        ``layout`` is already the train layout. Ends with ``layout`` active; the global RNG
+        streams are left as they were. Every rank calls, with the same layout (a collective
+        over the world: process groups, metadata all-gather, point-to-point rounds)."""
+        if layout == self.train_layout:
+            use_layout(layout)
+            return {}
+        check_supported(self.optimizer)  # before anything changes
+        start = time.perf_counter()
+        self.copies.pop(layout, None)  # the master serves ``layout`` now: free it first
+        use_layout(layout)
+        with _isolated_rng(self.seed):
+            ddp = wrap_ddp(build_model(self.model, vpp=layout.vpp), self.optim)
+        optimizer = build_optimizer(ddp, self.optim)
+        wire_schedule_hooks(ddp, optimizer)
+        pieces = shard_pieces(ddp)  # after DDP wrapping (it moves parameters into its buffers)
+        stats = reshard_model_and_optimizer(
+            self.master_pieces, self.optimizer, pieces, optimizer, bucket_bytes=self.bucket_bytes
+        )
+        self.train_layout, self.ddp_chunks, self.optimizer = layout, ddp, optimizer
+        self.master_pieces = pieces
+        return {"move_s": time.perf_counter() - start, "move_bytes_sent": float(stats.bytes_sent)}
 
     def chunks(self, layout: ParallelLayout) -> list[nn.Module]:
         """The policy's chunks in ``layout`` (the master chunks for the train layout)."""
@@ -109,6 +150,23 @@ class Policy:
             "reshard_s": time.perf_counter() - start,
             "reshard_bytes_sent": float(stats.bytes_sent),
         }
+
+
+@contextlib.contextmanager
+def _isolated_rng(seed: int) -> Iterator[None]:
+    """Seed the default generators and Megatron's tracker with ``seed`` for the body, then
+    restore both (the run's streams continue as if the body had not run). Local."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    saved = (tracker.get_states(), set(tracker.seeds_)) if tracker.is_initialized() else None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        runtime.seed(seed)
+        yield
+    if saved is not None:
+        tracker.set_states(saved[0])
+        tracker.seeds_ = saved[1]
 
 
 def _build_copy(model: ModelConfig, layout: ParallelLayout) -> PhaseCopy:

@@ -9,7 +9,7 @@ profiling runs, its CPU calibration, and the benchmark all go through ``PhaseRun
 
 ``switch`` keeps one layout's model and optimizer at a time: entering another layout builds its
 chunks, DDP and optimizer, copies the weights *and* Adam's moments from the previous layout
-(``redistribute.weight_exec.reshard_weights`` on the moments viewed like their parameters), and
+(``redistribute.optimizer_state.reshard_model_and_optimizer``), and
 drops the previous layout's objects. A ``run`` times the phase (wall time, and wall time without
 CPU contention: the machine is shared, see ``runqueue_wait_s``) and measures its peak with
 ``MemoryBudget.track``
@@ -22,7 +22,6 @@ Which ranks call: every rank of the world, with the same samples and layouts.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -125,6 +124,10 @@ class PhaseRunner:
         from megatron_earl.models.gpt import build_model
         from megatron_earl.parallel.state import use_layout
         from megatron_earl.redistribute.geometry import shard_pieces
+        from megatron_earl.redistribute.optimizer_state import (
+            init_adam_state,
+            reshard_model_and_optimizer,
+        )
         from megatron_earl.training.setup import build_optimizer, wire_schedule_hooks, wrap_ddp
 
         if layout == self.layout:
@@ -139,21 +142,21 @@ class PhaseRunner:
         ddp = wrap_ddp(chunks, self.optim)
         optimizer = build_optimizer(ddp, self.optim)
         wire_schedule_hooks(ddp, optimizer)
-        _init_adam_state(optimizer)
+        init_adam_state(optimizer)
         if old_pieces is not None:
-            _reshard_state(old_pieces, old_optimizer, shard_pieces(chunks), optimizer)
+            reshard_model_and_optimizer(old_pieces, old_optimizer, shard_pieces(chunks), optimizer)
         self.layout, self.chunks, self.ddp, self.optimizer = layout, chunks, ddp, optimizer
         self.switch_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------ phases
 
     def micro_batch_tokens(self, samples: Sequence[dict]) -> int:
-        """Per-rank token budget of a micro-batch (``rl_step``'s): ``token_budget`` (tokens per
-        DP replica, before CP) / cp, or the rank's share of the longest sequence if larger."""
+        """Per-rank token budget of a micro-batch (``rl_step``'s, after the CP split, as in the
+        RL loop): ``token_budget``, or the rank's share of the longest sequence if larger."""
         cp = self.layout.cp
         longest = max(int(s["tokens"].numel()) for s in samples)
         own = math.ceil(longest / (2 * cp)) * 2 if cp > 1 else longest
-        return max(math.ceil(self.token_budget / cp), own)
+        return max(self.token_budget, own)
 
     def run(self, phase: str, samples: Sequence[dict]) -> PhaseResult:
         """Run ``phase`` ("train" or "experience") on the whole batch ``samples`` (each DP rank
@@ -231,45 +234,3 @@ def profile_layout(
         result = runner.run(phase, samples)
         table.record(phase, layout, percentile(lengths, 0.95), result.tokens, result.seconds)
     return result
-
-
-def _init_adam_state(optimizer: Any) -> None:
-    """Allocate Adam's moments now (torch allocates them in the first ``step``), so the state
-    a layout holds, and every measured peak, is the same from the first step on."""
-    inner = _adam_state(optimizer)
-    if inner is None:
-        return
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if not inner.state.get(p):
-                inner.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-
-
-def _reshard_state(old_pieces, old_optimizer, new_pieces, new_optimizer) -> None:
-    """Weights, then each Adam moment viewed like its parameter, from old to new pieces."""
-    from megatron_earl.redistribute.weight_exec import reshard_weights
-
-    reshard_weights(old_pieces, new_pieces)
-    old_state, new_state = _adam_state(old_optimizer), _adam_state(new_optimizer)
-    if old_state is None or new_state is None:
-        return
-    step = next(iter(old_state.state.values()))["step"]
-    for piece in new_pieces:
-        new_state.state[piece.param]["step"].copy_(step)
-    for key in ("exp_avg", "exp_avg_sq"):
-        src = [_moment_piece(p, old_state.state[p.param][key]) for p in old_pieces]
-        dst = [_moment_piece(p, new_state.state[p.param][key]) for p in new_pieces]
-        reshard_weights(src, dst)
-
-
-def _moment_piece(piece, moment: torch.Tensor):
-    return dataclasses.replace(piece, local=piece.view_of(moment), param=moment)
-
-
-def _adam_state(optimizer: Any) -> torch.optim.Optimizer | None:
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
