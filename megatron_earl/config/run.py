@@ -35,7 +35,7 @@ from megatron_earl.training.setup import OptimConfig
 PHASES = ("rollout", "experience", "train")
 """The phases of a step, in order; each has its own parallel layout."""
 ENGINES = ("embedded", "sglang")
-SELECTABLE_PHASES = ("experience", "rollout")
+SELECTABLE_PHASES = ("rollout", "experience", "train")
 """Phases the selector may move between layouts; training stays on ``layouts.train``."""
 
 
@@ -287,33 +287,42 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class SelectorSettings:
-    """Per-step parallel layout selection of the experience (and rollout) phases from the batch's
-    context lengths and a per-rank memory budget (``megatron_earl.selector``; docs/selector.md).
-    Training stays on ``layouts.train``: moving the optimizer state between layouts every step is
-    out of scope."""
+    """Per-step parallel layout selection of the experience, train (and rollout) phases from the
+    batch's context lengths and a per-rank memory budget (``megatron_earl.selector``;
+    docs/selector.md). Selecting ``train`` moves the trainable master copy (weights and Adam
+    state) between layouts when the decision changes."""
 
     enabled: bool = False
     """Select layouts per step; False runs every phase in its ``layouts`` entry."""
     budget_mb: float = 81920.0
     """Per-rank memory budget (MiB): enforced by the project on CPU (a phase past it is an OOM),
     the device memory the selector plans with on GPU."""
-    phases: tuple[str, ...] = ("experience",)
-    """Phases to select a layout for: "experience" and/or "rollout" (rollout candidates are tp/dp
-    only: the embedded engine needs pp = cp = 1)."""
+    phases: tuple[str, ...] = ("experience", "train")
+    """Phases to select a layout for: any of "rollout", "experience", "train" (rollout candidates
+    are tp/dp only: the embedded engine needs pp = cp = 1; "train" needs the plain optimizer)."""
     safety_margin: float = 0.1
     """A layout fits when its predicted peak x (1 + safety_margin) <= budget; in [0, 1)."""
     switch_gain: float = 0.1
     """Leave a layout that still fits only for a predicted speed-up above this (relative)."""
+    profile: bool = True
+    """Before the first step, run the selected experience/train phases on synthetic batches in
+    every candidate layout: calibrates the memory model per (phase, layout) and fills the
+    throughput table (skipped on resume: the checkpoint has both)."""
+    profile_lengths: tuple[int, ...] = ()
+    """Sequence lengths of the profiling batches (``batch.samples_per_step`` sequences each);
+    empty: token budget / (2 x samples) and 2 x token budget / samples (docs/selector.md)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if any(n < 1 for n in self.profile_lengths):
+            problems.append(f"profile_lengths {list(self.profile_lengths)} must be >= 1")
         if self.budget_mb <= 0:
             problems.append(f"budget_mb ({self.budget_mb}) must be > 0")
         bad = [p for p in self.phases if p not in SELECTABLE_PHASES]
         if bad or not self.phases:
             problems.append(
                 f"phases {list(self.phases)} must be a non-empty subset of {SELECTABLE_PHASES} "
-                "(training stays on layouts.train)"
+                "(pick any of them)"
             )
         if not 0 <= self.safety_margin < 1:
             problems.append(f"safety_margin ({self.safety_margin}) must be in [0, 1)")

@@ -1,29 +1,37 @@
 """The RL loop with growing contexts under one memory budget: the selector vs static layouts.
 
-    torchrun --nproc_per_node 2 -m megatron_earl.orchestration.bench_rl --budget-mb 3.2
+    megatron-earl bench-rl-sweep --nproc 2 --budget-mb 14
+    (= torchrun --nproc_per_node 2 -m megatron_earl.orchestration.bench_rl --budget-mb 14)
 
 The CPU demo's tiny model, warm-started (SFT) on binary-search demonstrations, plays the guessing
-game (``envs.guessing``) whose difficulty grows by ``--difficulty-step`` every step: more bits ->
-more guesses -> more turns -> longer contexts. Three runs in the same processes, one after the
-other, each from the same seed:
+game (``envs.guessing``) whose difficulty grows linearly from ``--start-difficulty`` to
+``--max-difficulty`` over the run: more bits -> more guesses -> more turns -> longer contexts.
+Three runs in the same processes, each its own ``RLLoop`` from the same seed, interleaved step by
+step in a rotating order (machine noise hits all of them alike):
 
-- ``selector``: ``selector.enabled`` with every experience candidate;
-- ``static <layout>``: the same machinery with one candidate whose prediction never refuses it,
-  so the same measured budget is enforced the same way; an out-of-budget experience phase has
-  nowhere to go and ends that run (a crash).
+- ``selector``: ``selector.enabled`` for the experience and train phases, every candidate layout,
+  start-up profiling (not counted in the phase times; reported apart);
+- ``static <layout>``: the same machinery with one candidate for both phases whose prediction never
+  refuses it, so the same measured budget is enforced the same way; an out-of-budget phase has
+  nowhere to go and ends that run (a crash: the run takes no further step).
 
-Prints per run: steps completed, OOMs (out-of-budget phase runs, recovered or not), the layouts
-used, and tokens/s of the rollout and experience phases (tokens of the step / phase time, median
-over the run's steps). Lives in orchestration (it drives ``RLLoop``); the selector layer may not
-import this layer. Which ranks call: every rank (under torchrun); rank 0 prints.
+Prints per run and per context bucket (the step's longest context, rounded up to a power of two):
+the median tokens/s of the experience and train phases and of both together (tokens of the step /
+busy phase time, ``time_busy``: wall time minus run-queue wait, min over ranks), steps completed,
+OOMs (out-of-budget phase runs, recovered or not), layouts; then the selector's ratio to the better
+static layout per bucket, and the memory model's error: every live phase run's peak predicted
+*before* it ran vs measured. Lives in orchestration (it drives ``RLLoop``); the selector layer may
+not import this layer. Which ranks call: every rank (under torchrun); rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -35,8 +43,10 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.selector.decide import NoFeasibleLayout
 from megatron_earl.selector.oom import PhaseOutOfMemory
+from megatron_earl.selector.throughput import bucket_of
 from megatron_earl.tokenizer import build_tokenizer
 
+PHASES = ("experience", "train")
 BASE = [
     "sft.steps=40",
     "sft.weak_teacher_fraction=0.0",
@@ -52,14 +62,36 @@ BASE = [
     "rollout.max_context=1024",
     "selector.enabled=true",
     "selector.safety_margin=0.0",
+    "selector.phases=[experience,train]",
 ]
 
 
-def run_one(config: RunConfig, args, static: ParallelLayout | None) -> dict:
-    """One run of ``args.steps`` steps; returns its summary (the same on every rank)."""
+@dataclass
+class Run:
+    """One of the three runs: its loop and what it measured."""
+
+    name: str
+    loop: RLLoop
+    static: ParallelLayout | None
+    steps: int = 0
+    ooms: int = 0
+    crash: str = ""
+    rows: list[dict] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)
+    profile: list[str] = field(default_factory=list)
+
+
+def build_run(name: str, config: RunConfig, args, static: ParallelLayout | None) -> Run:
+    """A loop warm-started like the demo; static runs get one candidate per phase whose
+    prediction never refuses it (only the measured budget applies). Every rank calls."""
     tokenizer = build_tokenizer(config.tokenizer)
+    if static is not None:
+        config = dataclasses.replace(
+            config,
+            layouts=dataclasses.replace(config.layouts, experience=str(static), train=str(static)),
+        )
     loop = RLLoop(config, tokenizer)
-    use_layout(config.layout("train"))
+    use_layout(loop.policy.train_layout)
     sft_env = EnvConfig("guessing", {"difficulty": args.sft_difficulty}).spec()
     warm_start(
         loop.policy.ddp_chunks,
@@ -71,80 +103,193 @@ def run_one(config: RunConfig, args, static: ParallelLayout | None) -> dict:
         vocab_size=config.model.vocab_size,
     )
     loop.policy.version += config.sft.steps
-    if static is not None:  # one candidate, never refused by the prediction: only measured
-        selector = loop.selection.selectors["experience"]
-        selector.candidates = [static]
-        selector.config = dataclasses.replace(selector.config, budget_bytes=float(1 << 50))
-    out = {"steps": 0, "ooms": 0, "layouts": [], "rollout": [], "experience": [], "crash": ""}
-    for step in range(args.steps):
-        difficulty = min(16, args.start_difficulty + step * args.difficulty_step)
-        env = EnvConfig("guessing", {"difficulty": difficulty})
-        loop.config = dataclasses.replace(loop.config, env=env)
-        try:
-            metrics = loop.run_step()
-        except (NoFeasibleLayout, PhaseOutOfMemory) as err:
-            out["ooms"] += 1
-            cause = err.__cause__ or err  # the measured BudgetExceeded of a static layout
-            out["crash"] = f"step {step + 1} (difficulty {difficulty}): {cause}"
-            break
-        if metrics["selector/experience/ooms"]:
-            out.setdefault("recovered", []).append(
-                f"step {step + 1}: {metrics['selector/experience/attempts']}"
+    if static is not None:
+        for phase in PHASES:
+            selector = loop.selection.selectors[phase]
+            selector.candidates = [static]
+            selector.config = dataclasses.replace(selector.config, budget_bytes=float(1 << 50))
+    run = Run(name, loop, static)
+    run.profile = loop.profile()
+    return run
+
+
+def difficulty_at(step: int, args) -> int:
+    span = args.max_difficulty - args.start_difficulty
+    return args.start_difficulty + round(span * step / max(args.steps - 1, 1))
+
+
+def take_step(run: Run, step: int, args) -> None:
+    """One RL step of ``run`` at the step's difficulty; a crash ends the run. Every rank calls."""
+    difficulty = difficulty_at(step, args)
+    loop = run.loop
+    loop.config = dataclasses.replace(
+        loop.config, env=EnvConfig("guessing", {"difficulty": difficulty})
+    )
+    try:
+        metrics = loop.run_step()
+    except (NoFeasibleLayout, PhaseOutOfMemory) as err:
+        run.ooms += 1
+        cause = err.__cause__ or err  # the measured BudgetExceeded of a static layout
+        run.crash = f"step {step + 1} (difficulty {difficulty}): {cause}"
+        return
+    run.steps += 1
+    for phase in PHASES:
+        run.ooms += int(metrics[f"selector/{phase}/ooms"])
+        if metrics[f"selector/{phase}/ooms"]:
+            run.recovered.append(
+                f"step {step + 1} {phase}: {metrics[f'selector/{phase}/attempts']}"
             )
-        out["steps"] += 1
-        out["ooms"] += int(metrics["selector/experience/ooms"])
-        out["layouts"].append(metrics["layout/experience"])
-        tokens = metrics["rollout/tokens"]
-        out["rollout"].append(tokens / metrics["time/rollout"])
-        out["experience"].append(tokens / metrics["time/experience"])
-        out.setdefault("measured_mb", []).append(metrics["selector/experience/measured_mb"])
-        out.setdefault("ctx_max", []).append(int(metrics["context_len/max"]))
-    use_layout(config.layout("train"))
-    return out
+    run.rows.append(metrics)
+
+
+def bucket_table(run: Run) -> dict[int, dict[str, float]]:
+    """Median tokens/s per context bucket: experience, train, and both phases together."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for m in run.rows:
+        cell = out.setdefault(bucket_of(int(m["context_len/max"]), smallest=64), {})
+        tokens = m["rollout/tokens"]
+        for phase in PHASES:
+            cell.setdefault(phase, []).append(tokens / m[f"time_busy/{phase}"])
+        both = m["time_busy/experience"] + m["time_busy/train"]
+        cell.setdefault("both", []).append(tokens / both)
+        cell.setdefault("layouts", []).append(f"{m['layout/experience']}/{m['layout/train']}")
+    return {
+        b: {k: statistics.median(v) for k, v in cell.items() if k != "layouts"}
+        | {"n": len(cell["both"]), "layouts": ",".join(dict.fromkeys(cell["layouts"]))}
+        for b, cell in sorted(out.items())
+    }
+
+
+def report(runs: list[Run], args) -> list[str]:
+    """The printed table (rank 0). Pure."""
+    lines = []
+    tables = {r.name: bucket_table(r) for r in runs}
+    buckets = sorted({b for t in tables.values() for b in t})
+    head = f"{'run':<26} {'steps':>5} {'OOMs':>4}  " + "  ".join(
+        f"{'ctx<=' + str(b):>24}" for b in buckets
+    )
+    lines.append("tokens/s per context bucket: experience / train / both (median over steps)")
+    lines.append(head)
+    for run in runs:
+        cells = []
+        for b in buckets:
+            c = tables[run.name].get(b)
+            cells.append(
+                f"{c['experience']:>7.0f}/{c['train']:>6.0f}/{c['both']:>6.0f} n{c['n']}"
+                if c
+                else f"{'OOM' if run.crash else '-':>24}"
+            )
+        lines.append(f"{run.name:<26} {run.steps:>5} {run.ooms:>4}  " + "  ".join(cells))
+    for run in runs:
+        used = {b: c["layouts"] for b, c in tables[run.name].items()}
+        lines.append(f"  {run.name} layouts (experience/train) per bucket: {used}")
+        lines.extend(f"  {run.name} recovered at {r}" for r in run.recovered)
+        if run.crash:
+            lines.append(f"  {run.name} crashed at {run.crash}")
+    selector, statics = runs[0], runs[1:]
+    lines.append(
+        "selector vs the better static layout per bucket (both phases; experience; train):"
+    )
+    for b in buckets:
+        mine = tables[selector.name].get(b)
+        others = [tables[s.name][b] for s in statics if b in tables[s.name]]
+        if not mine or not others:
+            continue
+        ratios = [mine[k] / max(o[k] for o in others) - 1 for k in ("both", *PHASES)]
+        long_run = tables[statics[-1].name].get(b)
+        vs_long = (
+            f"; vs {statics[-1].name}: {mine['both'] / long_run['both']:.2f}x" if long_run else ""
+        )
+        lines.append(
+            f"  ctx<={b}: {ratios[0]:+.1%} ({ratios[1]:+.1%}; {ratios[2]:+.1%}){vs_long}".replace(
+                "+-", "-"
+            )
+        )
+    lines.extend(memory_lines(runs))
+    if selector.profile:
+        lines.append(f"  selector {selector.profile[-1]} (not in the tokens/s above)")
+    return lines
+
+
+def memory_lines(runs: list[Run]) -> list[str]:
+    """The memory model's error over every live phase run of every run (predicted before)."""
+    rows = [(r.name, *a) for r in runs for a in r.loop.selection.accuracy]
+    if not rows:
+        return []
+    err = [(p - m) / m for *_, p, m in rows]
+    worst = max(range(len(rows)), key=lambda i: abs(err[i]))
+    name, phase, layout, longest, p, m = rows[worst]
+    lines = [
+        f"memory model, predicted before each run vs measured, {len(rows)} phase runs "
+        f"({', '.join(sorted({f'{r[1]} {r[2]}' for r in rows}))}): max |error| "
+        f"{max(abs(e) for e in err):.1%}, mean {statistics.mean(abs(e) for e in err):.1%}; worst: "
+        f"{name} {phase} {layout} at {longest} tokens: predicted {p / 2**20:.2f} MiB, measured "
+        f"{m / 2**20:.2f} MiB"
+    ]
+    per = {}
+    for (_, phase, layout, *_), e in zip(rows, err, strict=True):
+        per.setdefault(f"{phase} {layout}", []).append(abs(e))
+    lines.append(
+        "  per phase/layout max |error|: "
+        + ", ".join(f"{k} {max(v):.1%} (n={len(v)})" for k, v in sorted(per.items()))
+    )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget-mb", type=float, default=3.2)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budget-mb", type=float, default=14.0)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--start-difficulty", type=int, default=1)
-    parser.add_argument("--difficulty-step", type=int, default=2)
+    parser.add_argument("--max-difficulty", type=int, default=15)
     parser.add_argument("--sft-difficulty", type=int, default=8)
     parser.add_argument("--static", default="tp1cp1pp1dp2,tp2cp1pp1dp1")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--jsonl", default="", help="write every run's step metrics here")
     args = parser.parse_args(argv)
+    if not 1 <= args.start_difficulty <= args.max_difficulty <= 16:
+        parser.error(
+            f"need 1 <= --start-difficulty ({args.start_difficulty}) <= --max-difficulty "
+            f"({args.max_difficulty}) <= 16"
+        )
     from megatron_earl import runtime
 
     runtime.initialize()
     overrides = [*BASE, f"selector.budget_mb={args.budget_mb}", f"seed={args.seed}"]
     config = load_config("configs/demo_cpu.yaml", overrides)
-    runs = [("selector", None)] + [
-        (f"static {s}", ParallelLayout.parse(s)) for s in args.static.split(",") if s
-    ]
     rank0 = dist.get_rank() == 0
     if rank0:
         print(
             f"RL selector bench: world {dist.get_world_size()}, budget {args.budget_mb} MiB/rank "
-            f"(margin 0), guessing difficulty {args.start_difficulty} + {args.difficulty_step} per "
-            f"step (max 16), {args.steps} steps, 16 samples/step, SFT warm start "
-            f"{config.sft.steps} steps at difficulty {args.sft_difficulty}"
+            f"(margin 0), guessing difficulty {args.start_difficulty} -> {args.max_difficulty} "
+            f"over {args.steps} steps, {config.batch.samples_per_step} samples/step, SFT warm "
+            f"start {config.sft.steps} steps at difficulty {args.sft_difficulty}",
+            flush=True,
         )
-        print(f"{'run':<26} steps OOMs  rollout tok/s  experience tok/s  layouts / peaks")
-    for name, static in runs:
-        out = run_one(config, args, static)
+    specs = [("selector", None)] + [
+        (f"static {s}", ParallelLayout.parse(s)) for s in args.static.split(",") if s
+    ]
+    runs = [build_run(name, config, args, static) for name, static in specs]
+    if rank0:
+        for line in runs[0].profile:
+            print(f"  {line}", flush=True)
+    for step in range(args.steps):
+        shift = step % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            if not run.crash:
+                take_step(run, step, args)
         if rank0:
-            med = {k: statistics.median(out[k] or [0.0]) for k in ("rollout", "experience")}
-            used = ",".join(dict.fromkeys(out["layouts"])) or "-"
-            peaks = "/".join(f"{p:.2f}" for p in out.get("measured_mb", []))
-            print(
-                f"{name:<26} {out['steps']:>5} {out['ooms']:>4} {med['rollout']:>14.0f} "
-                f"{med['experience']:>17.0f}  {used}; MiB {peaks}; ctx {out.get('ctx_max', [])}",
-                flush=True,
-            )
-            for line in out.get("recovered", []):
-                print(f"  {name} recovered at {line}", flush=True)
-            if out["crash"]:
-                print(f"  {name} crashed at {out['crash']}", flush=True)
+            ctx = [
+                int(r.rows[-1]["context_len/max"]) if r.rows and not r.crash else 0 for r in runs
+            ]
+            print(f"  step {step + 1}/{args.steps} done; longest context per run {ctx}", flush=True)
+    if rank0:
+        print("\n".join(report(runs, args)), flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "w") as f:
+                for run in runs:
+                    for row in run.rows:
+                        f.write(json.dumps({"run": run.name, **row}) + "\n")
     return 0
 
 

@@ -24,9 +24,11 @@ Which ranks call: every rank of the world (``run`` under torchrun / srun).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_earl.selector.budget import state_bytes
+from megatron_earl.selector.profile import runqueue_wait_s
 from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
 
@@ -111,6 +114,13 @@ class RLLoop:
             )
         return self.engines[layout]
 
+    def profile(self) -> list[str]:
+        """Start-up profiling of the selected phases in every candidate layout
+        (``orchestration.profiling``); one line per run. Every rank calls."""
+        from megatron_earl.orchestration.profiling import profile_start_up
+
+        return profile_start_up(self)
+
     def prepare(self, layout: ParallelLayout) -> None:
         """Activate ``layout`` and build the policy's copy in it if needed (the selector's
         switch; the phase syncs the weights). Every rank calls."""
@@ -147,7 +157,7 @@ class RLLoop:
         """Generate with the current policy. Returns this rank's trajectories and its source
         index (distinct per rank that holds trajectories; None on ranks that hold none)."""
         if self.remote is not None:
-            use_layout(self.layouts["train"])
+            use_layout(self.policy.train_layout)
             self.remote.sync(
                 self.policy.master_pieces, self.policy.version, self.config.model.torch_dtype
             )
@@ -189,10 +199,19 @@ class RLLoop:
         values = back.token_fields.get("old_logprobs", torch.empty(0))
         return with_token_field(batch, "old_logprobs", values)
 
-    def train(self, batch) -> dict[str, float]:
-        """Dispatch to the train layout and take ``num_mini_batches`` optimizer steps."""
-        layout = self.layouts["train"]
-        use_layout(layout)
+    def train(
+        self,
+        batch,
+        layout: ParallelLayout | None = None,
+        progress: TrainProgress | None = None,
+        update: bool = True,
+    ) -> dict[str, float]:
+        """Dispatch to the train layout (moving the master copy there if it is elsewhere) and
+        take ``num_mini_batches`` optimizer steps. ``progress`` counts the mini-batches already
+        applied, so a re-run after an OOM continues with the next one (no sample trained twice).
+        ``update=False`` (start-up profiling): forward and backward, no optimizer step."""
+        layout = layout or self.policy.train_layout
+        self.move_master(layout)
         budget = self.config.batch.max_tokens_per_micro_batch
         plan = plan_for(
             batch,
@@ -205,14 +224,30 @@ class RLLoop:
             max_tokens_per_micro_batch=budget,
             vocab_size=self.config.model.vocab_size,
         )
+        optimizer = self.policy.optimizer if update else _NoUpdate(self.policy.optimizer)
+        if self.selection is not None:
+            optimizer = self.selection.guard(optimizer)
+        progress = progress or TrainProgress()
         n = self.config.batch.num_mini_batches
-        metrics: dict[str, float] = {}
-        for i in range(n):
-            metrics = rl_train_step(
-                self.policy.ddp_chunks, self.policy.optimizer, samples[i::n], step_config
+        for i in range(progress.done, n):
+            progress.metrics = rl_train_step(
+                self.policy.ddp_chunks, optimizer, samples[i::n], step_config
             )
-            self.policy.version += 1
-        return metrics
+            if update:
+                self.policy.version += 1
+            progress.done = i + 1
+        return progress.metrics
+
+    def move_master(self, layout: ParallelLayout) -> None:
+        """Make ``layout`` the train layout: the master copy (weights and Adam state) moves
+        there; the engines over the old and new master chunks are dropped (rebuilt on demand).
+        Activates ``layout``. Every rank calls."""
+        old = self.policy.train_layout
+        if layout != old:
+            self.policy.move_master(layout)
+            self.engines.pop(old, None)
+            self.engines.pop(layout, None)
+        use_layout(layout)
 
     # ------------------------------------------------------------------ one step
 
@@ -227,7 +262,7 @@ class RLLoop:
     def run_step(self) -> dict[str, float | str]:
         """One RL step (every rank). Returns the step's metrics (the same on every rank)."""
         cfg = self.config
-        times: dict[str, float] = {}
+        clock = _PhaseClock()
         start = time.perf_counter()
         prompts = PromptSet(cfg.env.spec(), self.step_seeds(self.step), tag=f"s{self.step}")
         agent = self.agent_config(
@@ -236,60 +271,80 @@ class RLLoop:
             seed=cfg.seed * 1_000_003 + self.step,
         )
         selected: dict[str, float | str] = {}
-        if self.selected("rollout"):
-            lengths = self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
-            (trajs, source), self.active["rollout"], selected_rollout = self.selection.run(
-                "rollout",
-                (prompts, agent),
-                lengths,
-                lambda data, layout: self.rollout(*data, layout),
-                switch=self.engine_for,
-                static_bytes=self.resident_bytes,
-                step=self.step,
-            )
-            selected.update(selected_rollout)
-        else:
-            trajs, source = self.rollout(prompts, agent)
-        times["rollout"] = time.perf_counter() - start
+        with clock("rollout"):
+            if self.selected("rollout"):
+                lengths = (
+                    self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
+                )
+                trajs, source = self._select(
+                    "rollout",
+                    (prompts, agent),
+                    lengths,
+                    lambda data, layout: self.rollout(*data, layout),
+                    self.engine_for,
+                    selected,
+                )
+            else:
+                trajs, source = self.rollout(prompts, agent)
 
-        t0 = time.perf_counter()
-        ok = [t for t in trajs if t.ok]
-        batch = (
-            trajectories_to_batch(ok, source * SAMPLE_ID_STRIDE, group_index(ok), self.estimator)
-            if source is not None
-            else schema_batch()
-        )
-        lengths = gathered_lengths(batch.lengths) if self.selection is not None else []
-        self.last_lengths = lengths or self.last_lengths
-        if self.selected("experience") and lengths:
-            batch, self.active["experience"], selected_experience = self.selection.run(
-                "experience",
-                batch,
-                lengths,
-                self.experience,
-                switch=self.prepare,
-                static_bytes=self.resident_bytes,
-                step=self.step,
+        with clock("experience"):
+            ok = [t for t in trajs if t.ok]
+            batch = (
+                trajectories_to_batch(
+                    ok, source * SAMPLE_ID_STRIDE, group_index(ok), self.estimator
+                )
+                if source is not None
+                else schema_batch()
             )
-            selected.update(selected_experience)
-            selected["selector/experience/samples"] = float(len(lengths))
-        else:
-            batch = self.experience(batch, self.active["experience"])
-        times["experience"] = time.perf_counter() - t0
+            lengths = gathered_lengths(batch.lengths) if self.selection is not None else []
+            self.last_lengths = lengths or self.last_lengths
+            if self.selected("experience") and lengths:
+                batch = self._select(
+                    "experience", batch, lengths, self.experience, self.prepare, selected
+                )
+                selected["selector/experience/samples"] = float(len(lengths))
+            else:
+                batch = self.experience(batch, self.active["experience"])
 
-        t0 = time.perf_counter()
-        train_metrics = self.train(batch)
-        times["train"] = time.perf_counter() - t0
+        with clock("train"):
+            if self.selected("train") and lengths:
+                progress = TrainProgress()
+                train_metrics = self._select(
+                    "train",
+                    batch,
+                    lengths,
+                    lambda data, layout: self.train(data, layout, progress),
+                    self.move_master,
+                    selected,
+                )
+            else:
+                train_metrics = self.train(batch)
         self.step += 1
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns))
-        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics.update(clock.metrics())
         metrics["time/step"] = time.perf_counter() - start
         metrics.update({f"layout/{p}": str(lay) for p, lay in self.active.items()})
         metrics.update(selected)
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
         return metrics
+
+    def _select(self, phase, data, lengths, phase_fn, switch, metrics):
+        """Run ``phase`` in the selector's layout (with OOM recovery); records the layout it ran
+        in and the decision's metrics. Every rank calls."""
+        result, self.active[phase], decided = self.selection.run(
+            phase,
+            data,
+            lengths,
+            phase_fn,
+            switch=switch,
+            static_bytes=self.resident_bytes,
+            train_layout=lambda: self.policy.train_layout,
+            step=self.step,
+        )
+        metrics.update(decided)
+        return result
 
     def evaluate(
         self, num_prompts: int, seed_offset: int, samples: int, temperature: float
@@ -305,7 +360,7 @@ class RLLoop:
             dtype=torch.float64,
         )
         dist.all_reduce(stats)
-        use_layout(self.layouts["train"])
+        use_layout(self.policy.train_layout)
         n = max(float(stats[0]), 1.0)
         return {
             "eval/success_rate": float(stats[1]) / n,
@@ -380,3 +435,50 @@ def step_metrics_summary(metrics: dict) -> str:
 
 def replace_config(config: RunConfig, **changes) -> RunConfig:
     return dataclasses.replace(config, **changes)
+
+
+@dataclass
+class TrainProgress:
+    """Mini-batches of one step's train phase already applied (survives an OOM re-run)."""
+
+    done: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class _NoUpdate:
+    """An optimizer whose ``step`` applies nothing (start-up profiling of the train phase)."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = optimizer
+
+    def step(self):
+        return True, None, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._optimizer, name)
+
+
+class _PhaseClock:
+    """Wall time per phase (``time/<phase>``, this rank) and busy time (``time_busy/<phase>``:
+    wall minus run-queue wait, min over ranks: the figure a shared machine does not inflate)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start, waited = time.perf_counter(), runqueue_wait_s()
+        try:
+            yield
+        finally:
+            self.wall[phase] = time.perf_counter() - start
+            self.busy[phase] = self.wall[phase] - (runqueue_wait_s() - waited)
+
+    def metrics(self) -> dict[str, float]:
+        """Collective (world): the busy times are reduced (MIN)."""
+        busy = torch.tensor(list(self.busy.values()), dtype=torch.float64)
+        dist.all_reduce(busy, op=dist.ReduceOp.MIN)
+        out = {f"time/{k}": v for k, v in self.wall.items()}
+        out.update({f"time_busy/{k}": float(v) for k, v in zip(self.busy, busy, strict=True)})
+        return out

@@ -63,6 +63,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         state = ckpt.load_checkpoint(source, policy.ddp_chunks, policy.optimizer)
         loop.step = int(state.data_state.get("step", state.step))
         policy.version = state.weight_version
+        if loop.selection is not None and state.data_state.get("selector"):
+            loop.selection.restore(state.data_state["selector"])
         summary.update(state.data_state.get("summary", {}))
     else:
         if config.checkpoint.load:
@@ -102,6 +104,10 @@ def train(config: RunConfig) -> dict[str, Any]:
         enabled=rank0 and config.logging.progress,
         log_interval=config.logging.log_interval,
     )
+    if loop.selection is not None and config.selector.profile and not loop.selection.points:
+        for line in loop.profile():
+            if rank0:
+                print(line, flush=True)
     with logger:
         while loop.step < config.steps:
             metrics = loop.run_step()
@@ -128,14 +134,18 @@ def _evaluate(loop: RLLoop, config: RunConfig) -> dict[str, float]:
 
 
 def _save(loop: RLLoop, saving: ckpt.CheckpointConfig, config: RunConfig, summary: dict) -> None:
-    use_layout(loop.layouts["train"])
+    use_layout(loop.policy.train_layout)
     ckpt.save_checkpoint(
         saving,
         loop.step,
         loop.policy.ddp_chunks,
         loop.policy.optimizer,
         weight_version=loop.policy.version,
-        data_state={"step": loop.step, "summary": summary},
+        data_state={
+            "step": loop.step,
+            "summary": summary,
+            **({"selector": loop.selection.state()} if loop.selection is not None else {}),
+        },
         model_config=config.model,
         family=family_for_model(config.model).name,
     )

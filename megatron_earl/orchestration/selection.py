@@ -36,15 +36,19 @@ import torch.distributed as dist
 
 from megatron_earl.config.run import RunConfig
 from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.selector.budget import MemoryBudget
+from megatron_earl.selector.budget import BudgetExceeded, MemoryBudget
+from megatron_earl.selector.calibrate import CalibrationPoint, fit
 from megatron_earl.selector.decide import (
     NoFeasibleLayout,
     Selector,
     SelectorConfig,
     candidate_layouts,
+    percentile,
 )
 from megatron_earl.selector.memory import MemoryModel, MemorySettings, MiB
 from megatron_earl.selector.oom import run_phase_with_recovery
+from megatron_earl.selector.profile import runqueue_wait_s
+from megatron_earl.selector.state import load_selector_state, selector_state
 from megatron_earl.selector.throughput import HardwareSpec, Roofline, ThroughputTable
 
 
@@ -55,6 +59,9 @@ def phase_candidates(config: RunConfig, phase: str, world_size: int) -> list[Par
         return [
             c for c in every if c.cp == 1 and c.pp == 1 and c.dp <= config.batch.prompts_per_step
         ]
+    if phase == "train":  # every replica needs a sample in every mini-batch
+        per_mini_batch = config.batch.samples_per_step // config.batch.num_mini_batches
+        return [c for c in every if c.dp <= per_mini_batch]
     return [c for c in every if c.dp <= config.batch.samples_per_step]
 
 
@@ -90,6 +97,12 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
     if not config.selector.enabled:
         return []
     problems = []
+    if "train" in config.selector.phases and config.train.use_distributed_optimizer:
+        problems.append(
+            "selector.phases includes train, which moves the optimizer state between layouts; "
+            "train.use_distributed_optimizer=true keeps it in flat DP shards that cannot move: "
+            "set it to false or drop train from selector.phases"
+        )
     try:
         selectors = build_selectors(config, world_size, torch.cuda.is_available())
     except ValueError as err:
@@ -122,13 +135,22 @@ def gathered_lengths(local: Sequence[int]) -> list[int]:
 
 
 class PhaseSelection:
-    """The selectors, the budget and the measurement of the selected phases (module docstring)."""
+    """The selectors, the budget, the measurements and the online calibration of the selected
+    phases (module docstring)."""
 
     def __init__(self, config: RunConfig, world_size: int) -> None:
+        self.config = config
         self.cuda = torch.cuda.is_available()
         self.selectors = build_selectors(config, world_size, self.cuda)
         limit = int(config.selector.budget_mb * MiB)
         self.budget = None if self.cuda else MemoryBudget(limit)
+        self.memory: MemoryModel = next(iter(self.selectors.values())).memory
+        self.base_settings = self.memory.settings
+        self.points: list[CalibrationPoint] = []
+        """Every measured run of a selected phase (start-up profiling and live steps)."""
+        self._enforcing = False
+        self.accuracy: list[tuple[str, str, int, float, int]] = []
+        """(phase, layout, longest, predicted before the run, measured) of every live run."""
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -137,6 +159,81 @@ class PhaseSelection:
     def current(self, phase: str) -> ParallelLayout | None:
         """The layout ``phase`` last ran in (None before its first decision)."""
         return self.selectors[phase].current.get(phase)
+
+    def guard(self, optimizer: Any) -> Any:
+        """``optimizer`` whose ``step`` first checks the CPU budget while a measured phase runs
+        (an over-budget train phase applies no update); ``optimizer`` itself otherwise."""
+        if self.budget is not None and self.budget.tracking() and self._enforcing:
+            return self.budget.guard_optimizer(optimizer)
+        return optimizer
+
+    def state(self) -> dict:
+        """The selectors' state, calibration points included (JSON-able; ``selector.state``)."""
+        return selector_state(self.selectors, self.points)
+
+    def restore(self, state: dict) -> None:
+        """Continue from ``state`` (a resumed run): decisions, OOM marks, throughput cells,
+        calibrated memory model and its points. Raises ``ValueError`` (restoring nothing) when
+        the state does not fit this run's selectors."""
+        self.points = load_selector_state(self.selectors, state)
+
+    # ------------------------------------------------------------------ calibration
+
+    def record(
+        self,
+        phase: str,
+        layout: ParallelLayout,
+        lengths: Sequence[int],
+        peak: float,
+        static: int,
+        train_layout: ParallelLayout,
+    ) -> None:
+        """Add one measured run and re-fit the memory model's constants (per phase and per
+        (phase, layout) measured at two sizes or more). Pure given its inputs (same on every
+        rank: peaks are agreed)."""
+        if math.isnan(peak):
+            return
+        self.points.append(
+            CalibrationPoint(
+                phase,
+                str(layout),
+                tuple(int(n) for n in lengths),
+                self.config.batch.max_tokens_per_micro_batch,
+                int(peak),
+                int(static),
+                train_layout=str(train_layout),
+            )
+        )
+        self.refit()
+
+    def refit(self) -> None:
+        base = MemoryModel(self.memory.model, self.base_settings)
+        self.memory.settings = fit(base, self.points, per_layout=True)
+
+    def profile(
+        self,
+        phase: str,
+        layout: ParallelLayout,
+        lengths: Sequence[int],
+        fn: Callable[[], Any],
+        *,
+        static: int,
+        train_layout: ParallelLayout,
+        record: bool = True,
+    ) -> tuple[float, float]:
+        """Run ``fn`` (a start-up profiling run of ``phase`` in the active ``layout``) measured
+        but never refused; record its peak and tokens/s. Returns (peak bytes, busy seconds).
+        Collective (world)."""
+        seconds, (_, peak) = self._timed(lambda: self._measure(phase, fn, static, enforce=False))
+        if record:
+            self.record(phase, layout, lengths, peak, static, train_layout)
+            if seconds > 0:
+                self.selectors[phase].table.record(
+                    phase, layout, percentile(lengths, 0.95), sum(lengths), seconds
+                )
+        return peak, seconds
+
+    # ------------------------------------------------------------------ one phase
 
     def run(
         self,
@@ -147,22 +244,32 @@ class PhaseSelection:
         *,
         switch: Callable[[ParallelLayout], None],
         static_bytes: Callable[[ParallelLayout], int],
+        train_layout: Callable[[], ParallelLayout],
         step: int,
     ) -> tuple[Any, ParallelLayout, dict[str, float | str]]:
         """Decide, switch and run ``phase_fn`` with OOM recovery; returns its result, the layout
-        it ran in and the step metrics of the decision. Every rank calls."""
+        it ran in and the step metrics of the decision. ``train_layout()`` is where the master
+        copy is (the experience phase's memory includes it). Every rank calls."""
         selector = self.selectors[phase]
-        peaks: dict[str, float] = {}
+        selector.train_layout = None if phase == "train" else train_layout()
+        runs: dict[str, tuple[float, float]] = {}
+        seconds = [0.0]
 
         def measured(batch: Any, layout: ParallelLayout) -> Any:
-            start = time.perf_counter()
-            result, peak = self._measure(
-                phase, lambda: phase_fn(batch, layout), layout, static_bytes
-            )
-            peaks[str(layout)] = peak
-            seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            peaks["seconds"] = float(seconds[0])
+            predicted = selector.predicted_peak(phase, layout, lengths)
+            static = static_bytes(layout)
+            home = layout if phase == "train" else train_layout()
+            try:
+                busy, (result, peak) = self._timed(
+                    lambda: self._measure(phase, lambda: phase_fn(batch, layout), static)
+                )
+            except BudgetExceeded as err:
+                runs[str(layout)] = (predicted, float(err.peak_bytes))
+                self._note(phase, layout, lengths, predicted, err.peak_bytes, static, home)
+                raise
+            runs[str(layout)] = (predicted, peak)
+            seconds[0] = busy
+            self._note(phase, layout, lengths, predicted, peak, static, home)
             return result
 
         result, report = run_phase_with_recovery(
@@ -175,9 +282,9 @@ class PhaseSelection:
             step=step,
         )
         layout, decision = report.layout, report.decision
-        if peaks["seconds"] > 0:
-            selector.table.record(phase, layout, decision.stats.p95, sum(lengths), peaks["seconds"])
-        predicted = selector.predicted_peak(phase, layout, lengths, decision.stats.planned)
+        if seconds[0] > 0:
+            selector.table.record(phase, layout, decision.stats.p95, sum(lengths), seconds[0])
+        predicted, peak = runs[str(layout)]
         prefix = f"selector/{phase}"
         metrics: dict[str, float | str] = {
             f"layout/{phase}": str(layout),
@@ -194,19 +301,33 @@ class PhaseSelection:
             f"{prefix}/planned_len": float(decision.stats.planned),
             f"{prefix}/predicted_mb": predicted / MiB,
         }
-        if not math.isnan(peaks.get(str(layout), math.nan)):  # rollout on CPU is not measured
-            metrics[f"{prefix}/measured_mb"] = peaks[str(layout)] / MiB
+        if not math.isnan(peak):  # rollout on CPU is not measured
+            metrics[f"{prefix}/measured_mb"] = peak / MiB
         return result, layout, metrics
 
+    def _note(self, phase, layout, lengths, predicted, peak, static, home) -> None:
+        if not math.isnan(peak):
+            self.accuracy.append((phase, str(layout), max(lengths), predicted, int(peak)))
+        self.record(phase, layout, lengths, peak, static, home)
+
+    @staticmethod
+    def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        """(busy seconds, fn()): min over ranks of wall time minus run-queue wait (the machine
+        may be shared; ``selector.profile.runqueue_wait_s``). Collective (world)."""
+        start, waited = time.perf_counter(), runqueue_wait_s()
+        out = fn()
+        busy = (time.perf_counter() - start) - (runqueue_wait_s() - waited)
+        t = torch.tensor([busy], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t[0]), out
+
     def _measure(
-        self,
-        phase: str,
-        fn: Callable[[], Any],
-        layout: ParallelLayout,
-        static_bytes: Callable[[ParallelLayout], int],
+        self, phase: str, fn: Callable[[], Any], static: int, enforce: bool = True
     ) -> tuple[Any, float]:
-        """Run ``fn`` and return its result and the peak (max over ranks; nan where not measured).
-        CPU: past the budget every rank raises ``BudgetExceeded``. Collective (world)."""
+        """Run ``fn`` and return its result and the peak (max over ranks; nan where not
+        measured). CPU: past the budget every rank raises ``BudgetExceeded`` (the train phase
+        checks before its optimizer step, ``guard``; at its end the peak is only read).
+        Collective (world)."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             result = fn()
@@ -215,6 +336,12 @@ class PhaseSelection:
             return result, float(peak[0])
         if phase == "rollout":  # the engine computes in a worker thread: not measured on CPU
             return fn(), math.nan
-        with self.budget.track(static_bytes=static_bytes(layout)):
-            result = fn()
-        return result, float(self.budget.checkpoint())
+        self._enforcing = enforce
+        try:
+            with self.budget.track(static_bytes=static):
+                result = fn()
+        finally:
+            self._enforcing = False
+        if enforce and phase != "train":
+            return result, float(self.budget.checkpoint())
+        return result, float(self.budget.agreed_peak())

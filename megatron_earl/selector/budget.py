@@ -134,15 +134,24 @@ class MemoryBudget:
         dynamic = self._mode.peak if self._mode is not None else self.current.dynamic_peak_bytes
         return self.current.static_bytes + dynamic
 
+    def agreed_peak(self, group: dist.ProcessGroup | None = None) -> int:
+        """The measured peak, max over ``group`` (default: the world), without enforcing the
+        limit. Which ranks call: every rank of ``group``."""
+        peak = torch.tensor([float(self.measured_peak())], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        return int(peak.item())
+
+    def tracking(self) -> bool:
+        """Whether a ``track`` block is open on this rank."""
+        return self._mode is not None
+
     def checkpoint(self, group: dist.ProcessGroup | None = None) -> int:
         """All-reduce (MAX) the measured peak; past the limit, ``BudgetExceeded`` on every rank.
 
         Which ranks call: every rank of ``group`` (default: the world). Returns the largest peak.
         """
-        peak = torch.tensor([float(self.measured_peak())], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        largest = int(peak.item())
+        largest = self.agreed_peak(group)
         if largest > self.limit_bytes:
             raise BudgetExceeded(
                 f"measured peak {largest / 2**20:.1f} MiB > budget "

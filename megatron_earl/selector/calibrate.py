@@ -20,7 +20,7 @@ keeps its analytic defaults (scale 1, fixed 0).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,11 +42,17 @@ class CalibrationPoint:
     """Measured peak, max over ranks."""
     measured_static_bytes: int
     """Measured static state on that rank."""
+    train_layout: str | None = None
+    """Where the trainable master copy lived during the run (the RL loop); None: in ``layout``
+    (``MemoryModel.peak``'s ``train_layout``)."""
+
+    def master_layout(self) -> ParallelLayout | None:
+        return ParallelLayout.parse(self.train_layout) if self.train_layout else None
 
     def workload(self) -> PhaseWorkload:
         layout = ParallelLayout.parse(self.layout)
         return PhaseWorkload.for_lengths(
-            self.phase, self.lengths, token_budget=self.token_budget, dp=layout.dp
+            self.phase, self.lengths, token_budget=self.token_budget, dp=layout.dp, cp=layout.cp
         )
 
 
@@ -80,44 +86,66 @@ def measure(
     return points
 
 
-def _split(memory: MemoryModel, point: CalibrationPoint) -> tuple[float, float]:
-    """(analytic saved-activation bytes, dynamic bytes the fit must explain)."""
+def _split(
+    memory: MemoryModel, point: CalibrationPoint, absorb_buffers: bool = False
+) -> tuple[float, float]:
+    """(analytic saved-activation bytes, dynamic bytes the fit must explain). With
+    ``absorb_buffers`` the log-prob chunk buffers are left in the dynamic part (a per-layout
+    fit, ``MemoryModel.logprob_buffers``)."""
     layout, work = ParallelLayout.parse(point.layout), point.workload()
-    breakdown = memory.peak(point.phase, layout, work)
+    breakdown = memory.peak(point.phase, layout, work, point.master_layout())
     known = breakdown.static + breakdown.overhead + breakdown.kv_cache
     known += memory.cp_mask_bytes(point.phase, layout, work)
-    stage = "last"
-    if breakdown.logprob_buffers:  # the last stage holds the peak: its chunk buffers are known
+    stage = memory.peak_stage(point.phase, layout, work)
+    if stage == "last" and not absorb_buffers:
         known += memory.chunk_buffer_bytes(point.phase, layout, work)
-    else:
-        stage = "first"
     saved = memory.saved_activation_bytes(point.phase, layout, work, stage)
     return saved, point.measured_bytes - known
 
 
-def fit(memory: MemoryModel, points: Sequence[CalibrationPoint]) -> MemorySettings:
-    """Settings with ``activation_scale`` and ``fixed_bytes`` fitted per measured phase."""
+def _least_squares(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(scale, intercept) of y ~ scale * x + intercept over (x, y, measured) rows, weighted by
+    1 / measured (relative error); a pure scale when x does not vary or the slope is not > 0."""
+    x = [r[0] for r in rows]
+    y = [r[1] for r in rows]
+    w = [1.0 / r[2] for r in rows]
+    if len(rows) == 1 or len(set(x)) == 1:
+        return sum(y) / max(sum(x), 1e-9), 0.0
+    sw = sum(wi * wi for wi in w)
+    mx = sum(wi * wi * xi for wi, xi in zip(w, x, strict=True)) / sw
+    my = sum(wi * wi * yi for wi, yi in zip(w, y, strict=True)) / sw
+    sxx = sum(wi * wi * (xi - mx) ** 2 for wi, xi in zip(w, x, strict=True))
+    sxy = sum(wi * wi * (xi - mx) * (yi - my) for wi, xi, yi in zip(w, x, y, strict=True))
+    scale = sxy / sxx
+    if scale <= 0:  # degenerate data: fall back to a pure scale
+        return sum(y) / sum(x), 0.0
+    return scale, my - scale * mx
+
+
+def fit(
+    memory: MemoryModel, points: Sequence[CalibrationPoint], per_layout: bool = False
+) -> MemorySettings:
+    """Settings with ``activation_scale`` and ``fixed_bytes`` fitted per measured phase; with
+    ``per_layout``, also (scale, fixed) per (phase, layout) measured at two or more sizes
+    (``MemorySettings.layout_fit``), the phase's constants covering the other layouts."""
+    base = replace(memory.settings, layout_fit={})
+    plain = MemoryModel(memory.model, base)
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    by_layout: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for p in points:
+        rows.setdefault(p.phase, []).append((*_split(plain, p), p.measured_bytes))
+        if per_layout:
+            row = (*_split(plain, p, absorb_buffers=True), p.measured_bytes)
+            by_layout.setdefault((p.phase, p.layout), []).append(row)
     scales, fixed = {}, {}
-    for phase in sorted({p.phase for p in points}):
-        rows = [(_split(memory, p), p.measured_bytes) for p in points if p.phase == phase]
-        w = [1.0 / m for _, m in rows]
-        x = [a for (a, _), _ in rows]
-        y = [b for (_, b), _ in rows]
-        if len(rows) == 1 or len(set(x)) == 1:
-            scales[phase], fixed[phase] = sum(y) / max(sum(x), 1e-9), 0.0
-            continue
-        sw = sum(wi * wi for wi in w)
-        mx = sum(wi * wi * xi for wi, xi in zip(w, x, strict=True)) / sw
-        my = sum(wi * wi * yi for wi, yi in zip(w, y, strict=True)) / sw
-        sxx = sum(wi * wi * (xi - mx) ** 2 for wi, xi in zip(w, x, strict=True))
-        sxy = sum(wi * wi * (xi - mx) * (yi - my) for wi, xi, yi in zip(w, x, y, strict=True))
-        scale = sxy / sxx
-        if scale <= 0:  # degenerate data: fall back to a pure scale
-            scale, intercept = sum(y) / sum(x), 0.0
-        else:
-            intercept = my - scale * mx
-        scales[phase], fixed[phase] = scale, intercept
-    return memory.settings.with_calibration(scales, fixed)
+    for phase, phase_rows in sorted(rows.items()):
+        scales[phase], fixed[phase] = _least_squares(phase_rows)
+    layout_fit = {
+        f"{phase}/{layout}": _least_squares(mine)
+        for (phase, layout), mine in sorted(by_layout.items())
+        if len({round(r[0]) for r in mine}) >= 2
+    }
+    return base.with_calibration(scales, fixed, layout_fit)
 
 
 @dataclass(frozen=True)
@@ -137,7 +165,8 @@ def errors(memory: MemoryModel, points: Sequence[CalibrationPoint]) -> list[Cali
     """Predicted vs measured peak of every point."""
     out = []
     for p in points:
-        predicted = memory.peak(p.phase, ParallelLayout.parse(p.layout), p.workload()).total
+        layout = ParallelLayout.parse(p.layout)
+        predicted = memory.peak(p.phase, layout, p.workload(), p.master_layout()).total
         out.append(CalibrationError(p.phase, p.layout, max(p.lengths), predicted, p.measured_bytes))
     return out
 

@@ -164,6 +164,9 @@ class Selector:
                 f"this model; valid: {[str(c) for c in candidate_layouts(world_size, model)]}"
             )
         self.current: dict[str, ParallelLayout] = {}
+        self.train_layout: ParallelLayout | None = None
+        """Where the trainable master copy lives while rollout/experience run (the RL loop sets
+        it before deciding); None: each candidate holds its own (``MemoryModel.peak``)."""
         self.infeasible: set[tuple[str, str, int]] = set()
         self.history: dict[str, list[int]] = {p: [] for p in PHASES}
         self.log: list[Decision] = []
@@ -188,6 +191,7 @@ class Selector:
             scaled,
             token_budget=self.config.token_budget,
             dp=layout.dp,
+            cp=layout.cp,
             concurrent_sequences=self.config.concurrent_sequences,
         )
 
@@ -195,7 +199,7 @@ class Selector:
         self, phase: str, layout: ParallelLayout, lengths: Sequence[int], planned: int | None = None
     ) -> float:
         work = self.workload(phase, layout, lengths, planned or max(lengths))
-        return self.memory.peak(phase, layout, work).total
+        return self.memory.peak(phase, layout, work, self.train_layout).total
 
     def mark_infeasible(self, phase: str, layout: ParallelLayout, length: int) -> None:
         """An OOM ran ``layout`` out of memory at ``length``: never choose it again for this

@@ -33,6 +33,7 @@ analytic defaults (scale 1) are used. Pure: no torch, no processes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -91,23 +92,50 @@ class PhaseWorkload:
         *,
         token_budget: int = 8192,
         dp: int = 1,
+        cp: int = 1,
         concurrent_sequences: int | None = None,
     ) -> PhaseWorkload:
-        """The workload of a batch of sequence ``lengths`` spread over ``dp`` replicas, packed
-        into micro-batches of ``max(min(token_budget, share), longest)`` tokens, where ``share``
-        is a replica's tokens (a micro-batch never holds more than its replica has)."""
+        """The workload of the most loaded DP replica when a batch of sequence ``lengths`` is
+        spread over ``dp`` replicas the way the dispatcher does (``dispatch.balance``) and packed
+        into micro-batches the way the train step / log-prob pass does
+        (``training.microbatch.plan_micro_batches``: per-rank ``token_budget`` after the CP
+        split, balanced token counts). A sequence above the budget is never split: it gets a
+        micro-batch of its own (the loop's dispatcher refuses it; the planner still sizes it)."""
         if not lengths:
             raise ValueError("lengths is empty: a phase needs at least one sequence")
-        longest = max(lengths)
-        share = math.ceil(sum(lengths) / dp)
-        per_mb = max(min(token_budget, share), longest)
+        key = (tuple(int(n) for n in lengths), token_budget, dp, cp)
+        count, per_mb = _packing(*key)
         return cls(
             phase=phase,
-            max_seq_len=longest,
+            max_seq_len=max(lengths),
             tokens_per_micro_batch=per_mb,
-            num_micro_batches=max(1, math.ceil(share / per_mb)),
+            num_micro_batches=count,
             concurrent_sequences=concurrent_sequences or max(1, math.ceil(len(lengths) / dp)),
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _packing(lengths: tuple[int, ...], token_budget: int, dp: int, cp: int) -> tuple[int, int]:
+    """(micro-batches, tokens of the largest before the CP split) of the most loaded replica
+    (``PhaseWorkload.for_lengths``); memoised: the selector re-evaluates the same batches."""
+    from megatron_earl.dispatch.balance import assign_samples
+    from megatron_earl.dispatch.plan import PlanConfig
+    from megatron_earl.parallel.cp import cp_padded_length
+    from megatron_earl.training.microbatch import plan_micro_batches
+
+    table = {i: int(n) for i, n in enumerate(lengths)}
+    if dp > 1 and len(table) >= dp:
+        replicas = assign_samples(table, table, dp, PlanConfig())
+        mine = max(([table[i] for i in r] for r in replicas), key=lambda r: (sum(r), max(r)))
+    elif dp > 1:  # more replicas than sequences: one sequence each at most
+        mine = [max(lengths)]
+    else:
+        mine = list(table.values())
+    padded = [cp_padded_length(n, cp) for n in mine]
+    budget = max(token_budget, max(padded) // cp)
+    bins = plan_micro_batches(mine, budget, cp)
+    loads = [sum(padded[i] for i in b) for b in bins]
+    return len(bins), max(max(loads), max(lengths))
 
 
 @dataclass(frozen=True)
@@ -129,6 +157,10 @@ class MemorySettings:
     """Per-phase multiplier of the analytic activation bytes (fitted on CPU; 1 on GPU)."""
     fixed_bytes: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     """Per-phase fixed bytes added to the log-prob buffers (fitted on CPU)."""
+    layout_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """(activation scale, fixed bytes) fitted for one phase in one layout, keyed
+    ``"phase/layout"`` (e.g. ``"experience/tp2cp1pp1dp1"``); takes precedence over the phase's
+    ``activation_scale`` / ``fixed_bytes`` (``calibrate.fit`` with measurements of that layout)."""
     cp_mask_bytes: float = 0.0
     """Bytes per element of the causal masks of this project's CP attention kept for backward
     (CPU SDPA keeps an fp32 copy: 4); 0 where a ring/TE CP attention has no s^2 term."""
@@ -172,13 +204,25 @@ class MemorySettings:
         )
 
     def with_calibration(
-        self, activation_scale: dict[str, float], fixed_bytes: dict[str, float]
+        self,
+        activation_scale: dict[str, float],
+        fixed_bytes: dict[str, float],
+        layout_fit: dict[str, tuple[float, float]] | None = None,
     ) -> MemorySettings:
         return replace(
             self,
             activation_scale={**self.activation_scale, **activation_scale},
             fixed_bytes={**self.fixed_bytes, **fixed_bytes},
+            layout_fit={**self.layout_fit, **(layout_fit or {})},
         )
+
+    def constants(self, phase: str, layout: ParallelLayout) -> tuple[float, float]:
+        """(activation scale, fixed bytes) of ``phase`` in ``layout``: the layout's own fit when
+        there is one, else the phase's."""
+        fitted = self.layout_fit.get(f"{phase}/{layout}")
+        if fitted is not None:
+            return float(fitted[0]), float(fitted[1])
+        return self.activation_scale[phase], self.fixed_bytes[phase]
 
 
 @dataclass(frozen=True)
@@ -320,13 +364,27 @@ class MemoryModel:
     def activations(
         self, phase: str, layout: ParallelLayout, work: PhaseWorkload, stage: str = "last"
     ) -> float:
-        scale = self.settings.activation_scale[phase]
+        scale = self.settings.constants(phase, layout)[0]
         saved = self.saved_activation_bytes(phase, layout, work, stage)
         return scale * saved + self.cp_mask_bytes(phase, layout, work)
 
     def logprob_buffers(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> float:
-        s = self.settings
-        return self.chunk_buffer_bytes(phase, layout, work) + s.fixed_bytes[phase]
+        """The chunked output layer's buffers plus the fitted fixed bytes; a (phase, layout) fit
+        absorbs the buffers into its linear fit (``calibrate.fit``), leaving the fixed bytes."""
+        fixed = self.settings.constants(phase, layout)[1]
+        if f"{phase}/{layout}" in self.settings.layout_fit:
+            return fixed
+        return self.chunk_buffer_bytes(phase, layout, work) + fixed
+
+    def peak_stage(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> str:
+        """The pipeline stage holding the peak, from the analytic terms (no fitted constant):
+        "last" (log-prob buffers, one micro-batch) unless pp > 1 and the first stage's
+        micro-batches in flight outweigh it."""
+        if layout.pp == 1:
+            return "last"
+        first = self.saved_activation_bytes(phase, layout, work, "first")
+        last = self.saved_activation_bytes(phase, layout, work, "last")
+        return "first" if first > last + self.chunk_buffer_bytes(phase, layout, work) else "last"
 
     def chunk_buffer_bytes(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> float:
         """The chunked output layer's fp32 ``chunk x V/tp`` buffers (no fitted constant)."""
@@ -348,30 +406,51 @@ class MemoryModel:
 
     # ------------------------------------------------------------------ total
 
-    def peak(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> MemoryBreakdown:
-        """Predicted peak bytes on the most loaded rank of ``layout`` for ``phase``."""
+    def train_state(self, layout: ParallelLayout) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer) bytes of the trainable master copy in ``layout``."""
+        s = self.settings
+        params = self.stage_parameters(layout)
+        master = 0 if self.param_bytes == 4 else 4
+        optim = params * (8 + master)
+        if s.use_distributed_optimizer:  # Megatron shards over the dp x cp group
+            optim /= layout.dp * layout.cp
+        return params * self.param_bytes, params * s.grad_bytes, optim
+
+    def peak(
+        self,
+        phase: str,
+        layout: ParallelLayout,
+        work: PhaseWorkload,
+        train_layout: ParallelLayout | None = None,
+    ) -> MemoryBreakdown:
+        """Predicted peak bytes on the most loaded rank of ``layout`` for ``phase``.
+
+        ``train_layout``: where the trainable master copy (weights, gradients, optimizer state)
+        lives while a rollout/experience phase runs in ``layout`` (the RL loop keeps one master
+        and a weights-only copy per other layout); None: in ``layout`` itself. The train phase
+        always holds the master in its own layout."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         s = self.settings
-        params = self.stage_parameters(layout)
+        home = layout if phase == "train" or train_layout is None else train_layout
+        weights = self.stage_parameters(layout) * self.param_bytes
         grads = optim = 0.0
         if phase == "train" or s.train_state_resident:
-            grads = params * s.grad_bytes
-            master = 0 if self.param_bytes == 4 else 4
-            optim = params * (8 + master)
-            if s.use_distributed_optimizer:  # Megatron shards over the dp x cp group
-                optim /= layout.dp * layout.cp
+            master_weights, grads, optim = self.train_state(home)
+            if home != layout:  # the phase's own copy next to the master
+                weights += master_weights
         # The last stage adds the log-prob buffers; the first holds more micro-batches (1F1B).
-        last = self.activations(phase, layout, work, "last")
+        stage = self.peak_stage(phase, layout, work)
+        activations = self.activations(phase, layout, work, stage)
         buffers = self.logprob_buffers(phase, layout, work)
-        first = self.activations(phase, layout, work, "first") if layout.pp > 1 else 0.0
-        if first > last + buffers:
-            last, buffers = first, 0.0
+        if stage == "first":  # no output layer there: only the fitted fixed bytes
+            buffers = self.settings.constants(phase, layout)[1]
+        buffers = max(buffers, -activations)  # a fitted negative constant never eats the state
         return MemoryBreakdown(
-            weights=params * self.param_bytes,
+            weights=weights,
             gradients=grads,
             optimizer=optim,
-            activations=last,
+            activations=activations,
             logprob_buffers=buffers,
             kv_cache=self.kv_cache(layout, work) if phase == "rollout" else 0.0,
             overhead=s.overhead_bytes,

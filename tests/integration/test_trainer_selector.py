@@ -1,10 +1,11 @@
 """The trainer with the parallelism selector on (``selector.enabled=true``), as users run it
 (``megatron-earl train`` -> torchrun, 2 processes):
 
-- the experience layout is chosen per step under a CPU memory budget of 3.2 MiB per rank with no
-  safety margin: the first choice (dp2, predicted 3.1 MiB) measures ~3.3 MiB on the guessing game's
-  long contexts, runs out of budget, and the same batch is re-run in the next candidates until one
-  fits; every step completes, every decision is in the metrics, and no sample is lost;
+- the experience and train layouts are chosen per step under a CPU memory budget with no safety
+  margin: calibrated by start-up profiling, the train phase starts on a layout that fits (no
+  OOM) and a resumed run continues the selector's state; without profiling, an out-of-budget
+  train phase re-runs the same batch in the next layout with no update applied twice; every
+  step completes, every decision is in the metrics, and no sample is lost;
 - a budget every layout exceeds on the real batch ends the run with one message (the selector's),
   repeated as the last line of `megatron-earl train`;
 - a budget no layout can hold fails at start-up with one message naming the smallest layout and
@@ -54,42 +55,85 @@ def _train(overrides: list[str], timeout: int) -> subprocess.CompletedProcess:
     )
 
 
-def test_experience_layout_recovers_from_an_out_of_budget_phase(tmp_path):
-    budget = ["selector.budget_mb=3.2", "selector.safety_margin=0.0"]
-    result = _train([*TINY, *budget, f"output_dir={tmp_path}", "name=sel"], timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [
-        json.loads(line) for line in (tmp_path / "sel" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r in records:
-        layout = r["layout/experience"]
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_step(r: dict, budget_mb: float) -> None:
+    """What every step must show: both phases decided, logged, within the budget, nothing lost."""
+    for phase in ("experience", "train"):
+        layout = r[f"layout/{phase}"]
         ParallelLayout.parse(layout)
-        assert r["selector/experience/reason"] in (
-            "initial",
-            "best",
-            "keep (hysteresis)",
-            "current does not fit",
-            "current infeasible",
-        )
-        attempts = r["selector/experience/attempts"].split(",")
+        assert r[f"selector/{phase}/reason"] in REASONS
+        attempts = r[f"selector/{phase}/attempts"].split(",")
         assert attempts[-1] == f"{layout}:ok"
         assert all(a.endswith(":OOM") for a in attempts[:-1])
-        assert r["selector/experience/ooms"] == len(attempts) - 1
-        assert r["selector/experience/predicted_mb"] > 0
-        assert 0 < r["selector/experience/measured_mb"] <= 3.2
-        assert "time/experience" in r and "time/rollout" in r
-        # no sample lost: every trajectory of the step reached the experience phase and training
-        assert r["selector/experience/samples"] == r["rollout/trajectories"] - r["rollout/failed"]
-        assert r["rollout/trajectories"] == 16
+        assert r[f"selector/{phase}/ooms"] == len(attempts) - 1
+        assert 0 < r[f"selector/{phase}/measured_mb"] <= budget_mb
+        assert r[f"selector/{phase}/predicted_mb"] > 0
+        assert f"time/{phase}" in r and f"time_busy/{phase}" in r
+    # no sample lost: every trajectory of the step reached the experience phase and training
+    assert r["selector/experience/samples"] == r["rollout/trajectories"] - r["rollout/failed"]
+    assert r["rollout/trajectories"] == 16
+    assert r["train/num_samples"] == r["selector/experience/samples"]
+
+
+REASONS = ("initial", "best", "keep (hysteresis)", "current does not fit", "current infeasible")
+
+
+def test_train_layout_moves_before_the_budget_is_hit_and_resumes_with_its_state(tmp_path):
+    """Start-up profiling calibrates the memory model; the train phase's first choice is already a
+    layout that fits 8 MiB (dp2 needs ~9.3 MiB on these contexts), with no OOM; the prediction
+    made before each run is within 15% of the measured peak. A resumed run continues from the
+    checkpointed selector state (no profiling, no "initial" decision)."""
+    budget = ["selector.budget_mb=8", "selector.safety_margin=0.0"]
+    first = _train([*TINY, "steps=2", *budget, f"output_dir={tmp_path}", "name=sel"], timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "profiled 16 runs" in first.stdout and "memory model re-fitted" in first.stdout
+    records = _records(tmp_path / "sel")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        _check_step(r, 8.0)
+        assert r["selector/experience/ooms"] == r["selector/train/ooms"] == 0
+        for phase in ("experience", "train"):
+            predicted = r[f"selector/{phase}/predicted_mb"]
+            measured = r[f"selector/{phase}/measured_mb"]
+            assert abs(predicted - measured) <= 0.15 * measured, (phase, predicted, measured)
+    assert records[0]["selector/train/reason"] == "initial"
+    assert records[0]["layout/train"] != "tp1cp1pp1dp2"  # dp2 does not fit: chosen ahead
+    # weight version: SFT steps + one optimizer step per RL step (nothing applied twice)
+    assert [r["weight_version"] for r in records] == [4.0, 5.0]
+
+    resumed = _train([*TINY, "steps=3", *budget, f"output_dir={tmp_path}", "name=sel"], timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "profiled" not in resumed.stdout  # the checkpoint carried the calibration
+    records = _records(tmp_path / "sel")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    last = records[-1]
+    _check_step(last, 8.0)
+    assert last["selector/train/reason"] != "initial"
+    assert last["selector/experience/reason"] != "initial"
+
+
+def test_train_phase_out_of_budget_reruns_the_same_batch_in_the_next_layout(tmp_path):
+    """Without start-up profiling the uncalibrated model under-predicts pp2's train peak at
+    6.6 MiB: that run exceeds the budget before its optimizer step, and the same batch trains in
+    the next layout (the master moves there); later steps use the re-fitted model."""
+    budget = ["selector.budget_mb=6.6", "selector.safety_margin=0.0", "selector.profile=false"]
+    result = _train([*TINY, *budget, f"output_dir={tmp_path}", "name=oom"], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "oom")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        _check_step(r, 6.6)
     first = records[0]
-    assert first["selector/experience/reason"] == "initial"
-    assert first["selector/experience/decided"] == "tp1cp1pp1dp2"
-    assert first["selector/experience/ooms"] >= 1, "the budget should reject the first choice"
-    assert first["layout/experience"] != "tp1cp1pp1dp2"
-    # an (layout, length) marked infeasible is not chosen again
-    assert all(r["selector/experience/decided"] != "tp1cp1pp1dp2" for r in records[1:])
-    assert all(r["selector/experience/ooms"] == 0 for r in records[1:])
+    assert first["selector/train/ooms"] >= 1, "the budget should reject the first train choice"
+    assert first["layout/train"] != first["selector/train/decided"]
+    infeasible = first["selector/train/decided"]
+    assert all(r["selector/train/decided"] != infeasible for r in records[1:])
+    assert all(r["selector/train/ooms"] == 0 for r in records[1:])
+    # the failed attempt applied no update: one optimizer step per RL step
+    assert [r["weight_version"] for r in records] == [4.0, 5.0, 6.0]
 
 
 def test_budget_below_every_layout_fails_at_start_up(tmp_path):
@@ -102,12 +146,13 @@ def test_budget_below_every_layout_fails_at_start_up(tmp_path):
 
 
 def test_every_layout_out_of_budget_ends_the_run_with_one_message(tmp_path):
-    # 2 MiB passes the start-up check (tp2 is predicted to need 1.08 MiB) but every layout
-    # measures more on the real batch: the run stops with the selector's message, no traceback.
-    budget = ["steps=1", "selector.budget_mb=2.0", "selector.safety_margin=0.0"]
+    # 2.5 MiB passes the start-up check (one-token sequences fit) but no layout holds the real
+    # batch's train phase: the run stops before that phase with the selector's message naming
+    # the smallest layout and the memory it needs, no traceback.
+    budget = ["steps=1", "selector.budget_mb=2.5", "selector.safety_margin=0.0"]
     result = _train([*TINY, *budget, f"output_dir={tmp_path}", "name=oom"], timeout=240)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("megatron-earl train: selector error: experience step 0: every "), last
-    assert "the smallest layout is tp" in last and "MiB" in last and "measured" in last
+    assert last.startswith("megatron-earl train: selector error: "), last
+    assert "the smallest" in last and "MiB" in last and "needs" in last
     assert "Traceback" not in result.stderr.split("selector error", 1)[0]
