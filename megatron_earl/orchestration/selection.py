@@ -3,7 +3,8 @@
     selection = PhaseSelection(config, world_size)
     lengths = gathered_lengths(batch.lengths)              # the same list on every rank
     result, layout, metrics = selection.run(
-        "experience", batch, lengths, phase_fn, switch=switch, static_bytes=static, step=step
+        "experience", batch, lengths, phase_fn, switch=switch, static_bytes=static,
+        train_layout=lambda: policy.train_layout, step=step,
     )
 
 ``run`` asks the phase's ``Selector`` for a layout (``NoFeasibleLayout`` before anything runs
@@ -12,14 +13,20 @@ when none fits the budget), switches to it and runs ``phase_fn(data, layout)`` u
 re-runs the *same* data in the next candidate, so no sample is lost. The peak is measured per run:
 
 - CPU: ``MemoryBudget.track`` (every tensor ATen creates, plus ``static_bytes(layout)``: the state
-  the phase's memory model counts) and an agreed ``checkpoint`` at the phase's end: past
-  ``selector.budget_mb`` every rank raises ``BudgetExceeded`` and the phase is retried;
+  the phase's memory model counts); the experience phase is checked at its end, the train phase
+  before its optimizer step (``guard``), agreed over ranks: past ``selector.budget_mb`` every rank
+  raises ``BudgetExceeded`` and the phase is retried;
 - GPU: ``torch.cuda.max_memory_allocated`` (the allocator itself raises the OOM).
 
-The rollout phase is predicted only on CPU: the embedded engine computes in a worker thread that a
-dispatch mode does not see. The phase's time (max over ranks) refreshes the throughput table.
-Experience candidates: every layout of the world the model admits with dp <= samples per step;
-rollout candidates: tp/dp only (the embedded engine needs pp = cp = 1), dp <= prompts per step.
+Every measured run (start-up profiling, ``profile``, and live steps, OOM runs included) becomes a
+``CalibrationPoint`` and the memory model is re-fitted (``calibrate.fit`` per phase and per
+(phase, layout)), so the next prediction has seen this run. ``accuracy`` keeps every live run's
+prediction made *before* it ran next to its measured peak. The rollout phase is predicted only on
+CPU: the embedded engine computes in a worker thread that a dispatch mode does not see. The
+phase's busy time (wall minus run-queue wait, min over ranks) refreshes the throughput table.
+Candidates: experience, every layout of the world the model admits with dp <= samples per step;
+train, dp <= samples per mini-batch; rollout, tp/dp only (the embedded engine needs pp = cp = 1),
+dp <= prompts per step.
 
 Which ranks call: every rank of the world, with the same lengths (decisions are deterministic).
 """

@@ -26,9 +26,18 @@ Terms (bytes on the most loaded rank: the first or last pipeline stage):
 * KV cache (rollout): layers/pp x 2 x kv heads/tp x head dim x tokens x bytes;
 * overhead: a fixed per-rank amount (framework, communicator buffers).
 
+In the RL loop the trainable master copy (weights, gradients, optimizer state) lives in the train
+layout while rollout/experience run in theirs (``peak(..., train_layout=)``): those phases hold
+their own weights plus the master's state. The workload (``PhaseWorkload.for_lengths``) is the
+most loaded DP replica's, with the dispatcher's balancing and the train step's micro-batch packing
+run on the batch's lengths (memoised).
+
 Activations and log-prob buffers are scaled by per-phase constants (``activation_scale``,
-``fixed_bytes``) fitted by ``calibrate.fit`` from short CPU runs of the real model; on GPU the
-analytic defaults (scale 1) are used. Pure: no torch, no processes.
+``fixed_bytes``) fitted by ``calibrate.fit`` from short CPU runs of the real model, and, where a
+(phase, layout) has been measured at two sizes or more, by that layout's own fit
+(``layout_fit``: scale and intercept of everything but the static state and CP masks). On GPU the
+analytic defaults (scale 1) are used until measurements arrive. A fitted negative constant never
+takes the prediction below the static state. Pure: no processes.
 """
 
 from __future__ import annotations

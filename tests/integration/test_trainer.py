@@ -38,7 +38,7 @@ TINY = [
     "logging.tensorboard=false",
     "logging.progress=false",
 ]
-WALL_CLOCK = ("time/", "tokens_per_s", "train/tokens_per_s")
+WALL_CLOCK = ("time/", "time_busy/", "tokens_per_s", "train/tokens_per_s")
 
 
 def _command(config: str | Path, overrides: list[str]) -> list[str]:
