@@ -17,7 +17,8 @@ step in a rotating order (machine noise hits all of them alike):
 
 Prints per run and per context bucket (the step's longest context, rounded up to a power of two):
 the median tokens/s of the experience and train phases and of both together (tokens of the step /
-busy phase time, ``time_busy``: wall time minus run-queue wait, min over ranks), steps completed,
+busy phase time, ``time_busy``: wall time minus run-queue wait, min over ranks, less the layout
+switch time ``selector/<phase>/switch_s``, which is reported apart per run), steps completed,
 OOMs (out-of-budget phase runs, recovered or not), layouts; then the selector's ratio to the better
 static layout per bucket, and the memory model's error: every live phase run's peak predicted
 *before* it ran vs measured. Lives in orchestration (it drives ``RLLoop``); the selector layer may
@@ -142,22 +143,56 @@ def take_step(run: Run, step: int, args) -> None:
     run.rows.append(metrics)
 
 
-def bucket_table(run: Run) -> dict[int, dict[str, float]]:
-    """Median tokens/s per context bucket: experience, train, and both phases together."""
-    out: dict[int, dict[str, list[float]]] = {}
+def step_work(m: dict) -> dict[str, tuple[float, float]]:
+    """(tokens, busy seconds less switch time) of one step per phase, and of both phases."""
+    tokens = m["rollout/tokens"]
+    seconds = {p: m[f"time_busy/{p}"] - m[f"selector/{p}/switch_s"] for p in PHASES}
+    out = {p: (tokens, seconds[p]) for p in PHASES}
+    out["both"] = (tokens, sum(seconds.values()))
+    return out
+
+
+def throughput(rows: list[dict], key: str) -> float:
+    """Tokens / seconds summed over ``rows`` (steps) for ``key`` (a phase or "both")."""
+    work = [step_work(m)[key] for m in rows]
+    return sum(t for t, _ in work) / max(sum(s for _, s in work), 1e-9)
+
+
+def bucket_of_step(m: dict) -> int:
+    return bucket_of(int(m["context_len/max"]), smallest=64)
+
+
+def bucket_table(run: Run) -> dict[int, dict]:
+    """Per context bucket: tokens/s of experience, train and both (summed over the bucket's
+    steps), the number of steps and the layouts used."""
+    out: dict[int, list[dict]] = {}
     for m in run.rows:
-        cell = out.setdefault(bucket_of(int(m["context_len/max"]), smallest=64), {})
-        tokens = m["rollout/tokens"]
-        for phase in PHASES:
-            cell.setdefault(phase, []).append(tokens / m[f"time_busy/{phase}"])
-        both = m["time_busy/experience"] + m["time_busy/train"]
-        cell.setdefault("both", []).append(tokens / both)
-        cell.setdefault("layouts", []).append(f"{m['layout/experience']}/{m['layout/train']}")
+        out.setdefault(bucket_of_step(m), []).append(m)
     return {
-        b: {k: statistics.median(v) for k, v in cell.items() if k != "layouts"}
-        | {"n": len(cell["both"]), "layouts": ",".join(dict.fromkeys(cell["layouts"]))}
-        for b, cell in sorted(out.items())
+        b: {k: throughput(rows, k) for k in (*PHASES, "both")}
+        | {
+            "n": len(rows),
+            "layouts": ",".join(
+                dict.fromkeys(f"{m['layout/experience']}/{m['layout/train']}" for m in rows)
+            ),
+        }
+        for b, rows in sorted(out.items())
     }
+
+
+def paired(selector: Run, static: Run, bucket: int) -> tuple[dict, dict] | None:
+    """The selector's and ``static``'s throughput over the steps of ``bucket`` (by the
+    selector's context) that both completed (a crashed static run has no later steps)."""
+    steps = [
+        (mine, theirs)
+        for mine, theirs in zip(selector.rows, static.rows, strict=False)
+        if bucket_of_step(mine) == bucket
+    ]
+    if not steps:
+        return None
+    mine = {k: throughput([m for m, _ in steps], k) for k in (*PHASES, "both")}
+    theirs = {k: throughput([t for _, t in steps], k) for k in (*PHASES, "both")}
+    return mine, theirs | {"n": len(steps)}
 
 
 def report(runs: list[Run], args) -> list[str]:
@@ -168,7 +203,10 @@ def report(runs: list[Run], args) -> list[str]:
     head = f"{'run':<26} {'steps':>5} {'OOMs':>4}  " + "  ".join(
         f"{'ctx<=' + str(b):>24}" for b in buckets
     )
-    lines.append("tokens/s per context bucket: experience / train / both (median over steps)")
+    lines.append(
+        "tokens/s per context bucket (the step's longest context): experience / train / both "
+        "(tokens / busy seconds over the bucket's steps), n steps"
+    )
     lines.append(head)
     for run in runs:
         cells = []
@@ -181,6 +219,12 @@ def report(runs: list[Run], args) -> list[str]:
             )
         lines.append(f"{run.name:<26} {run.steps:>5} {run.ooms:>4}  " + "  ".join(cells))
     for run in runs:
+        switch_s = sum(m[f"selector/{p}/switch_s"] for m in run.rows for p in PHASES)
+        moved = sum(1 for m in run.rows for p in PHASES if m[f"selector/{p}/switched"])
+        lines.append(
+            f"  {run.name}: {moved} layout changes, switch time {switch_s:.2f} s"
+            " over the run (not in the tokens/s above)"
+        )
         used = {b: c["layouts"] for b, c in tables[run.name].items()}
         lines.append(f"  {run.name} layouts (experience/train) per bucket: {used}")
         lines.extend(f"  {run.name} recovered at {r}" for r in run.recovered)
@@ -188,22 +232,23 @@ def report(runs: list[Run], args) -> list[str]:
             lines.append(f"  {run.name} crashed at {run.crash}")
     selector, statics = runs[0], runs[1:]
     lines.append(
-        "selector vs the better static layout per bucket (both phases; experience; train):"
+        "selector vs each static layout on the same steps per bucket, both phases (experience; "
+        "train); the better static layout is the faster one on its steps:"
     )
     for b in buckets:
-        mine = tables[selector.name].get(b)
-        others = [tables[s.name][b] for s in statics if b in tables[s.name]]
-        if not mine or not others:
+        pairs = {s.name: paired(selector, s, b) for s in statics}
+        pairs = {k: v for k, v in pairs.items() if v is not None}
+        if not pairs:
             continue
-        ratios = [mine[k] / max(o[k] for o in others) - 1 for k in ("both", *PHASES)]
-        long_run = tables[statics[-1].name].get(b)
-        vs_long = (
-            f"; vs {statics[-1].name}: {mine['both'] / long_run['both']:.2f}x" if long_run else ""
-        )
+        parts = []
+        for name, (mine, theirs) in pairs.items():
+            r = [mine[k] / theirs[k] - 1 for k in ("both", *PHASES)]
+            parts.append(f"vs {name} (n{theirs['n']}): {r[0]:+.1%} ({r[1]:+.1%}; {r[2]:+.1%})")
+        better = max(pairs, key=lambda k: pairs[k][1]["both"])
+        mine, theirs = pairs[better]
         lines.append(
-            f"  ctx<={b}: {ratios[0]:+.1%} ({ratios[1]:+.1%}; {ratios[2]:+.1%}){vs_long}".replace(
-                "+-", "-"
-            )
+            f"  ctx<={b}: better static {better}: {mine['both'] / theirs['both'] - 1:+.1%}; "
+            + "; ".join(parts)
         )
     lines.extend(memory_lines(runs))
     if selector.profile:

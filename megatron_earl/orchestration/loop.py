@@ -79,7 +79,6 @@ class RLLoop:
         self.tokenizer = tokenizer
         self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
         self.remote = None
-        self.engine = None
         built = dict(self.layouts)
         if config.rollout.engine == "sglang":
             # External engines: no rollout copy of the policy in this job.
@@ -88,7 +87,7 @@ class RLLoop:
         self.policy = Policy.build(config.model, built, config.train.optim(), config.seed)
         self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
         if self.remote is None:
-            self.engine = self.engine_for(self.layouts["rollout"])
+            self.engine_for(self.layouts["rollout"])
         use_layout(self.layouts["train"])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
@@ -123,6 +122,15 @@ class RLLoop:
         from megatron_earl.orchestration.profiling import profile_start_up
 
         return profile_start_up(self)
+
+    def release_unused(self) -> None:
+        """Drop the policy copies and engines of layouts no phase uses now (the selector's
+        earlier choices, the profiling's candidates): one copy of the model per visited layout
+        would otherwise stay resident. Local."""
+        keep = {*self.active.values(), self.policy.train_layout}
+        self.policy.retain(keep)
+        for layout in [lay for lay in self.engines if lay not in keep]:
+            del self.engines[layout]
 
     def prepare(self, layout: ParallelLayout) -> None:
         """Activate ``layout`` and build the policy's copy in it if needed (the selector's
@@ -323,6 +331,8 @@ class RLLoop:
             else:
                 train_metrics = self.train(batch)
         self.step += 1
+        if self.selection is not None:
+            self.release_unused()
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns))
         metrics.update(clock.metrics())

@@ -134,6 +134,16 @@ class Policy:
         self.master_pieces = pieces
         return {"move_s": time.perf_counter() - start, "move_bytes_sent": float(stats.bytes_sent)}
 
+    def retain(self, layouts) -> list[ParallelLayout]:
+        """Drop the copies of layouts not in ``layouts`` (a selector's past choices and the
+        start-up profiling's candidates; ``ensure`` rebuilds one if it is chosen again) and
+        return the dropped layouts. Local: no communication (every rank drops the same ones)."""
+        keep = set(layouts)
+        dropped = [layout for layout in self.copies if layout not in keep]
+        for layout in dropped:
+            del self.copies[layout]
+        return dropped
+
     def chunks(self, layout: ParallelLayout) -> list[nn.Module]:
         """The policy's chunks in ``layout`` (the master chunks for the train layout)."""
         return self.ddp_chunks if layout == self.train_layout else self.copies[layout].chunks

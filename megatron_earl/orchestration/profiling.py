@@ -144,6 +144,7 @@ def profile_start_up(loop) -> list[str]:
                             " tok/s"
                         )
         loop.move_master(home)
+    loop.release_unused()
     lines.append(
         f"profiled {len(lines)} runs in {time.perf_counter() - start:.1f} s; memory model "
         f"re-fitted on them ({len(selection.memory.settings.layout_fit)} (phase, layout) fits)"

@@ -33,6 +33,7 @@ Which ranks call: every rank of the world, with the same lengths (decisions are 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -84,11 +85,13 @@ def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str,
         switch_gain=s.switch_gain,
         token_budget=config.batch.max_tokens_per_micro_batch,
     )
+    # experience/train see the batch's own lengths (the rollout produced them): no
+    # extrapolation; the rollout phase plans from the previous step's lengths, one step ahead
     return {
         phase: Selector(
             config.model,
             world_size,
-            decide,
+            decide if phase == "rollout" else dataclasses.replace(decide, lookahead_steps=0.0),
             memory,
             table,
             phase_candidates(config, phase, world_size),
@@ -156,6 +159,7 @@ class PhaseSelection:
         self.points: list[CalibrationPoint] = []
         """Every measured run of a selected phase (start-up profiling and live steps)."""
         self._enforcing = False
+        self._splits: dict = {}
         self.accuracy: list[tuple[str, str, int, float, int]] = []
         """(phase, layout, longest, predicted before the run, measured) of every live run."""
 
@@ -215,7 +219,7 @@ class PhaseSelection:
 
     def refit(self) -> None:
         base = MemoryModel(self.memory.model, self.base_settings)
-        self.memory.settings = fit(base, self.points, per_layout=True)
+        self.memory.settings = fit(base, self.points, per_layout=True, cache=self._splits)
 
     def profile(
         self,
@@ -279,13 +283,20 @@ class PhaseSelection:
             self._note(phase, layout, lengths, predicted, peak, static, home)
             return result
 
+        switch_s = [0.0]
+
+        def timed_switch(layout: ParallelLayout) -> None:
+            start = time.perf_counter()
+            switch(layout)
+            switch_s[0] += time.perf_counter() - start
+
         result, report = run_phase_with_recovery(
             measured,
             data,
             selector=selector,
             phase=phase,
             lengths=lengths,
-            switch=switch,
+            switch=timed_switch,
             step=step,
         )
         layout, decision = report.layout, report.decision
@@ -307,6 +318,7 @@ class PhaseSelection:
             f"{prefix}/max_len": float(decision.stats.max),
             f"{prefix}/planned_len": float(decision.stats.planned),
             f"{prefix}/predicted_mb": predicted / MiB,
+            f"{prefix}/switch_s": switch_s[0],
         }
         if not math.isnan(peak):  # rollout on CPU is not measured
             metrics[f"{prefix}/measured_mb"] = peak / MiB

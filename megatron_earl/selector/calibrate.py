@@ -123,20 +123,31 @@ def _least_squares(rows: Sequence[tuple[float, float, float]]) -> tuple[float, f
 
 
 def fit(
-    memory: MemoryModel, points: Sequence[CalibrationPoint], per_layout: bool = False
+    memory: MemoryModel,
+    points: Sequence[CalibrationPoint],
+    per_layout: bool = False,
+    cache: dict | None = None,
 ) -> MemorySettings:
     """Settings with ``activation_scale`` and ``fixed_bytes`` fitted per measured phase; with
     ``per_layout``, also (scale, fixed) per (phase, layout) measured at two or more sizes
-    (``MemorySettings.layout_fit``), the phase's constants covering the other layouts."""
+    (``MemorySettings.layout_fit``), the phase's constants covering the other layouts.
+    ``cache`` (a dict the caller keeps, for one ``memory``) holds each point's analytic split,
+    so re-fitting after every new point costs one split per new point."""
     base = replace(memory.settings, layout_fit={})
     plain = MemoryModel(memory.model, base)
+    cache = {} if cache is None else cache
+
+    def split(p: CalibrationPoint, absorb: bool) -> tuple[float, float, float]:
+        if (p, absorb) not in cache:
+            cache[(p, absorb)] = (*_split(plain, p, absorb), p.measured_bytes)
+        return cache[(p, absorb)]
+
     rows: dict[str, list[tuple[float, float, float]]] = {}
     by_layout: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for p in points:
-        rows.setdefault(p.phase, []).append((*_split(plain, p), p.measured_bytes))
+        rows.setdefault(p.phase, []).append(split(p, False))
         if per_layout:
-            row = (*_split(plain, p, absorb_buffers=True), p.measured_bytes)
-            by_layout.setdefault((p.phase, p.layout), []).append(row)
+            by_layout.setdefault((p.phase, p.layout), []).append(split(p, True))
     scales, fixed = {}, {}
     for phase, phase_rows in sorted(rows.items()):
         scales[phase], fixed[phase] = _least_squares(phase_rows)
