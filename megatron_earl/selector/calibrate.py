@@ -96,7 +96,7 @@ def _split(
     breakdown = memory.peak(point.phase, layout, work, point.master_layout())
     known = breakdown.static + breakdown.overhead + breakdown.kv_cache
     known += memory.cp_mask_bytes(point.phase, layout, work)
-    stage = memory.peak_stage(point.phase, layout, work)
+    stage = memory.peak_stage(point.phase, layout, work, buffers=not absorb_buffers)
     if stage == "last" and not absorb_buffers:
         known += memory.chunk_buffer_bytes(point.phase, layout, work)
     saved = memory.saved_activation_bytes(point.phase, layout, work, stage)

@@ -385,15 +385,20 @@ class MemoryModel:
             return fixed
         return self.chunk_buffer_bytes(phase, layout, work) + fixed
 
-    def peak_stage(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> str:
+    def peak_stage(
+        self, phase: str, layout: ParallelLayout, work: PhaseWorkload, buffers: bool = True
+    ) -> str:
         """The pipeline stage holding the peak, from the analytic terms (no fitted constant):
         "last" (log-prob buffers, one micro-batch) unless pp > 1 and the first stage's
-        micro-batches in flight outweigh it."""
+        micro-batches in flight outweigh it. ``buffers=False`` compares activations only (a
+        (phase, layout) fit absorbs the buffers into its linear term)."""
         if layout.pp == 1:
             return "last"
         first = self.saved_activation_bytes(phase, layout, work, "first")
         last = self.saved_activation_bytes(phase, layout, work, "last")
-        return "first" if first > last + self.chunk_buffer_bytes(phase, layout, work) else "last"
+        if buffers:
+            last += self.chunk_buffer_bytes(phase, layout, work)
+        return "first" if first > last else "last"
 
     def chunk_buffer_bytes(self, phase: str, layout: ParallelLayout, work: PhaseWorkload) -> float:
         """The chunked output layer's fp32 ``chunk x V/tp`` buffers (no fitted constant)."""
@@ -449,7 +454,8 @@ class MemoryModel:
             if home != layout:  # the phase's own copy next to the master
                 weights += master_weights
         # The last stage adds the log-prob buffers; the first holds more micro-batches (1F1B).
-        stage = self.peak_stage(phase, layout, work)
+        fitted = f"{phase}/{layout}" in s.layout_fit
+        stage = self.peak_stage(phase, layout, work, buffers=not fitted)
         activations = self.activations(phase, layout, work, stage)
         buffers = self.logprob_buffers(phase, layout, work)
         if stage == "first":  # no output layer there: only the fitted fixed bytes

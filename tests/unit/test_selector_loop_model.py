@@ -1,0 +1,126 @@
+"""The memory model and selectors as the RL loop uses them: the workload comes from the dispatcher's balancing and
+the train step's packing, the master copy's state is counted where it lives, per-(phase, layout)
+fits recover a linear truth exactly (pp2's analytic stage switch included), and a fitted negative
+constant never takes a prediction below the static state. Pure."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.dispatch.balance import assign_samples
+from megatron_earl.dispatch.plan import PlanConfig
+from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.selector.calibrate import CalibrationPoint, errors, fit
+from megatron_earl.selector.memory import MemoryModel, MemorySettings, PhaseWorkload
+from megatron_earl.training.microbatch import plan_micro_batches
+
+TINY = ModelConfig(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=320
+)
+DP2, TP2, PP2 = ParallelLayout(dp=2), ParallelLayout(tp=2), ParallelLayout(pp=2)
+
+
+def test_workload_is_the_loops_packing():
+    rng = random.Random(0)
+    lengths = [rng.randint(40, 250) for _ in range(16)]
+    for dp in (1, 2):
+        work = PhaseWorkload.for_lengths("train", lengths, token_budget=1024, dp=dp)
+        table = dict(enumerate(lengths))
+        replicas = assign_samples(table, table, dp, PlanConfig()) if dp > 1 else [list(table)]
+        heaviest = max(([lengths[i] for i in r] for r in replicas), key=sum)
+        bins = plan_micro_batches(heaviest, 1024)
+        assert work.num_micro_batches == len(bins)
+        assert work.tokens_per_micro_batch == max(sum(heaviest[i] for i in b) for b in bins)
+    # 1347 tokens at dp1 are two balanced micro-batches, not a full budget plus the rest
+    work = PhaseWorkload.for_lengths(
+        "train", [90, 89, 88, 87] * 3 + [96, 87, 90, 89], dp=1, token_budget=1024
+    )
+    assert work.num_micro_batches == 2 and work.tokens_per_micro_batch < 760
+    # more replicas than sequences: a replica holds one at most
+    assert PhaseWorkload.for_lengths("train", [5, 9], dp=4).tokens_per_micro_batch == 9
+
+
+def test_master_state_is_counted_where_it_lives():
+    mem = MemoryModel(TINY, MemorySettings.cpu())
+    work = PhaseWorkload.for_lengths("experience", [64] * 4, token_budget=256, dp=2)
+    own = mem.peak("experience", DP2, work)  # master in dp2 itself
+    split = mem.peak("experience", DP2, work, train_layout=TP2)
+    weights_dp2, grads_dp2, optim_dp2 = mem.train_state(DP2)
+    weights_tp2, grads_tp2, optim_tp2 = mem.train_state(TP2)
+    assert own.weights == weights_dp2 and own.gradients == grads_dp2
+    assert split.weights == weights_dp2 + weights_tp2  # its own copy + the master's weights
+    assert split.gradients == grads_tp2 and split.optimizer == optim_tp2
+    train = mem.peak("train", DP2, work, train_layout=TP2)  # train holds the master itself
+    assert train.weights == weights_dp2 and train.optimizer == optim_dp2
+
+
+def _points(truth: MemoryModel, layouts, phase="train"):
+    out = []
+    for layout in layouts:
+        for n in (32, 64, 128, 256):
+            lengths = tuple([n] * 16)
+            work = PhaseWorkload.for_lengths(phase, lengths, token_budget=1024, dp=layout.dp)
+            peak = truth.peak(phase, layout, work).total
+            out.append(CalibrationPoint(phase, str(layout), lengths, 1024, int(peak), 0))
+    return out
+
+
+def test_per_layout_fit_recovers_its_constants():
+    """Points from known per-layout constants (pp2's stage switch included): the per-layout fit
+    returns them; one constant pair per phase cannot."""
+    constants = {"train/" + str(DP2): (1.4, 3e5), "train/" + str(TP2): (0.8, 1e6)}
+    constants["train/" + str(PP2)] = (1.1, -2e5)
+    truth = MemoryModel(TINY, MemorySettings.cpu(layout_fit=constants))
+    points = _points(truth, (DP2, TP2, PP2))
+    base = MemoryModel(TINY, MemorySettings.cpu())
+    fitted = fit(base, points, per_layout=True)
+    for key, (scale, fixed) in constants.items():
+        assert fitted.layout_fit[key][0] == pytest.approx(scale, rel=1e-4)
+        assert fitted.layout_fit[key][1] == pytest.approx(fixed, rel=1e-3, abs=50)
+    assert max(abs(e.relative) for e in errors(MemoryModel(TINY, fitted), points)) < 1e-5
+    per_phase = MemoryModel(TINY, fit(base, points))
+    assert max(abs(e.relative) for e in errors(per_phase, points)) > 0.02
+
+
+def test_fit_cache_gives_the_same_settings():
+    points = _points(MemoryModel(TINY, MemorySettings.cpu()), (DP2,))
+    base = MemoryModel(TINY, MemorySettings.cpu())
+    cache: dict = {}
+    first = fit(base, points[:2], per_layout=True, cache=cache)
+    assert len(cache) == 4
+    assert fit(base, points, per_layout=True, cache=cache) == fit(base, points, per_layout=True)
+    assert first != fit(base, points, per_layout=True)
+
+
+def test_negative_fixed_bytes_never_go_below_the_static_state():
+    settings = MemorySettings.cpu(fixed_bytes={"rollout": 0.0, "experience": -1e9, "train": -1e9})
+    mem = MemoryModel(TINY, settings)
+    for phase in ("experience", "train"):
+        for layout in (DP2, TP2, PP2):
+            work = PhaseWorkload.for_lengths(phase, [1] * 16, token_budget=512, dp=layout.dp)
+            peak = mem.peak(phase, layout, work)
+            assert peak.total == pytest.approx(peak.static + peak.overhead)
+
+
+def test_loop_selectors_and_start_up_checks():
+    from megatron_earl.config.loader import load_config
+    from megatron_earl.orchestration.selection import build_selectors, selector_problems
+
+    phases = "selector.phases=[rollout,experience,train]"
+    config = load_config("configs/demo_cpu.yaml", ["selector.enabled=true", phases])
+    selectors = build_selectors(config, 2, cuda=False)
+    assert set(selectors) == {"rollout", "experience", "train"}
+    # experience/train decide on the batch's exact lengths; rollout plans one step ahead
+    assert selectors["experience"].config.lookahead_steps == 0
+    assert selectors["train"].config.lookahead_steps == 0
+    assert selectors["rollout"].config.lookahead_steps == 1
+    assert all(c.cp == c.pp == 1 for c in selectors["rollout"].candidates)
+    assert len(selectors["train"].candidates) == 4 and selector_problems(config, 2) == []
+    bad = load_config(
+        "configs/demo_cpu.yaml", ["selector.enabled=true", "train.use_distributed_optimizer=true"]
+    )
+    (message,) = selector_problems(bad, 2)
+    assert "train.use_distributed_optimizer=true" in message and "drop train" in message
