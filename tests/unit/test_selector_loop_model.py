@@ -1,7 +1,8 @@
-"""The memory model and selectors as the RL loop uses them: the workload comes from the dispatcher's balancing and
-the train step's packing, the master copy's state is counted where it lives, per-(phase, layout)
-fits recover a linear truth exactly (pp2's analytic stage switch included), and a fitted negative
-constant never takes a prediction below the static state. Pure."""
+"""The memory model and selectors as the RL loop uses them: the workload comes from the
+dispatcher's balancing and the train step's packing, the master copy's state is counted where it
+lives, per-(phase, layout) fits recover their constants (pp2's analytic stage switch included),
+a fitted negative constant never takes a prediction below the static state, and the loop's
+selectors decide on exact lengths. Pure."""
 
 from __future__ import annotations
 
