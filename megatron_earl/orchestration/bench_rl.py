@@ -311,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             f"start {config.sft.steps} steps at difficulty {args.sft_difficulty}",
             flush=True,
         )
-    specs = [("selector", None)] + [
-        (f"static {s}", ParallelLayout.parse(s)) for s in args.static.split(",") if s
-    ]
+    specs: list[tuple[str, ParallelLayout | None]] = [("selector", None)]
+    for s in filter(None, args.static.split(",")):
+        name = f"static {ParallelLayout.parse(s)}"
+        repeats = sum(1 for n, _ in specs if n.split(" #")[0] == name)
+        specs.append((f"{name} #{repeats + 1}" if repeats else name, ParallelLayout.parse(s)))
     runs = [build_run(name, config, args, static) for name, static in specs]
     if rank0:
         for line in runs[0].profile:
