@@ -14,21 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector import calibrate
+from megatron_earl.selector.bench import MODEL  # the selector sweep's tiny model
 from megatron_earl.selector.memory import MemoryModel, MemorySettings
 from megatron_earl.testing.distributed import run_distributed
-
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=256,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=1024,
-    make_vocab_size_divisible_by=64,
-)
 
 
 def _measure(runs, phase):
