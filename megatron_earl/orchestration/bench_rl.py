@@ -49,7 +49,6 @@ from megatron_earl.tokenizer import build_tokenizer
 
 PHASES = ("experience", "train")
 BASE = [
-    "sft.steps=40",
     "sft.weak_teacher_fraction=0.0",
     "eval.num_prompts=0",
     "batch.prompts_per_step=4",
@@ -288,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-difficulty", type=int, default=1)
     parser.add_argument("--max-difficulty", type=int, default=15)
     parser.add_argument("--sft-difficulty", type=int, default=8)
+    parser.add_argument("--sft-steps", type=int, default=40)
     parser.add_argument("--static", default="tp1cp1pp1dp2,tp2cp1pp1dp1")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--jsonl", default="", help="write every run's step metrics here")
@@ -300,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_earl import runtime
 
     runtime.initialize()
-    overrides = [*BASE, f"selector.budget_mb={args.budget_mb}", f"seed={args.seed}"]
+    overrides = [
+        *BASE,
+        f"sft.steps={args.sft_steps}",
+        f"selector.budget_mb={args.budget_mb}",
+        f"seed={args.seed}",
+    ]
     config = load_config("configs/demo_cpu.yaml", overrides)
     rank0 = dist.get_rank() == 0
     if rank0:
