@@ -36,7 +36,7 @@ PHASES = ("rollout", "experience", "train")
 """The phases of a step, in order; each has its own parallel layout."""
 ENGINES = ("embedded", "sglang")
 SELECTABLE_PHASES = ("rollout", "experience", "train")
-"""Phases the selector may move between layouts; training stays on ``layouts.train``."""
+"""Phases the selector may choose a layout for (``selector.phases``)."""
 
 
 class ConfigError(ValueError):
