@@ -5,8 +5,10 @@ Every entry point calls ``initialize()`` once per process before touching megatr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,24 @@ def seed(value: int) -> None:
 
     torch.manual_seed(value)
     tensor_parallel.model_parallel_cuda_manual_seed(value)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the default generators and Megatron's tracked RNG states (and seeds) on exit, so
+    the run's streams continue as if the body had not run. Local."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    saved = (tracker.get_states(), set(tracker.seeds_)) if tracker.is_initialized() else None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            if saved is not None:
+                tracker.set_states(saved[0])
+                tracker.seeds_ = saved[1]
 
 
 def _free_port() -> int:

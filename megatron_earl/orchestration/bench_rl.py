@@ -39,9 +39,7 @@ import torch.distributed as dist
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.run import EnvConfig, RunConfig
 from megatron_earl.orchestration.loop import RLLoop
-from megatron_earl.orchestration.sft import warm_start
 from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.parallel.state import use_layout
 from megatron_earl.selector.decide import NoFeasibleLayout
 from megatron_earl.selector.oom import PhaseOutOfMemory
 from megatron_earl.selector.throughput import bucket_of
@@ -72,13 +70,16 @@ class Run:
 
     name: str
     loop: RLLoop
-    static: ParallelLayout | None
-    steps: int = 0
     ooms: int = 0
     crash: str = ""
     rows: list[dict] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)
     profile: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Steps completed (one metrics row each)."""
+        return len(self.rows)
 
 
 def build_run(name: str, config: RunConfig, args, static: ParallelLayout | None) -> Run:
@@ -91,24 +92,13 @@ def build_run(name: str, config: RunConfig, args, static: ParallelLayout | None)
             layouts=dataclasses.replace(config.layouts, experience=str(static), train=str(static)),
         )
     loop = RLLoop(config, tokenizer)
-    use_layout(loop.policy.train_layout)
-    sft_env = EnvConfig("guessing", {"difficulty": args.sft_difficulty}).spec()
-    warm_start(
-        loop.policy.ddp_chunks,
-        loop.policy.optimizer,
-        config.sft,
-        sft_env,
-        tokenizer,
-        max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch,
-        vocab_size=config.model.vocab_size,
-    )
-    loop.policy.version += config.sft.steps
+    loop.warm_start(EnvConfig("guessing", {"difficulty": args.sft_difficulty}).spec())
     if static is not None:
         for phase in PHASES:
             selector = loop.selection.selectors[phase]
             selector.candidates = [static]
             selector.config = dataclasses.replace(selector.config, budget_bytes=float(1 << 50))
-    run = Run(name, loop, static)
+    run = Run(name, loop)
     run.profile = loop.profile()
     return run
 
@@ -132,7 +122,6 @@ def take_step(run: Run, step: int, args) -> None:
         cause = err.__cause__ or err  # the measured BudgetExceeded of a static layout
         run.crash = f"step {step + 1} (difficulty {difficulty}): {cause}"
         return
-    run.steps += 1
     for phase in PHASES:
         run.ooms += int(metrics[f"selector/{phase}/ooms"])
         if metrics[f"selector/{phase}/ooms"]:
@@ -194,7 +183,7 @@ def paired(selector: Run, static: Run, bucket: int) -> tuple[dict, dict] | None:
     return mine, theirs | {"n": len(steps)}
 
 
-def report(runs: list[Run], args) -> list[str]:
+def report(runs: list[Run]) -> list[str]:
     """The printed table (rank 0). Pure."""
     lines = []
     tables = {r.name: bucket_table(r) for r in runs}
@@ -336,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             print(f"  step {step + 1}/{args.steps} done; longest context per run {ctx}", flush=True)
     if rank0:
-        print("\n".join(report(runs, args)), flush=True)
+        print("\n".join(report(runs)), flush=True)
         if args.jsonl:
             with open(args.jsonl, "w") as f:
                 for run in runs:

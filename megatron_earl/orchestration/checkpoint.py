@@ -324,22 +324,18 @@ def _check_optimizer_layout(ckpt: Path, info: dict[str, Any], optimizer: Any) ->
 
 @torch.no_grad()
 def _init_empty_adam_state(optimizer: Any) -> None:
-    """Give a fresh distributed optimizer's torch Adam (no Apex/TE) zero moments and step 0:
-    megatron-core 0.16 reads every parameter's ``step`` before it can describe the state to load
+    """Give a fresh distributed optimizer's torch Adam (no Apex/TE) zero moments and step 0
+    (``redistribute.optimizer_state.init_adam_state``): megatron-core 0.16 reads every
+    parameter's ``step`` before it can describe the state to load
     (``DistributedOptimizer.state_dict``), which a never-stepped torch Adam does not have. The
     loaded checkpoint then overwrites all of it."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from megatron_earl.redistribute.optimizer_state import init_adam_state
+
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(sub, DistributedOptimizer):
-            continue
-        inner = sub.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if len(inner.state[p]) == 0:
-                    inner.state[p]["step"] = torch.tensor(0.0)
-                    inner.state[p]["exp_avg"] = torch.zeros_like(p)
-                    inner.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        if isinstance(sub, DistributedOptimizer):
+            init_adam_state(sub)
 
 
 def _cpu_redirect() -> contextlib.AbstractContextManager:

@@ -27,7 +27,6 @@ Which ranks call: every rank of the world (``run`` under torchrun / srun).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -53,22 +52,20 @@ from megatron_earl.orchestration.samples import (
     with_token_field,
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
+from megatron_earl.orchestration.sft import warm_start
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_earl.selector.budget import state_bytes
-from megatron_earl.selector.profile import runqueue_wait_s
+from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
+from megatron_earl.training.schedule import unwrap_chunk
 
 SAMPLE_ID_STRIDE = 1_000_000
 """Sample ids of rollout source d (replica or rank) start at d * SAMPLE_ID_STRIDE."""
-
-
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 class RLLoop:
@@ -105,7 +102,7 @@ class RLLoop:
         if layout not in self.engines:
             self.policy.ensure(layout)
             self.engines[layout] = EmbeddedEngine(
-                [_unwrap(c) for c in self.policy.chunks(layout)],
+                [unwrap_chunk(c) for c in self.policy.chunks(layout)],
                 self.config.model,
                 EmbeddedEngineConfig(
                     max_batch_size=min(self.config.rollout.max_concurrency, 64),
@@ -115,6 +112,23 @@ class RLLoop:
                 detokenize=self.tokenizer.decode,
             )
         return self.engines[layout]
+
+    def warm_start(self, env=None) -> None:
+        """``config.sft.steps`` SFT steps on the master copy (``orchestration.sft``) on
+        ``env`` (an env spec; default the run's), counted in the weight version. Every rank
+        calls, in the train layout."""
+        cfg = self.config
+        use_layout(self.policy.train_layout)
+        warm_start(
+            self.policy.ddp_chunks,
+            self.policy.optimizer,
+            cfg.sft,
+            env or cfg.env.spec(),
+            self.tokenizer,
+            max_tokens_per_micro_batch=cfg.batch.max_tokens_per_micro_batch,
+            vocab_size=cfg.model.vocab_size,
+        )
+        self.policy.version += cfg.sft.steps
 
     def profile(self) -> list[str]:
         """Start-up profiling of the selected phases in every candidate layout
@@ -273,7 +287,7 @@ class RLLoop:
     def run_step(self) -> dict[str, float | str]:
         """One RL step (every rank). Returns the step's metrics (the same on every rank)."""
         cfg = self.config
-        clock = _PhaseClock()
+        clock = BusyClock()
         start = time.perf_counter()
         prompts = PromptSet(cfg.env.spec(), self.step_seeds(self.step), tag=f"s{self.step}")
         agent = self.agent_config(
@@ -335,7 +349,8 @@ class RLLoop:
             self.release_unused()
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns))
-        metrics.update(clock.metrics())
+        metrics.update({f"time/{k}": v for k, v in clock.wall.items()})
+        metrics.update({f"time_busy/{k}": v for k, v in clock.min_busy().items()})
         metrics["time/step"] = time.perf_counter() - start
         metrics.update({f"layout/{p}": str(lay) for p, lay in self.active.items()})
         metrics.update(selected)
@@ -436,20 +451,6 @@ def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[
     return out
 
 
-def step_metrics_summary(metrics: dict) -> str:
-    """One human line for logs."""
-    return (
-        f"reward {metrics.get('reward/mean', 0):.3f} success {metrics.get('success_rate', 0):.2f} "
-        f"loss {metrics.get('train/loss', float('nan')):.4f} "
-        f"ctx {metrics.get('context_len/mean', 0):.0f} "
-        f"t {metrics.get('time/step', 0):.1f}s"
-    )
-
-
-def replace_config(config: RunConfig, **changes) -> RunConfig:
-    return dataclasses.replace(config, **changes)
-
-
 @dataclass
 class TrainProgress:
     """Mini-batches of one step's train phase already applied (survives an OOM re-run)."""
@@ -469,29 +470,3 @@ class _NoUpdate:
 
     def __getattr__(self, name: str):
         return getattr(self._optimizer, name)
-
-
-class _PhaseClock:
-    """Wall time per phase (``time/<phase>``, this rank) and busy time (``time_busy/<phase>``:
-    wall minus run-queue wait, min over ranks: the figure a shared machine does not inflate)."""
-
-    def __init__(self) -> None:
-        self.wall: dict[str, float] = {}
-        self.busy: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start, waited = time.perf_counter(), runqueue_wait_s()
-        try:
-            yield
-        finally:
-            self.wall[phase] = time.perf_counter() - start
-            self.busy[phase] = self.wall[phase] - (runqueue_wait_s() - waited)
-
-    def metrics(self) -> dict[str, float]:
-        """Collective (world): the busy times are reduced (MIN)."""
-        busy = torch.tensor(list(self.busy.values()), dtype=torch.float64)
-        dist.all_reduce(busy, op=dist.ReduceOp.MIN)
-        out = {f"time/{k}": v for k, v in self.wall.items()}
-        out.update({f"time_busy/{k}": float(v) for k, v in zip(self.busy, busy, strict=True)})
-        return out

@@ -26,7 +26,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from megatron_earl import runtime
@@ -165,18 +164,10 @@ class Policy:
 @contextlib.contextmanager
 def _isolated_rng(seed: int) -> Iterator[None]:
     """Seed the default generators and Megatron's tracker with ``seed`` for the body, then
-    restore both (the run's streams continue as if the body had not run). Local."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    saved = (tracker.get_states(), set(tracker.seeds_)) if tracker.is_initialized() else None
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    restore both (``runtime.preserved_rng``). Local."""
+    with runtime.preserved_rng():
         runtime.seed(seed)
         yield
-    if saved is not None:
-        tracker.set_states(saved[0])
-        tracker.seeds_ = saved[1]
 
 
 def _build_copy(model: ModelConfig, layout: ParallelLayout) -> PhaseCopy:

@@ -19,18 +19,18 @@ Which ranks call: every rank of the world.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Batch
 from megatron_earl.orchestration.samples import SAMPLE_FIELDS, TOKEN_FIELDS
 from megatron_earl.selector.memory import MiB
+from megatron_earl.selector.profile import synthetic_samples
 
 PROFILED_PHASES = ("experience", "train")
 
@@ -48,29 +48,20 @@ def default_profile_lengths(config: RunConfig) -> tuple[int, ...]:
 def synthetic_batch(
     lengths: Sequence[int], vocab_size: int, seed: int, *, old_logprobs: bool = False
 ) -> Batch:
-    """This rank's share (sample i on rank i mod world) of a batch of sequences of ``lengths``
-    with the RL step's fields: random tokens, every position trainable, random advantages.
-    Local (the world's rank and size only)."""
+    """This rank's share (sample i on rank i mod world) of ``selector.profile.synthetic_samples``
+    as a batch with the RL step's fields (``rollout_logprobs`` = the uniform ``old_logprobs``).
+    Local (every rank draws the same samples from ``seed``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    samples = synthetic_samples(lengths, vocab_size, seed)
     mine = [i for i in range(len(lengths)) if i % world == rank]
-    gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    fields: dict[str, list[torch.Tensor]] = {name: [] for name in TOKEN_FIELDS}
-    if old_logprobs:
-        fields["old_logprobs"] = []
-    for i in mine:
-        n = lengths[i]
-        tokens = torch.randint(0, vocab_size, (n + 1,), generator=gen)
-        fields["tokens"].append(tokens[:-1])
-        fields["labels"].append(tokens[1:])
-        fields["loss_mask"].append(torch.ones(n))
-        fields["rollout_logprobs"].append(torch.full((n,), -math.log(vocab_size)))
-        fields["advantages"].append(torch.randn(n, generator=gen))
-        if old_logprobs:
-            fields["old_logprobs"].append(torch.full((n,), -math.log(vocab_size)))
     dtypes = {**TOKEN_FIELDS, "old_logprobs": torch.float32}
+    names = [*TOKEN_FIELDS, *(["old_logprobs"] if old_logprobs else [])]
+    source = {"rollout_logprobs": "old_logprobs"}
     packed = {
-        k: torch.cat(v).to(dtypes[k]) if v else torch.empty(0, dtype=dtypes[k])
-        for k, v in fields.items()
+        n: torch.cat([samples[i][source.get(n, n)] for i in mine]).to(dtypes[n])
+        if mine
+        else torch.empty(0, dtype=dtypes[n])
+        for n in names
     }
     return Batch(
         mine,
@@ -84,21 +75,6 @@ def synthetic_batch(
     )
 
 
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Restore torch's default generator and Megatron's tracked RNG states on exit."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    states = tracker.get_states()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            tracker.set_states(states)
-
-
 def profile_start_up(loop) -> list[str]:
     """Profile every selected experience/train candidate of ``loop`` (module docstring); returns
     one human line per measured run. Every rank calls."""
@@ -108,7 +84,7 @@ def profile_start_up(loop) -> list[str]:
     home = loop.policy.train_layout
     lines: list[str] = []
     start = time.perf_counter()
-    with preserved_rng():
+    with runtime.preserved_rng():
         for phase in PROFILED_PHASES:
             if phase not in selection.phases:
                 continue

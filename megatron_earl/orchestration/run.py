@@ -24,7 +24,6 @@ from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.orchestration.metrics import MetricsLogger
 from megatron_earl.orchestration.progress import ProgressBar
-from megatron_earl.orchestration.sft import warm_start
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.tokenizer import build_tokenizer
 
@@ -75,16 +74,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             kind = load_initial_weights(policy.ddp_chunks, config.checkpoint.load)
             summary["initial_weights"] = f"{kind}:{config.checkpoint.load}"
         if config.sft.steps:
-            warm_start(
-                policy.ddp_chunks,
-                policy.optimizer,
-                config.sft,
-                config.env.spec(),
-                tokenizer,
-                max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch,
-                vocab_size=config.model.vocab_size,
-            )
-            policy.version += config.sft.steps
+            loop.warm_start()
         if config.eval.num_prompts:
             summary["before"] = _evaluate(loop, config)
             if rank0:

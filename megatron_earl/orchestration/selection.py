@@ -55,7 +55,7 @@ from megatron_earl.selector.decide import (
 )
 from megatron_earl.selector.memory import MemoryModel, MemorySettings, MiB
 from megatron_earl.selector.oom import run_phase_with_recovery
-from megatron_earl.selector.profile import runqueue_wait_s
+from megatron_earl.selector.profile import BusyClock
 from megatron_earl.selector.state import load_selector_state, selector_state
 from megatron_earl.selector.throughput import HardwareSpec, Roofline, ThroughputTable
 
@@ -167,14 +167,10 @@ class PhaseSelection:
     def phases(self) -> tuple[str, ...]:
         return tuple(self.selectors)
 
-    def current(self, phase: str) -> ParallelLayout | None:
-        """The layout ``phase`` last ran in (None before its first decision)."""
-        return self.selectors[phase].current.get(phase)
-
     def guard(self, optimizer: Any) -> Any:
         """``optimizer`` whose ``step`` first checks the CPU budget while a measured phase runs
         (an over-budget train phase applies no update); ``optimizer`` itself otherwise."""
-        if self.budget is not None and self.budget.tracking() and self._enforcing:
+        if self._enforcing:  # only inside an enforced CPU ``track`` block (``_measure``)
             return self.budget.guard_optimizer(optimizer)
         return optimizer
 
@@ -263,7 +259,7 @@ class PhaseSelection:
         copy is (the experience phase's memory includes it). Every rank calls."""
         selector = self.selectors[phase]
         selector.train_layout = None if phase == "train" else train_layout()
-        runs: dict[str, tuple[float, float]] = {}
+        runs: dict[str, tuple[float, float]] = {}  # layout -> (predicted, measured) of its run
         seconds = [0.0]
 
         def measured(batch: Any, layout: ParallelLayout) -> Any:
@@ -274,8 +270,7 @@ class PhaseSelection:
                 busy, (result, peak) = self._timed(
                     lambda: self._measure(phase, lambda: phase_fn(batch, layout), static)
                 )
-            except BudgetExceeded as err:
-                runs[str(layout)] = (predicted, float(err.peak_bytes))
+            except BudgetExceeded as err:  # measured, agreed: a calibration point too
                 self._note(phase, layout, lengths, predicted, err.peak_bytes, static, home)
                 raise
             runs[str(layout)] = (predicted, peak)
@@ -331,14 +326,12 @@ class PhaseSelection:
 
     @staticmethod
     def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-        """(busy seconds, fn()): min over ranks of wall time minus run-queue wait (the machine
-        may be shared; ``selector.profile.runqueue_wait_s``). Collective (world)."""
-        start, waited = time.perf_counter(), runqueue_wait_s()
-        out = fn()
-        busy = (time.perf_counter() - start) - (runqueue_wait_s() - waited)
-        t = torch.tensor([busy], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return float(t[0]), out
+        """(busy seconds, fn()): ``BusyClock``'s busy time, min over ranks. Collective
+        (world)."""
+        clock = BusyClock()
+        with clock("run"):
+            out = fn()
+        return clock.min_busy()["run"], out
 
     def _measure(
         self, phase: str, fn: Callable[[], Any], static: int, enforce: bool = True

@@ -142,10 +142,6 @@ class MemoryBudget:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         return int(peak.item())
 
-    def tracking(self) -> bool:
-        """Whether a ``track`` block is open on this rank."""
-        return self._mode is not None
-
     def checkpoint(self, group: dist.ProcessGroup | None = None) -> int:
         """All-reduce (MAX) the measured peak; past the limit, ``BudgetExceeded`` on every rank.
 

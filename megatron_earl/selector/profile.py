@@ -22,9 +22,10 @@ Which ranks call: every rank of the world, with the same samples and layouts.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,36 @@ def runqueue_wait_s() -> float:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+class BusyClock:
+    """Wall and busy time of named blocks on this rank; busy = wall minus run-queue wait
+    (``runqueue_wait_s``), the figure a shared machine does not inflate.
+
+        clock = BusyClock()
+        with clock("train"):
+            ...
+        clock.wall["train"], clock.min_busy()["train"]      # min_busy: collective (world)
+    """
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start, waited = time.perf_counter(), runqueue_wait_s()
+        try:
+            yield
+        finally:
+            self.wall[name] = time.perf_counter() - start
+            self.busy[name] = self.wall[name] - (runqueue_wait_s() - waited)
+
+    def min_busy(self) -> dict[str, float]:
+        """Busy time per block, min over the world's ranks. Every rank calls, same blocks."""
+        busy = torch.tensor(list(self.busy.values()), dtype=torch.float64)
+        torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MIN)
+        return {k: float(v) for k, v in zip(self.busy, busy, strict=True)}
 
 
 def synthetic_samples(lengths: Sequence[int], vocab_size: int, seed: int) -> list[dict]:

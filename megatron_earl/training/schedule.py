@@ -61,7 +61,8 @@ def lm_loss(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict
     return loss, {"loss": reported, "logprobs": logprobs.detach()}
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
+def unwrap_chunk(chunk: nn.Module) -> nn.Module:
+    """The model inside a DDP-wrapped chunk (the chunk itself when it is not wrapped)."""
     return chunk.module if hasattr(chunk, "module") else chunk
 
 
@@ -105,7 +106,7 @@ def forward_backward(
     iterators = [iter(micro_batches) for _ in model_chunks]
     step_fn = get_forward_backward_func()
     for chunk in model_chunks:
-        _unwrap(chunk).config.variable_seq_lengths = variable_seq_lengths
+        unwrap_chunk(chunk).config.variable_seq_lengths = variable_seq_lengths
     with torch.set_grad_enabled(not forward_only):
         metrics = step_fn(
             forward_step_func=partial(_forward_step, loss_fn),
