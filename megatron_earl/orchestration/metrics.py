@@ -82,9 +82,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             if index == len(lines) - 1:
                 break
             raise ValueError(f"{path}: line {index + 1} is not JSON: {line[:80]!r}") from None
-        records.append(
-            {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
-        )
+        records.append({k: _from_json(v) for k, v in record.items()})
     return records
 
 

@@ -45,6 +45,13 @@ def keys_with_prefix(records: Records, prefix: str) -> list[str]:
     return list(found)
 
 
+def _legend_and_grid(*axes) -> None:
+    for ax in axes:
+        if ax.lines:
+            ax.legend(loc="best", fontsize=8)
+        ax.grid(alpha=0.3)
+
+
 def plot_reward(records: Records, ax_reward, ax_success) -> bool:
     steps, mean = series(records, "reward/mean")
     if steps:
@@ -62,10 +69,7 @@ def plot_reward(records: Records, ax_reward, ax_success) -> bool:
             ax_success.plot(s, v, style, label=key)
             drawn = True
     ax_success.set(title="success rate", xlabel="step", ylim=(-0.02, 1.02))
-    for ax in (ax_reward, ax_success):
-        if ax.lines:
-            ax.legend(loc="best", fontsize=8)
-        ax.grid(alpha=0.3)
+    _legend_and_grid(ax_reward, ax_success)
     return drawn
 
 
@@ -83,10 +87,7 @@ def plot_lengths(records: Records, ax_steps, ax_turns) -> bool:
             ax_turns.plot(s, v, label=f"turn {key.rsplit('/', 1)[-1]}")
             drawn = True
     ax_turns.set(title="context length at each turn (tokens)", xlabel="step")
-    for ax in (ax_steps, ax_turns):
-        if ax.lines:
-            ax.legend(loc="best", fontsize=8)
-        ax.grid(alpha=0.3)
+    _legend_and_grid(ax_steps, ax_turns)
     return drawn
 
 

@@ -112,15 +112,11 @@ def dispatched_samples(local: DispatchedBatch) -> list[dict[str, torch.Tensor]]:
     """Per-sample dicts of the per-token fields this rank received (whole samples, in order)."""
     out = []
     for mb in local.micro_batches:
+        num_tokens = sum(mb.lengths)
+        per_token = {k: v for k, v in mb.fields.items() if v.shape[0] == num_tokens}
         start = 0
         for n in mb.lengths:
-            out.append(
-                {
-                    k: v[start : start + n]
-                    for k, v in mb.fields.items()
-                    if v.shape[0] == sum(mb.lengths)
-                }
-            )
+            out.append({k: v[start : start + n] for k, v in per_token.items()})
             start += n
     return out
 

@@ -155,7 +155,6 @@ def pack_micro_batch(
     cu = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32)
     cu_real = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     out: dict[str, object] = {name: torch.cat(ts).unsqueeze(0) for name, ts in fields.items()}
-    out["loss_mask"] = out["loss_mask"].float()
     out["seq_ids"] = torch.cat(seq_ids).unsqueeze(0)
     out["position_ids"] = torch.cat(positions).unsqueeze(0)
     out["packed_seq_params"] = PackedSeqParams(

@@ -32,6 +32,7 @@ Which ranks call: every rank of the world, each with its DP rank's samples.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -238,7 +239,8 @@ def _grads_finite(ddp_chunks: Sequence[nn.Module]) -> bool:
         for p in chunk.parameters()
         if p.requires_grad and getattr(p, "main_grad", None) is not None
     ]
-    ok = torch.tensor([1.0 if all(bool(f) for f in flags) else 0.0])
+    local_ok = bool(torch.stack(flags).all()) if flags else True  # one device sync, not one each
+    ok = torch.tensor([1.0 if local_ok else 0.0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item() == 1.0)
 
@@ -289,7 +291,7 @@ def rl_train_step(
         per_mb = forward_backward(ddp_chunks, micro_batches, loss_fn, variable_seq_lengths=pp > 1)
     metrics = _reduce_metrics(per_mb)
 
-    finite = _grads_finite(ddp_chunks) and bool(torch.isfinite(torch.tensor(metrics["loss"])))
+    finite = _grads_finite(ddp_chunks) and math.isfinite(metrics["loss"])
     if finite:
         update_ok, grad_norm, _ = optimizer.step()
     else:  # never apply a NaN/inf update: skip, report, and leave the grads to the next zeroing
