@@ -58,12 +58,16 @@ def _torchrun(module: str, argv: list[str]) -> int:
     return rc
 
 
+def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
+    """(``--nproc`` value, default 2; the arguments without it)."""
+    if "--nproc" not in argv:
+        return 2, argv
+    i = argv.index("--nproc")
+    return int(argv[i + 1]), argv[:i] + argv[i + 2 :]
+
+
 def _torchrun_to(module: str, argv: list[str], extra_env: dict[str, str]) -> int:
-    nproc = 2
-    if "--nproc" in argv:
-        i = argv.index("--nproc")
-        nproc = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2 :]
+    nproc, argv = _pop_nproc(argv)
     cmd = [
         sys.executable,
         "-m",
@@ -91,20 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "train":
         # Validate the whole run before any process (or process group) is started.
-        from megatron_earl.cli.train import resolve_config
+        from megatron_earl.cli.train import checked_config
         from megatron_earl.config.run import ConfigError
-        from megatron_earl.config.validate import validate_run
 
-        rest = argv[1:]
-        nproc = int(rest[rest.index("--nproc") + 1]) if "--nproc" in rest else 2
-        plain = [a for i, a in enumerate(rest) if a != "--nproc" and rest[i - 1 : i] != ["--nproc"]]
-        from megatron_earl.orchestration.selection import selector_problems
-
+        nproc, plain = _pop_nproc(argv[1:])
         try:
-            config = resolve_config(plain, nproc)
-            validate_run(config, nproc)
-            if selector_problems(config, nproc):
-                raise ConfigError("\n  ".join(selector_problems(config, nproc)))
+            checked_config(plain, nproc)
         except ConfigError as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2

@@ -17,9 +17,13 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_earl.config.run import RunConfig
 
 
-def resolve_config(argv: list[str], world_size: int):
+def resolve_config(argv: list[str], world_size: int) -> RunConfig:
     """The run config of a command line, in either of two styles:
 
     - ``--config FILE key=value ...`` (YAML + dotted overrides);
@@ -42,23 +46,32 @@ def resolve_config(argv: list[str], world_size: int):
     return load_config(args.config, args.overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from megatron_earl.config.loader import save_config
-    from megatron_earl.config.validate import validate_run
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config = resolve_config(list(sys.argv[1:] if argv is None else argv), world_size)
-    validate_run(config, world_size)  # before any process group
+def checked_config(argv: list[str], world_size: int) -> RunConfig:
+    """``resolve_config`` validated for ``world_size`` ranks (``validate_run``, then the selector's
+    budget, ``selector_problems``): raises one ``ConfigError``. Pure; run before any process
+    group, by ``megatron-earl train`` and again by every rank here."""
     from megatron_earl.config.run import ConfigError
+    from megatron_earl.config.validate import validate_run
     from megatron_earl.orchestration.selection import selector_problems
 
+    config = resolve_config(argv, world_size)
+    validate_run(config, world_size)
     problems = selector_problems(config, world_size)
     if problems:
         raise ConfigError("\n  ".join(problems))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_earl.config.loader import save_config
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config = checked_config(list(sys.argv[1:] if argv is None else argv), world_size)
 
     import torch.distributed as dist
 
     from megatron_earl import runtime
+    from megatron_earl.cli.main import ERROR_FILE_ENV
     from megatron_earl.orchestration.run import train
     from megatron_earl.selector.decide import NoFeasibleLayout
     from megatron_earl.selector.oom import PhaseOutOfMemory
@@ -74,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank raises the same error (decisions are deterministic): one message, no trace.
         if dist.get_rank() == 0:
             print(f"selector error: {err}", file=sys.stderr, flush=True)
-            if os.environ.get("MEGATRON_EARL_ERROR_FILE"):  # set by ``megatron-earl train``
-                with open(os.environ["MEGATRON_EARL_ERROR_FILE"], "w") as f:
+            if os.environ.get(ERROR_FILE_ENV):  # set by ``megatron-earl train``
+                with open(os.environ[ERROR_FILE_ENV], "w") as f:
                     f.write(f"selector error: {err}")
         return 3
     if dist.get_rank() == 0:

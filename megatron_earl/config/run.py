@@ -366,7 +366,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and progress."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
-    """Per-step layout selection of the experience/rollout phases (off by default)."""
+    """Per-step layout selection of the ``selector.phases`` (off by default)."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("steps",)) + _positive(self, ("seed",), minimum=0)

@@ -19,6 +19,7 @@ saved in; optimizer state is ignored).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -118,29 +119,9 @@ def hf_to_mcore(
     num_layers = model.num_layers
     with atomic_output_dir(out_dir) as tmp:
         writer = StreamingCheckpointWriter(tmp)
-        top = reader.read(
-            [mapping.HF_EMBEDDING, mapping.HF_FINAL_NORM]
-            + ([] if model.tie_embeddings else [mapping.HF_OUTPUT])
-        )
-        mapping.check_shape(
-            mapping.HF_FINAL_NORM, top[mapping.HF_FINAL_NORM], (model.hidden_size,), model
-        )
-        group = [
-            (
-                mapping.EMBEDDING,
-                mapping.pad_vocab(mapping.HF_EMBEDDING, top.pop(mapping.HF_EMBEDDING), model),
-            ),
-            (mapping.FINAL_NORM, top.pop(mapping.HF_FINAL_NORM)),
-        ]
-        if not model.tie_embeddings:
-            group.append(
-                (
-                    mapping.OUTPUT,
-                    mapping.pad_vocab(mapping.HF_OUTPUT, top.pop(mapping.HF_OUTPUT), model),
-                )
-            )
-        writer.write([(k, _cast(t, cast), (0,) * t.dim(), tuple(t.shape)) for k, t in group])
-        del group, top
+        top = mapping.hf_top_to_mcore(reader.read(mapping.hf_top_names(model)), model)
+        writer.write([(k, _cast(t, cast), (0,) * t.dim(), tuple(t.shape)) for k, t in top.items()])
+        del top
         for layer in range(num_layers):
             hf = reader.read(mapping.hf_layer_names(model, layer))
             slices = mapping.hf_layer_to_mcore(hf, model, layer)
@@ -179,9 +160,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _check_hf_names(reader: HFReader, model: ModelConfig) -> None:
-    expected = {mapping.HF_EMBEDDING, mapping.HF_FINAL_NORM}
-    if not model.tie_embeddings:
-        expected.add(mapping.HF_OUTPUT)
+    expected = set(mapping.hf_top_names(model))
     for layer in range(model.num_layers):
         expected.update(mapping.hf_layer_names(model, layer))
     names = {n for n in reader.names() if not n.endswith("rotary_emb.inv_freq")}
@@ -205,7 +184,7 @@ def _model_and_family(ckpt_dir: Path, hf_config_dir: str | Path | None, family_n
         model = model_config_from_hf(base)
         padding = stored.get("model_config", {}).get("make_vocab_size_divisible_by")
         if padding:
-            model = ModelConfig(**{**model.to_dict(), "make_vocab_size_divisible_by": padding})
+            model = dataclasses.replace(model, make_vocab_size_divisible_by=padding)
         return model, family, base
     if "model_config" not in stored:
         raise ConversionError(
@@ -223,7 +202,7 @@ def _infer_vocab_padding(model: ModelConfig, metadata: dict[str, Any]) -> ModelC
     rows = metadata[mapping.EMBEDDING].size[0]
     if rows == model.padded_vocab_size or rows < model.vocab_size:
         return model
-    return ModelConfig(**{**model.to_dict(), "make_vocab_size_divisible_by": rows})
+    return dataclasses.replace(model, make_vocab_size_divisible_by=rows)
 
 
 def mcore_to_hf(
@@ -258,9 +237,8 @@ def mcore_to_hf(
         )
         for key in top_keys:
             writer.add(dict(mapping.mcore_to_hf_tensors(key, top.pop(key), model)))
-        suffixes = mapping.layer_suffixes(model)
+        keys = {mapping.LAYER_PREFIX + s: s for s in mapping.layer_suffixes(model)}
         for layer in range(model.num_layers):
-            keys = {mapping.LAYER_PREFIX + s: s for s in suffixes}
             loaded = load_slices(
                 ckpt, {k: (metadata[k].size, metadata[k].properties.dtype, layer) for k in keys}
             )
@@ -279,15 +257,7 @@ def mcore_to_hf(
 
 
 def _check_mcore_shapes(metadata: dict[str, Any], model: ModelConfig) -> None:
-    expected = {
-        mapping.EMBEDDING: (model.padded_vocab_size, model.hidden_size),
-        mapping.FINAL_NORM: (model.hidden_size,),
-    }
-    if not model.tie_embeddings:
-        expected[mapping.OUTPUT] = (model.padded_vocab_size, model.hidden_size)
-    for suffix, shape in mapping.mcore_layer_shapes(model).items():
-        expected[mapping.LAYER_PREFIX + suffix] = (model.num_layers, *shape)
-    for key, shape in expected.items():
+    for key, shape in mapping.global_shapes(model).items():
         if key not in metadata:
             raise ConversionError(f"tensor {key} is missing from the checkpoint")
         if tuple(metadata[key].size) != shape:

@@ -12,6 +12,7 @@ optimizer (which copies the parameters into its own main parameters in mixed pre
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: str | Path) -> None:
             by_layer[start].append(piece)
         else:
             by_layer[None].append(piece)
-    layer_shapes = mapping.mcore_layer_shapes(model)
+    shapes = mapping.global_shapes(model)
     for layer, layer_pieces in sorted(
         by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]
     ):
@@ -83,8 +84,7 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: str | Path) -> None:
             src = full[piece.key]
             region = piece.region
             if layer is not None:
-                suffix = piece.key[len(mapping.LAYER_PREFIX) :]
-                expected = (model.num_layers, *layer_shapes[suffix])
+                expected = shapes[piece.key]
                 region = ((0, 1), *region[1:])
             else:
                 expected = tuple(src.shape)
@@ -107,22 +107,11 @@ def _model_for(cfg: dict, pieces) -> ModelConfig:
                 f"model vocabulary ({rows} rows) is smaller than the HF vocab_size "
                 f"({model.vocab_size})"
             )
-        model = ModelConfig(**{**model.to_dict(), "make_vocab_size_divisible_by": rows})
+        model = dataclasses.replace(model, make_vocab_size_divisible_by=rows)
     return model
 
 
 def _top_tensors(reader: HFReader, model: ModelConfig) -> dict[str, torch.Tensor]:
-    names = [mapping.HF_EMBEDDING, mapping.HF_FINAL_NORM]
-    if not model.tie_embeddings:
-        names.append(mapping.HF_OUTPUT)
-    hf = reader.read(names)
-    out = {
-        mapping.EMBEDDING: mapping.pad_vocab(mapping.HF_EMBEDDING, hf[mapping.HF_EMBEDDING], model),
-        mapping.FINAL_NORM: hf[mapping.HF_FINAL_NORM],
-    }
-    out[mapping.OUTPUT] = (
-        out[mapping.EMBEDDING]
-        if model.tie_embeddings
-        else mapping.pad_vocab(mapping.HF_OUTPUT, hf[mapping.HF_OUTPUT], model)
-    )
+    out = mapping.hf_top_to_mcore(reader.read(mapping.hf_top_names(model)), model)
+    out.setdefault(mapping.OUTPUT, out[mapping.EMBEDDING])  # tied: the output layer reads it
     return out

@@ -140,6 +140,24 @@ def ungroup_qkv(qkv: torch.Tensor, model: ModelConfig):
     return (t.reshape(-1, *tail).contiguous() for t in (q, k, v))
 
 
+def hf_top_names(model: ModelConfig) -> list[str]:
+    """HF names of the tensors outside the layers (no ``lm_head`` when embeddings are tied)."""
+    return [HF_EMBEDDING, HF_FINAL_NORM] + ([] if model.tie_embeddings else [HF_OUTPUT])
+
+
+def hf_top_to_mcore(hf: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Megatron embedding, final norm and (untied) output layer from the ``hf_top_names``
+    tensors; vocabulary rows padded."""
+    check_shape(HF_FINAL_NORM, hf[HF_FINAL_NORM], (model.hidden_size,), model)
+    out = {
+        EMBEDDING: pad_vocab(HF_EMBEDDING, hf[HF_EMBEDDING], model),
+        FINAL_NORM: hf[HF_FINAL_NORM],
+    }
+    if not model.tie_embeddings:
+        out[OUTPUT] = pad_vocab(HF_OUTPUT, hf[HF_OUTPUT], model)
+    return out
+
+
 def hf_layer_to_mcore(
     hf: dict[str, torch.Tensor], model: ModelConfig, layer: int
 ) -> dict[str, torch.Tensor]:
@@ -180,6 +198,20 @@ def mcore_layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.linear_fc2.weight": (h, f),
     }
     return {s: shapes[s] for s in layer_suffixes(model)}
+
+
+def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every Megatron global tensor (layer keys stacked over ``num_layers``)."""
+    vocab = (model.padded_vocab_size, model.hidden_size)
+    shapes = {
+        LAYER_PREFIX + suffix: (model.num_layers, *shape)
+        for suffix, shape in mcore_layer_shapes(model).items()
+    }
+    shapes[EMBEDDING] = vocab
+    shapes[FINAL_NORM] = (model.hidden_size,)
+    if not model.tie_embeddings:
+        shapes[OUTPUT] = vocab
+    return shapes
 
 
 def mcore_layer_to_hf(

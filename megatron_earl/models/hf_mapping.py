@@ -5,7 +5,8 @@ Megatron side: the *global* checkpoint keys of ``redistribute.geometry`` (layer-
 tensors carry a leading layer axis). HF side: ``model.layers.{i}....`` names of Llama / Qwen2 /
 Qwen3. ``convert.mapping`` owns the layouts (grouped ``linear_qkv`` per KV group, ``linear_fc1`` =
 ``[gate ; up]``, vocabulary padding, tied embeddings); this module only adds the per-tensor
-direction HF name -> (Megatron key, layer, rows) that a partial update needs.
+direction HF name -> (Megatron key, layer, rows) that a partial update needs (``global_shapes``
+is ``convert.mapping``'s, re-exported here for its callers).
 
 Pure functions of tensors; no communication.
 """
@@ -20,6 +21,7 @@ import torch
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.convert import mapping
+from megatron_earl.convert.mapping import global_shapes
 
 _GLOBAL = {
     mapping.HF_EMBEDDING: mapping.EMBEDDING,
@@ -125,16 +127,3 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[s
     for name, tensor in hf.items():
         apply_hf_tensor(full, name, tensor, model)
     return full
-
-
-def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    vocab = (model.padded_vocab_size, model.hidden_size)
-    shapes = {
-        mapping.LAYER_PREFIX + suffix: (model.num_layers, *shape)
-        for suffix, shape in mapping.mcore_layer_shapes(model).items()
-    }
-    shapes[mapping.EMBEDDING] = vocab
-    shapes[mapping.FINAL_NORM] = (model.hidden_size,)
-    if not model.tie_embeddings:
-        shapes[mapping.OUTPUT] = vocab
-    return shapes
