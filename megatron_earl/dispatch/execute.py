@@ -188,7 +188,7 @@ def run_stages(
             s: torch.empty(n, dtype=torch.uint8, device=store.device) for s, n in sizes.items()
         }
         if transport == "p2p":
-            _exchange_p2p(sends, recvs, group)
+            exchange_p2p(sends, recvs, group)
         else:
             _exchange_all_to_all(sends, recvs, world, group, store.device)
         for s, buf in recvs.items():
@@ -246,9 +246,13 @@ def _unpack(
         pos += n
 
 
-def _exchange_p2p(
+def exchange_p2p(
     sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup | None
 ) -> None:
+    """Send ``sends[peer]`` to and receive into ``recvs[peer]`` from each peer (ranks of
+    ``group``) with one ``batch_isend_irecv``; waits for all. Point to point: each rank calls it
+    with its own peers; every message must be matched by the peer's call (same size)."""
+
     def peer(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)
 

@@ -63,10 +63,6 @@ class ShardPiece:
             self.local.size(), self.local.stride(), other.storage_offset() + offset
         )
 
-    def meta(self) -> tuple[str, tuple[int, ...], Region]:
-        """Picklable description (no tensor) for all-gathers and planners."""
-        return self.key, self.global_shape, self.region
-
     def region_view(self) -> torch.Tensor:
         """``local`` with the region's full shape (squeezed prepended axes restored as size 1)."""
         view = self.local
@@ -163,9 +159,7 @@ def full_state_dict(model_chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
         full = out.setdefault(piece.key, torch.empty(piece.global_shape, dtype=piece.local.dtype))
         if piece.is_replica:
             continue
-        full[region_slices(piece.region)] = piece.local.reshape(
-            tuple(b - a for a, b in piece.region)
-        )
+        full[region_slices(piece.region)] = piece.region_view()
         covered[piece.key] = covered.get(piece.key, 0) + piece.numel
     missing = {
         k: (covered.get(k, 0), v.numel()) for k, v in out.items() if covered.get(k, 0) != v.numel()

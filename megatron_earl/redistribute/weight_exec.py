@@ -8,13 +8,13 @@
 The plan (``weight_plan.plan_weights``) is computed on every rank from piece metadata that is
 all-gathered once; ``execute_plan`` then runs the local copies and, round by round, packs each
 outgoing message into one byte buffer per peer, exchanges all messages of the round with one
-``batch_isend_irecv`` and unpacks into the destination parameters. A message that is a single
-contiguous box on one side skips the buffer on that side (sent from / received into the
-parameter). Per round a rank allocates at most its send and receive buffers of that round
-(<= ``bucket_bytes``), so no rank ever materialises more of the model than the destination layout
-gives it. Gloo on CPU, NCCL on GPU: buffers live on
-the parameters' device. The traffic uses the default (world) group, so it does not depend on
-either layout's process groups.
+``batch_isend_irecv`` (``dispatch.execute.exchange_p2p``) and unpacks into the destination
+parameters. A message that is a single contiguous box on one side skips the buffer on that side
+(sent from / received into the parameter). Per round a rank allocates at most its send and
+receive buffers of that round (<= ``bucket_bytes``), so no rank ever materialises more of the model
+than the destination layout gives it. Gloo on CPU, NCCL on GPU: buffers live on the parameters'
+device. The traffic uses the default (world) group, so it does not depend on either layout's
+process groups.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_earl.dispatch.execute import exchange_p2p
 from megatron_earl.redistribute.geometry import ShardPiece, region_shape, region_slices
 from megatron_earl.redistribute.weight_plan import PieceMeta, Transfer, WeightPlan, plan_weights
 
@@ -120,7 +121,9 @@ def execute_plan(
                 recvs[t.src_rank].append(t)
         if not sends and not recvs:
             continue
-        ops, unpack = [], []
+        send_bufs: dict[int, torch.Tensor] = {}
+        recv_bufs: dict[int, torch.Tensor] = {}
+        unpack = []
         round_bytes = 0
         for peer, ts in sends.items():
             buf = _direct(ts, src_views, "src")
@@ -132,7 +135,7 @@ def execute_plan(
                         src_views[t.src_index][region_slices(t.src_region)]
                     )
             sent += sum(t.nbytes for t in ts)
-            ops.append(dist.P2POp(dist.isend, buf, _global(peer, group), group))
+            send_bufs[peer] = buf
         for peer, ts in recvs.items():
             buf = _direct(ts, dst_views, "dst")
             if buf is None:
@@ -140,10 +143,9 @@ def execute_plan(
                 round_bytes += buf.numel()
                 unpack.append((buf, ts))
             received += sum(t.nbytes for t in ts)
-            ops.append(dist.P2POp(dist.irecv, buf, _global(peer, group), group))
+            recv_bufs[peer] = buf
         peak = max(peak, round_bytes)
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        exchange_p2p(send_bufs, recv_bufs, group)
         for buf, ts in unpack:
             for t in ts:
                 dst_views[t.dst_index][region_slices(t.dst_region)].copy_(
@@ -201,7 +203,3 @@ def _direct(ts: list[Transfer], views: list[torch.Tensor], side: str) -> torch.T
 def _slot(buf: torch.Tensor, t: Transfer, dtype: torch.dtype) -> torch.Tensor:
     """The transfer's box inside a message buffer, as a tensor of ``dtype`` and the box's shape."""
     return buf[t.offset : t.offset + t.nbytes].view(dtype).view(region_shape(t.region))
-
-
-def _global(peer: int, group: dist.ProcessGroup | None) -> int:
-    return peer if group is None else dist.get_global_rank(group, peer)

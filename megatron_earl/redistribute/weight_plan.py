@@ -26,6 +26,7 @@ How the plan is made:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -302,25 +303,10 @@ def _pack_rounds(
         placed, offsets = [], defaultdict(int)
         for t in ts:
             pair = (t.src_rank, t.dst_rank)
-            placed.append(_with_offset(t, offsets[pair]))
+            placed.append(dataclasses.replace(t, offset=offsets[pair]))
             offsets[pair] += t.padded_nbytes
         rounds.append(tuple(placed))
     return tuple(rounds)
-
-
-def _with_offset(t: Transfer, offset: int) -> Transfer:
-    return Transfer(
-        t.src_rank,
-        t.dst_rank,
-        t.key,
-        t.src_index,
-        t.dst_index,
-        t.region,
-        t.src_region,
-        t.dst_region,
-        t.nbytes,
-        offset,
-    )
 
 
 def plan_summary(plan: WeightPlan) -> dict[str, float]:

@@ -6,7 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
-RegionPiece = tuple[str, tuple[int, ...], tuple[tuple[int, int], ...], torch.Tensor]
+from megatron_earl.redistribute.geometry import Region, region_slices
+
+RegionPiece = tuple[str, tuple[int, ...], Region, torch.Tensor]
 """(global key, global shape, region [start, stop) per dim, the region's values)."""
 
 
@@ -18,7 +20,7 @@ def assemble_regions(piece_lists: Iterable[Iterable[RegionPiece]]) -> dict[str, 
         for key, shape, region, values in pieces:
             full = out.setdefault(key, torch.zeros(shape))
             cov = covered.setdefault(key, torch.zeros(shape, dtype=torch.bool))
-            sl = tuple(slice(a, b) for a, b in region)
+            sl = region_slices(region)
             full[sl] = values.reshape(full[sl].shape)
             cov[sl] = True
     for key, cov in covered.items():

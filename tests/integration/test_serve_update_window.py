@@ -19,12 +19,11 @@ def _update_window() -> dict:
 
     engine, model = build_engine(parse_args(["--seed", "0", "--max-seq-len", "64"]))
     server = Server(engine, "random")
-    loading = asyncio.Event
     out: dict = {}
 
     async def main() -> None:
         await engine.start()
-        release, started = loading(), loading()
+        release, started = asyncio.Event(), asyncio.Event()
         original = engine.load_state_dict
 
         async def held_load(full, version):
