@@ -12,7 +12,12 @@ setup(
     version="0.1.0",
     description="Megatron-Core plugin for long-context agentic RL (EARL): per-phase parallel "
     "layouts, decentralized data dispatch, multi-turn rollouts",
-    packages=find_packages(include=["megatron_earl", "megatron_earl.*"]),
+    # Every Megatron-Core patch lives in the top-level patches/, installed as megatron_earl.patches.
+    packages=[
+        *find_packages(include=["megatron_earl", "megatron_earl.*"]),
+        "megatron_earl.patches",
+    ],
+    package_dir={"megatron_earl.patches": "patches"},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.13.0,<2.14",

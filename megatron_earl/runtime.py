@@ -1,4 +1,5 @@
-"""Process start-up: torch.distributed, the CPU compatibility layer, the version guard, seeding.
+"""Process start-up: the version guard, Megatron-Core patches (``patches/``), torch.distributed,
+seeding.
 
 Every entry point calls ``initialize()`` once per process before touching megatron-core.
 """
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_earl.compat import cpu as cpu_compat
+from megatron_earl import patches
 from megatron_earl.compat.version import check_megatron_core
 
 
@@ -25,13 +26,14 @@ def device() -> torch.device:
 
 
 def initialize(timeout_s: float = 300.0) -> None:
-    """Check megatron-core, apply CPU patches when there is no CUDA, and join the process group.
+    """Check megatron-core, apply every patch (``patches.apply_all``: the CPU ones only when there
+    is no CUDA), and join the process group.
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a
     process started without it runs as a world of one. Every process of the job must call it.
     """
     check_megatron_core()
-    cpu_compat.apply()
+    patches.apply_all()
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")

@@ -1,5 +1,4 @@
-"""Compatibility with the installed megatron-core and hardware.
-
-Every runtime patch of megatron-core lives in this package; each module opens with a header saying
-why it exists and for which versions. ``optional`` detects optional packages (TE, apex, SGLang).
+"""What the installed environment offers: ``version`` guards the megatron-core release (the one
+every patch is written for); ``optional`` detects optional packages (TE, apex, SGLang). The
+patches themselves live in the top-level ``patches/`` (installed as ``megatron_earl.patches``).
 """

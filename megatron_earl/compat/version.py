@@ -7,7 +7,9 @@ from importlib import metadata
 from packaging.version import Version
 
 SUPPORTED_MCORE = ">=0.16.0,<0.17.0"
-"""megatron-core releases this plugin was tested with (its runtime patches are written for them)."""
+"""megatron-core releases this plugin was tested with. Every patch under ``patches/`` declares the
+same range as its ``VERSIONS`` (``tests/unit/test_patches.py``): widening the guard means
+re-checking every patch."""
 
 ALLOW_UNTESTED_ENV = "MEGATRON_EARL_ALLOW_UNTESTED_MCORE"
 

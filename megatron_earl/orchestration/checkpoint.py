@@ -30,8 +30,9 @@ any point leaves ``latest`` naming the previous complete checkpoint. Retention k
 
 ``dist_checkpointing.save`` normally starts a *spawned* multiprocessing manager, which re-imports
 ``__main__`` (a script without an ``if __name__ == "__main__":`` guard hangs) and costs seconds;
-``save_checkpoint`` hands it an in-process queue instead for its synchronous save (see
-``_in_process_results_queue``). Keep the guard in scripts anyway: Megatron still forks writers.
+``save_checkpoint`` hands it an in-process queue instead for its synchronous save (the patch
+``patches/checkpoint_results_queue.py``). Keep the guard in scripts anyway: Megatron still forks
+writers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import shutil
 import time
@@ -53,6 +53,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from megatron_earl.patches import checkpoint_results_queue, cpu_redirect
 
 COMMON_KEY = "megatron_earl"
 LATEST = "latest"
@@ -338,33 +340,6 @@ def _init_empty_adam_state(optimizer: Any) -> None:
             init_adam_state(sub)
 
 
-def _cpu_redirect() -> contextlib.AbstractContextManager:
-    """The CPU compatibility layer's CUDA -> CPU redirect when it is active (no GPU), else
-    nothing: the distributed optimizer's state (de)sharding hard-codes CUDA devices."""
-    from megatron_earl.compat import cpu as cpu_compat
-
-    return cpu_compat.cuda_to_cpu() if cpu_compat.is_applied() else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _in_process_results_queue() -> Iterator[None]:
-    """Scoped for one synchronous save (megatron-core 0.16): the torch_dist writer collects its
-    write results through a module-level queue that it creates on first use from a *spawned*
-    ``multiprocessing`` manager. Spawning costs ~10 s per process on a loaded 2-core machine and
-    re-imports ``__main__`` (the cause of the documented hang of scripts without a main guard).
-    A synchronous save produces and consumes the results in this process, so a plain
-    ``queue.Queue`` is enough; the previous value is restored afterwards (async saves, which we do
-    not use, still get their manager queue)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous
-
-
 def _unwrap(chunk: nn.Module) -> nn.Module:
     return chunk.module if hasattr(chunk, "module") else chunk
 
@@ -421,12 +396,12 @@ def save_checkpoint(
         if info["optimizer_kind"] == "distributed":
             info["dist_opt_format"] = config.dist_opt_format or _default_dist_opt_format()
         meta = {"distrib_optim_sharding_type": info.get("dist_opt_format")}
-        with _cpu_redirect():
+        with cpu_redirect.when_applied():
             state["optimizer"] = optimizer.sharded_state_dict(dict(state), metadata=meta)
     state["rng_state"] = _rng_object(_rng_state())
     state[COMMON_KEY] = info
     started = time.time()
-    with _allow_child_processes(), _in_process_results_queue():
+    with _allow_child_processes(), checkpoint_results_queue.in_process_results_queue():
         serialization.save(state, str(tmp))  # ends with a barrier
     if rank == 0:
         meta = {
@@ -477,7 +452,7 @@ def load_checkpoint(
         _check_optimizer_layout(ckpt, info, optimizer)
         _init_empty_adam_state(optimizer)
         meta = {"distrib_optim_sharding_type": info.get("dist_opt_format", "fully_reshardable")}
-        with _cpu_redirect():
+        with cpu_redirect.when_applied():
             state["optimizer"] = optimizer.sharded_state_dict(
                 dict(state), is_loading=True, metadata=meta
             )
@@ -487,7 +462,7 @@ def load_checkpoint(
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if want_optimizer:
-        with _cpu_redirect(), torch.no_grad():
+        with cpu_redirect.when_applied(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
     if want_rng:
         _set_rng_state(loaded["rng_state"])

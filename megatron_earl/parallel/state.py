@@ -10,7 +10,9 @@ own ``initialize_model_parallel`` with its ``create_group`` routed to the proces
 (tp/pp/cp/dp/mp, embedding and position-embedding groups, tp-cp, dp-cp, tp-dp(-cp), expert groups,
 global rank lists, gloo variants, vpp rank/size, the global memory buffer), while every group
 object comes from the cache. Group requests happen in Megatron's order, which depends only on the
-layout, so every rank misses (calls ``new_group``) at the same request.
+layout, so every rank misses (calls ``new_group``) at the same request. Everything that touches
+Megatron's internals for this (the routing, the private globals, the RoPE cache) is the patch
+``patches/parallel_state_groups.py``.
 
 Around that, a switch:
 
@@ -32,24 +34,14 @@ cache created.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
-from megatron_earl.parallel.groups import GroupCache, group_cache
+from megatron_earl.parallel.groups import group_cache
 from megatron_earl.parallel.layout import ParallelLayout
-
-# Megatron globals holding gloo groups that ``destroy_model_parallel`` would destroy.
-_GLOO_GLOBALS = (
-    "_DATA_PARALLEL_GROUP_GLOO",
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-)
+from megatron_earl.patches import parallel_state_groups
 
 _current: ParallelLayout | None = None
 _pg_collections: dict[ParallelLayout, Any] = {}
@@ -76,10 +68,9 @@ def use_layout(layout: ParallelLayout) -> None:
         return
     previous = _current
     _save_rng(previous)
-    _clear_group_caches()
-    memory_buffer = _detach_megatron_state()
-    cache = group_cache()
-    with _groups_from(cache) as member_groups:
+    parallel_state_groups.clear_group_caches()
+    memory_buffer = parallel_state_groups.detach(owned=_current is not None)
+    with parallel_state_groups.routed_create_group(group_cache()) as member_groups:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
@@ -87,9 +78,7 @@ def use_layout(layout: ParallelLayout) -> None:
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
         )
-    parallel_state._global_process_group_list = [None, *member_groups]
-    if memory_buffer is not None:
-        parallel_state._GLOBAL_MEMORY_BUFFER = memory_buffer
+    parallel_state_groups.attach(member_groups, memory_buffer)
     _current = layout
     _restore_or_reseed_rng(layout)
 
@@ -124,9 +113,9 @@ def destroy_layouts() -> None:
     global _current
     from megatron.core import parallel_state
 
-    _clear_group_caches()
+    parallel_state_groups.clear_group_caches()
     if _current is not None:
-        _detach_megatron_state()
+        parallel_state_groups.detach(owned=True)
     parallel_state.destroy_global_memory_buffer()
     _pg_collections.clear()
     _rng_states.clear()
@@ -136,70 +125,6 @@ def destroy_layouts() -> None:
 
 
 # ----------------------------------------------------------------------------- internals
-
-
-@contextlib.contextmanager
-def _groups_from(cache: GroupCache) -> Iterator[list[Any]]:
-    """Route Megatron's ``create_group`` to ``cache``; yields the list of groups this rank is in."""
-    from megatron.core import parallel_state
-
-    original = parallel_state.create_group
-    members: list[Any] = []
-    rank = dist.get_rank()
-
-    def create_group(
-        ranks=None,
-        timeout=None,
-        backend=None,
-        pg_options=None,
-        use_local_synchronization=False,
-        group_desc=None,
-    ):
-        if use_local_synchronization:
-            raise NotImplementedError("cached groups are created with world synchronization")
-        ranks = list(range(dist.get_world_size())) if ranks is None else ranks
-        group = cache.get(
-            ranks, backend=backend, pg_options=pg_options, timeout=timeout, group_desc=group_desc
-        )
-        if rank in ranks and all(group is not g for g in members):
-            members.append(group)
-        return group
-
-    parallel_state.create_group = create_group
-    try:
-        yield members
-    finally:
-        parallel_state.create_group = original
-
-
-def _detach_megatron_state() -> Any:
-    """Drop Megatron's references to the current groups without destroying any; return the
-    global memory buffer so the next layout can keep it."""
-    from megatron.core import parallel_state
-
-    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
-    if _current is None and parallel_state.model_parallel_is_initialized():
-        # State built outside this module: its groups are not ours; Megatron's own teardown.
-        parallel_state.destroy_model_parallel()
-        return buffer
-    for name in _GLOO_GLOBALS:
-        setattr(parallel_state, name, None)
-    parallel_state.destroy_model_parallel()
-    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
-    return buffer
-
-
-def _clear_group_caches() -> None:
-    """Clear megatron-core caches that hold modules or process groups across layouts."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    pending = [RotaryEmbedding]
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        forward = cls.__dict__.get("forward")
-        if hasattr(forward, "cache_clear"):
-            forward.cache_clear()
 
 
 def _save_rng(layout: ParallelLayout | None) -> None:

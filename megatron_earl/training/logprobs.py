@@ -28,12 +28,14 @@ Legend: n = tokens (flattened), h = hidden, Vl = vocabulary rows on this TP rank
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from torch import nn
+
+from megatron_earl.patches import output_layer_passthrough
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per output-layer chunk: 1024 x 32K vocab fp32 = 128 MiB per logits buffer."""
@@ -55,30 +57,20 @@ def output_weight(model: nn.Module) -> torch.Tensor:
     return model.output_layer.weight
 
 
-def _passthrough(input_, weight=None, runtime_gather_output=None):
-    return input_, None
-
-
-@contextlib.contextmanager
-def output_hidden_states(chunks: Sequence[nn.Module]) -> Iterator[None]:
+def output_hidden_states(chunks: Sequence[nn.Module]) -> contextlib.AbstractContextManager:
     """While active, last-stage chunks return final hidden states ``[b, s, h]`` instead of logits.
 
-    The output layer's forward is swapped on the instance (its parameters stay where they are, so
-    DDP and the optimizer see no change) and restored on exit; compute logits with
-    ``head_logprobs`` and ``output_weight``.
+    The output layer's forward is swapped on the instance (the patch
+    ``patches/output_layer_passthrough.py``; its parameters stay where they are, so DDP and the
+    optimizer see no change) and restored on exit; compute logits with ``head_logprobs`` and
+    ``output_weight``.
     """
     layers = [
         m.output_layer
         for m in map(_unwrap, chunks)
         if getattr(m, "post_process", False) and getattr(m, "output_layer", None) is not None
     ]
-    for layer in layers:
-        layer.forward = _passthrough
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
+    return output_layer_passthrough.passthrough(layers)
 
 
 class _ChunkedHead(torch.autograd.Function):

@@ -1,9 +1,12 @@
-"""The README's two set-up commands exist, and .ci/run runs exactly the README's test command."""
+"""The README's two set-up commands exist, the main job installs what the demo config uses, and
+.ci/run runs exactly the README's test command."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,3 +34,16 @@ def test_ci_runs_the_readme_test_command():
         if line and not line.startswith("#") and not line.startswith(("set ", "cd "))
     ]
     assert ci_lines == [test_command]
+
+
+def test_main_job_installs_what_the_demo_config_uses():
+    main_job = next(c for c in _readme_commands() if "megatron-earl train" in c)
+    config_path = re.search(r"--config (\S+)", main_job).group(1)
+    config = yaml.safe_load((ROOT / config_path).read_text())
+    match = re.search(r'-e "\.\[([\w,-]+)\]"', main_job)
+    extras = set(match.group(1).split(",")) if match else set()
+    if config.get("logging", {}).get("tensorboard", True):  # LoggingConfig.tensorboard defaults on
+        assert "tensorboard" in extras, f"{config_path} writes TensorBoard events: {main_job}"
+    setup = (ROOT / "setup.py").read_text()
+    for extra in extras:
+        assert f'"{extra}": [' in setup, f"setup.py has no extra {extra!r}"

@@ -1,32 +1,27 @@
-"""Runtime patches that let megatron-core run on a CPU-only torch build (gloo, no CUDA).
+"""A scoped CUDA -> CPU redirect around the Megatron-Core functions that hard-code CUDA (machines
+without CUDA only).
 
+What: every function in ``_REDIRECTED`` is wrapped so that it runs inside ``cuda_to_cpu()``: a
+  ``TorchFunctionMode`` that rewrites CUDA device arguments to CPU, turns ``pin_memory`` off, makes
+  ``Tensor.cuda()`` a no-op and ``Tensor.type()`` report ``torch.cuda.*`` types, plus temporary
+  stand-ins for ``torch.cuda.current_device`` / ``synchronize`` / ``empty_cache``. The redirect is
+  active *only* while a wrapped function runs (or a call site enters ``cuda_to_cpu()`` itself, as
+  checkpointing does around the distributed optimizer's state (de)sharding); nothing outside
+  those calls changes. Applied once, for the life of the process.
 Why: megatron-core hard-codes CUDA in a handful of places (``device="cuda"``,
-``torch.cuda.current_device()``, ``.cuda()``, ``torch.cuda.synchronize()``, type checks against
-``torch.cuda.FloatTensor``) and keeps its RNG states as CUDA generator states. Developers and CI of
-this project have no GPU, yet tests must run *real* megatron-core.
-
-Versions: written against and tested with megatron-core 0.16.1 (see ``SUPPORTED_MCORE``).
-
-What it does, and nothing more:
-
-1. ``CpuRNGStatesTracker`` replaces Megatron's CUDA RNG tracker. ``fork(name)`` swaps a per-name
-   CPU generator state into the default CPU generator, so dropout inside TP regions uses the
-   tensor-parallel seed; Megatron's ``_get_cuda_rng_state``/``_set_cuda_rng_state`` are pointed at
-   the CPU generator, so activation recompute (``CheckpointFunction``) replays dropout exactly.
-2. A scoped CUDA -> CPU redirect (``cuda_to_cpu()``): a ``TorchFunctionMode`` that rewrites CUDA
-   device arguments to CPU and makes ``Tensor.cuda()`` a no-op, plus temporary stand-ins for
-   ``torch.cuda.current_device``/``synchronize``/``empty_cache``. It is active *only* while one
-   of the wrapped Megatron functions in ``_REDIRECTED`` runs; nothing outside those calls changes.
-
-``apply()`` is explicit (called by ``megatron_earl.runtime.initialize`` and the test harness) and is
-a no-op when CUDA is available. It is idempotent.
+  ``torch.cuda.current_device()``, ``.cuda()``, ``torch.cuda.synchronize()``, type checks against
+  ``torch.cuda.FloatTensor``). Developers and CI of this project have no GPU, yet tests must run
+  *real* megatron-core.
+Versions: megatron-core>=0.16.0,<0.17.0 (each wrapped function was observed to fail on a CPU-only
+  torch build with megatron-core 0.16.1).
+Test: tests/unit/test_patches.py (test_redirect_is_scoped_to_wrapped_functions); every
+  distributed test runs through it (e.g. tests/distributed/test_model_parallel.py)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,11 +29,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_APPLIED = False
-_LOCK = threading.Lock()
+from megatron_earl.patches import Target, check_targets
 
-# (module, attribute path) of every Megatron function that hard-codes CUDA and runs under the
-# redirect. Each entry was observed to fail on a CPU-only build of torch with megatron-core 0.16.1.
+VERSIONS = ">=0.16.0,<0.17.0"
+
+# Every Megatron-Core function that hard-codes CUDA and runs under the redirect.
 _REDIRECTED: tuple[tuple[str, str], ...] = (
     ("megatron.core.utils", "GlobalMemoryBuffer.get_tensor"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb"),
@@ -75,6 +70,11 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
         "LanguageModule.setup_embeddings_and_output_layer",
     ),
 )
+
+TARGETS = tuple(Target(module, path) for module, path in _REDIRECTED)
+
+_APPLIED = False
+_LOCK = threading.Lock()
 
 
 def _is_cuda(device: Any) -> bool:
@@ -144,102 +144,27 @@ def _redirected(fn: Callable) -> Callable:
     return wrapper
 
 
-def _patch_redirects() -> None:
-    for module_name, path in _REDIRECTED:
-        owner: Any = importlib.import_module(module_name)
-        *parents, attr = path.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        if getattr(original, "__megatron_earl_redirected__", False):
-            continue
-        setattr(owner, attr, _redirected(original))
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
-    return torch.get_rng_state()
-
-
-def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
-    torch.set_rng_state(new_state)
-
-
-def _make_cpu_tracker_class() -> type:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    base = mrandom.CudaRNGStatesTracker
-    default_name = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME
-
-    class CpuRNGStatesTracker(base):  # type: ignore[valid-type, misc]
-        """Megatron's RNG tracker, keeping one CPU generator state per name."""
-
-        def __init__(
-            self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False
-        ):
-            if use_cudagraphable_rng:
-                raise ValueError("use_cudagraphable_rng=True needs CUDA; it is not valid on CPU")
-            super().__init__(False, is_inference_rng_tracker)
-
-        def add(self, name: str, seed: int) -> None:
-            self._is_initialized = True
-            if seed in self.seeds_:
-                raise ValueError(f"rng seed {seed} is already tracked")
-            if name in self.states_:
-                raise ValueError(f"rng state {name!r} is already tracked")
-            self.seeds_.add(seed)
-            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-        @contextlib.contextmanager
-        def fork(self, name: str = default_name) -> Iterator[None]:
-            if name not in self.states_:
-                raise KeyError(
-                    f"rng state {name!r} is not tracked; tracked: {sorted(self.states_)}"
-                )
-            outer_state = torch.get_rng_state()
-            outer_name = self._current_state_name
-            if outer_name != "default-rng":
-                self.states_[outer_name] = outer_state
-            torch.set_rng_state(self.states_[name])
-            self._current_state_name = name
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                if outer_name != "default-rng":
-                    outer_state = self.states_[outer_name]
-                torch.set_rng_state(outer_state)
-                self._current_state_name = outer_name
-
-    return CpuRNGStatesTracker
-
-
-def _patch_rng() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if getattr(mrandom.CudaRNGStatesTracker, "__name__", "") == "CpuRNGStatesTracker":
-        return
-    mrandom.CudaRNGStatesTracker = _make_cpu_tracker_class()
-    mrandom._get_cuda_rng_state = _get_cpu_rng_state
-    mrandom._set_cuda_rng_state = _set_cpu_rng_state
-    mrandom.initialize_rng_tracker(force_reset=True)
-
-
 def apply() -> bool:
-    """Install the CPU patches when CUDA is unavailable. Returns True when patches are active."""
+    """Wrap every function in ``_REDIRECTED`` when CUDA is unavailable; True when the wrappers are
+    installed. Idempotent. Local (every process applies it for itself)."""
     global _APPLIED
+    check_targets(__name__, VERSIONS, TARGETS)
     if torch.cuda.is_available():
         return False
     with _LOCK:
-        if _APPLIED:
-            return True
-        _patch_rng()
-        _patch_redirects()
+        for target in TARGETS:
+            original = target.get()
+            if not getattr(original, "__megatron_earl_redirected__", False):
+                target.set(_redirected(original))
         _APPLIED = True
     return True
 
 
 def is_applied() -> bool:
     return _APPLIED
+
+
+def when_applied() -> contextlib.AbstractContextManager:
+    """``cuda_to_cpu()`` when this patch is applied (no CUDA), else a no-op context, for call sites
+    that run CUDA-hard-coded Megatron code outside the wrapped functions."""
+    return cuda_to_cpu() if _APPLIED else contextlib.nullcontext()
