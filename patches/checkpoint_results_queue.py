@@ -11,7 +11,8 @@ Why: the torch_dist writer collects its write results through that module-level 
   in this process, so a plain queue is enough.
 Versions: megatron-core>=0.16.0,<0.17.0 (``_results_queue`` / ``_get_write_results_queue`` as in
   0.16.1).
-Test: tests/distributed/test_checkpoint.py (save/resume round trips, interrupted saves)
+Test: tests/distributed/test_checkpoint.py (every save goes through it, e.g.
+  test_resume_same_layout_continues_bitwise, test_crash_mid_save_keeps_previous_checkpoint)
 """
 
 from __future__ import annotations

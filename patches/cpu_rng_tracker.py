@@ -11,8 +11,8 @@ Why: megatron-core keeps its tracked RNG states as CUDA generator states; develo
   project have no GPU, yet tests must run *real* megatron-core, with the same per-TP-rank dropout
   streams as on a GPU.
 Versions: megatron-core>=0.16.0,<0.17.0 (written against 0.16.1).
-Test: tests/distributed/test_cpu_rng.py (fork semantics per TP rank; recompute with dropout
-  reproduces the gradients bitwise)
+Test: tests/distributed/test_cpu_rng.py (test_fork_swaps_per_name_cpu_states,
+  test_recompute_with_dropout_reproduces_gradients_exactly)
 """
 
 from __future__ import annotations

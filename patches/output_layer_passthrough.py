@@ -9,7 +9,8 @@ Why: ``megatron_earl.training.logprobs.head_logprobs`` computes log-probs and en
   exist for a whole packed row. ``GPTModel.forward`` has no option to skip its output layer.
 Versions: megatron-core>=0.16.0,<0.17.0 (``GPTModel`` calls ``self.output_layer(hidden_states,
   weight=..., runtime_gather_output=...)`` and unpacks ``(logits, bias)``, as in 0.16.1).
-Test: tests/distributed/test_logprobs.py (chunked log-probs equal the unchunked ones, TP/CP/PP)
+Test: tests/distributed/test_logprobs.py (test_layouts_equal_single_process: log-probs through
+  ``rl_step.forward_logprobs`` under TP/PP/CP equal a full-logits single-process reference)
 """
 
 from __future__ import annotations

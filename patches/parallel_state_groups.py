@@ -17,8 +17,9 @@ Why: Megatron-Core's parallel state is module globals built once per process, an
   destroys the gloo groups; switching layouts between phases must neither create a group twice
   (a collective, and leaked memory) nor destroy one the cache still holds.
 Versions: megatron-core>=0.16.0,<0.17.0 (globals and ``create_group`` signature as in 0.16.1).
-Test: tests/distributed/test_layout_switch.py (switches back and forth create no new group, leak
-  nothing, and give the same results as a fresh state)
+Test: tests/distributed/test_layout_switch.py
+  (test_alternating_switches_are_leak_free_and_keep_models_working: no new group on a switch back,
+  no leak, models keep working; test_destroy_layouts_destroys_exactly_the_cached_groups)
 """
 
 from __future__ import annotations

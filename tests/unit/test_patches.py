@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import runpy
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -31,6 +32,18 @@ def _module(path: Path):
 def test_patches_package_is_the_top_level_directory():
     assert Path(patches.__file__).resolve() == ROOT / "patches" / "__init__.py"
     assert [p.stem for p in PATCH_FILES] == sorted(patches.PATCHES)
+
+
+def test_setup_installs_patches_as_megatron_earl_patches(monkeypatch):
+    import setuptools
+
+    captured: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
+    monkeypatch.chdir(ROOT)
+    runpy.run_path(str(ROOT / "setup.py"))
+    assert captured["package_dir"] == {"megatron_earl.patches": "patches"}
+    assert "megatron_earl.patches" in captured["packages"]
+    assert "megatron_earl" in captured["packages"]
 
 
 @pytest.mark.parametrize("path", PATCH_FILES, ids=lambda p: p.stem)
