@@ -54,6 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_earl.parallel.ddp import unwrap_chunk
+
 COMMON_KEY = "megatron_earl"
 LATEST = "latest"
 _PREFIX = "iter_"
@@ -365,12 +367,8 @@ def _in_process_results_queue() -> Iterator[None]:
         filesystem_async._results_queue = previous
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
-    return chunk.module if hasattr(chunk, "module") else chunk
-
-
 def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {f"model{i}": unwrap_chunk(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -485,7 +483,7 @@ def load_checkpoint(
         state["rng_state"] = _rng_object(None)
     loaded = serialization.load(state, str(ckpt))
     for i, chunk in enumerate(model_chunks):
-        _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+        unwrap_chunk(chunk).load_state_dict(loaded[f"model{i}"])
     if want_optimizer:
         with _cpu_redirect(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
