@@ -52,6 +52,8 @@ class MicroBatch:
     """Per sample, the two position ranges (``cp_chunk_bounds``) of the local tokens."""
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token ``[sum(local_lengths), ...]``; per-sample ``[len(sample_ids), ...]``."""
+    mini_batch: int = 0
+    """The mini-batch (optimizer step) it belongs to (``PlanConfig.num_mini_batches``)."""
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -67,6 +69,11 @@ class DispatchedBatch:
 
     rank: int
     micro_batches: list[MicroBatch]
+
+    def mini_batch(self, index: int) -> list[MicroBatch]:
+        """The micro-batches of mini-batch ``index`` (in plan order; none on a rank without
+        samples in it)."""
+        return [mb for mb in self.micro_batches if mb.mini_batch == index]
 
 
 class _Store:
@@ -340,7 +347,8 @@ def assemble(plan: DispatchPlan, store: _Store, rank: int) -> DispatchedBatch:
     names = plan.destination.stage_fields(plan.schema, c.pp)
     specs = [s for s in plan.schema if s.name in names]
     out = []
-    for mb in plan.micro_batches[c.dp]:
+    minis = [j for j, n in enumerate(plan.mini_batch_sizes[c.dp]) for _ in range(n)]
+    for mb, mini in zip(plan.micro_batches[c.dp], minis, strict=True):
         lengths = [plan.samples[s].length for s in mb]
         bounds = [cp_chunk_bounds(n, layout.cp, c.cp) for n in lengths]
         fields = {}
@@ -361,5 +369,5 @@ def assemble(plan: DispatchPlan, store: _Store, rank: int) -> DispatchedBatch:
                     [store.get(Piece(sid, -1, -1, ()), s.name) for sid in mb]
                 )
         local = [sum(b - a for a, b in chunks) for chunks in bounds]
-        out.append(MicroBatch(list(mb), lengths, local, bounds, fields))
+        out.append(MicroBatch(list(mb), lengths, local, bounds, fields, mini))
     return DispatchedBatch(rank, out)

@@ -6,8 +6,9 @@ ids, lengths and groups of the samples it holds, plus the batch ``Schema``) and 
 
 1. assigns samples to destination DP ranks, balanced by a cost (tokens, or tokens plus an
    attention-quadratic term), keeping a group's samples together when asked (``assign_samples``);
-2. packs each DP rank's samples into micro-batches under a per-rank token budget
-   (``pack_micro_batches``);
+2. plans each DP rank's micro-batches under a per-rank token budget, grouped into mini-batches
+   (``plan_micro_batches``): these are the micro-batches the consumer runs (the experience
+   log-prob pass, each optimizer step of the train step), not a transport unit it repacks;
 3. lists what every rank needs: its DP share, only its context-parallel chunks
    (``cp_chunk_bounds``), only the fields its pipeline stage reads (``Destination.stage_fields``);
 4. routes those needs from the holders (``route.route``), producing ``Transfer`` stages.
@@ -125,8 +126,19 @@ class PlanConfig:
     """Keep all samples of a group on the same DP rank (e.g. group-normalised losses)."""
     route: RouteConfig = field(default_factory=RouteConfig)
     """Source choice and TP fan-out (see ``route.RouteConfig``)."""
+    num_mini_batches: int = 1
+    """Mini-batches (optimizer steps) each DP rank's micro-batches are grouped into."""
+    consumer_cp: int | None = None
+    """Context-parallel size the consumer splits the micro-batches over itself when every rank of
+    a replica receives whole samples (CP folded into TP, ``orchestration.samples.replica_layout``):
+    the budget then counts ``cp_padded_length(len, consumer_cp) / consumer_cp`` tokens per sample.
+    None: the destination layout's cp."""
 
     def __post_init__(self) -> None:
+        if self.num_mini_batches < 1:
+            raise DispatchError(f"num_mini_batches={self.num_mini_batches}; use >= 1")
+        if self.consumer_cp is not None and self.consumer_cp < 1:
+            raise DispatchError(f"consumer_cp={self.consumer_cp}; use >= 1 or None")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise DispatchError(
                 f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}; use >= 1 or None"
@@ -180,6 +192,58 @@ def pack_micro_batches(
     return bins
 
 
+def balance_micro_batches(
+    sample_ids: Sequence[int], lengths: dict[int, int], cp: int, budget: int | None
+) -> list[list[int]]:
+    """The micro-batches a consumer runs: as many as first-fit-decreasing needs
+    (``pack_micro_batches``, which raises for a sample above the budget), with the samples then
+    spread largest-first onto the lightest micro-batch that has room, so micro-batches carry
+    similar token counts. Inside a micro-batch, samples keep their order in ``sample_ids``.
+    Where the balanced spread does not fit that many micro-batches, FFD's packing is kept."""
+    if not sample_ids:
+        return []
+    ids = list(sample_ids)
+    at = {i: lengths[s] for i, s in enumerate(ids)}  # positions: ties break by position
+    ffd = pack_micro_batches(range(len(ids)), at, cp, budget)
+    if budget is not None:
+        cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
+        bins: list[list[int]] = [[] for _ in ffd]
+        loads = [0] * len(ffd)
+        for i in sorted(range(len(ids)), key=lambda i: (-cost[i], i)):
+            fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= budget]
+            if not fits:
+                break
+            b = min(fits, key=lambda b: (loads[b], b))
+            bins[b].append(i)
+            loads[b] += cost[i]
+        else:
+            ffd = bins
+    return [[ids[i] for i in sorted(b)] for b in ffd]
+
+
+def plan_micro_batches(
+    sample_ids: Sequence[int],
+    lengths: dict[int, int],
+    cp: int,
+    config: PlanConfig,
+    consumer_cp: int | None = None,
+) -> list[list[list[int]]]:
+    """One DP rank's mini-batches, each a list of micro-batches (sample ids): the one plan of
+    what the consumer runs, so it consumes the dispatched micro-batches as they arrive.
+
+    The samples are taken in first-fit-decreasing order at the destination's ``cp``
+    (``pack_micro_batches``; an empty DP rank has none), mini-batch ``i`` holds every
+    ``num_mini_batches``-th of them from the ``i``-th, and each mini-batch is balanced into
+    micro-batches at ``consumer_cp`` (default ``cp``) under the same budget
+    (``balance_micro_batches``)."""
+    budget = config.max_tokens_per_micro_batch
+    order = [s for mb in pack_micro_batches(sample_ids, lengths, cp, budget) for s in mb]
+    n = config.num_mini_batches
+    return [
+        balance_micro_batches(order[i::n], lengths, consumer_cp or cp, budget) for i in range(n)
+    ]
+
+
 # ---------------------------------------------------------------------- plans
 
 
@@ -227,6 +291,9 @@ class DispatchPlan(Plan):
     """Sample ids per source rank, in that rank's batch order."""
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...] = ()
     """``micro_batches[dp_rank][i]``: the sample ids of micro-batch ``i`` of that DP rank."""
+    mini_batch_sizes: tuple[tuple[int, ...], ...] = ()
+    """``mini_batch_sizes[dp_rank][j]``: how many of that DP rank's consecutive micro-batches
+    make mini-batch ``j`` (``PlanConfig.num_mini_batches`` entries)."""
 
     def dp_tokens(self) -> list[int]:
         return [sum(self.samples[s].length for mb in mbs for s in mb) for mbs in self.micro_batches]
@@ -247,18 +314,20 @@ def plan_dispatch(
             f" * dp({layout.dp}) = {layout.world_size} ranks, but {len(sources)} ranks dispatch; "
             f"use a layout of {len(sources)} ranks"
         )
+    if config.consumer_cp not in (None, layout.cp) and layout.cp > 1:
+        raise DispatchError(
+            f"consumer_cp={config.consumer_cp} with a destination of cp={layout.cp}: a consumer "
+            "splits for CP itself only when it receives whole samples (destination cp=1)"
+        )
     samples = _collect(sources)
     lengths = {s: i.length for s, i in samples.items()}
     assignment = assign_samples(
         lengths, {s: i.group for s, i in samples.items()}, layout.dp, config
     )
-    micro = tuple(
-        tuple(
-            tuple(mb)
-            for mb in pack_micro_batches(a, lengths, layout.cp, config.max_tokens_per_micro_batch)
-        )
-        for a in assignment
-    )
+    minis = [
+        plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp) for a in assignment
+    ]
+    micro = tuple(tuple(tuple(mb) for mini in m for mb in mini) for m in minis)
     token = tuple(s.name for s in schema if s.per_token)
     per_sample = tuple(s.name for s in schema if not s.per_token)
     holdings = {
@@ -292,6 +361,7 @@ def plan_dispatch(
         samples=samples,
         source_order=tuple(tuple(s.sample_ids) for s in sources),
         micro_batches=micro,
+        mini_batch_sizes=tuple(tuple(len(mini) for mini in m) for m in minis),
     )
 
 

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.patches import checkpoint_results_queue, cpu_redirect
 
 COMMON_KEY = "megatron_earl"
@@ -340,12 +341,10 @@ def _init_empty_adam_state(optimizer: Any) -> None:
             init_adam_state(sub)
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {f"model{i}": unwrap_chunk(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -460,7 +459,7 @@ def load_checkpoint(
         state["rng_state"] = _rng_object(None)
     loaded = serialization.load(state, str(ckpt))
     for i, chunk in enumerate(model_chunks):
-        _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+        unwrap_chunk(chunk).load_state_dict(loaded[f"model{i}"])
     if want_optimizer:
         with cpu_redirect.when_applied(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])

@@ -37,15 +37,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_earl.config.run import RunConfig
-from megatron_earl.dispatch import Destination, PlanConfig
+from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
 from megatron_earl.orchestration.policy import Policy
 from megatron_earl.orchestration.remote import RemoteEngines
 from megatron_earl.orchestration.rollout import PromptSet, group_index, run_rollout
 from megatron_earl.orchestration.samples import (
-    attach_token_field,
-    dispatched_samples,
+    consumer_plan,
+    model_inputs,
     replica_layout,
     schema_batch,
     trajectories_to_batch,
@@ -53,6 +53,7 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
+from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
@@ -61,8 +62,7 @@ from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
-from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
-from megatron_earl.training.schedule import unwrap_chunk
+from megatron_earl.training.rl_step import RLStepConfig, micro_batch_logprobs, train_micro_batches
 
 SAMPLE_ID_STRIDE = 1_000_000
 """Sample ids of rollout source d (replica or rank) start at d * SAMPLE_ID_STRIDE."""
@@ -205,21 +205,21 @@ class RLLoop:
         layout = layout or self.layouts["experience"]
         use_layout(layout)
         self.policy.sync(layout)
-        budget = self.config.batch.max_tokens_per_micro_batch
+        fields = ("tokens", "labels", "loss_mask")
         plan = plan_for(
             batch,
-            every_stage(layout, "experience", ("tokens", "labels", "loss_mask")),
-            PlanConfig(max_tokens_per_micro_batch=budget),
+            every_stage(layout, "experience", fields),
+            consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
         )
         local = execute(plan, batch)
-        out = forward_logprobs(
+        out = micro_batch_logprobs(
             self.policy.chunks(layout),
-            dispatched_samples(local),
-            max_tokens=budget,
+            model_inputs(local.micro_batches, fields, layout.cp),
             vocab_size=self.config.model.vocab_size,
         )
         if out is not None:
-            attach_token_field(local, "old_logprobs", out[0])
+            for mb, values in zip(local.micro_batches, out[0], strict=True):
+                mb.fields["old_logprobs"] = values
         back = return_results(plan, local, ["old_logprobs"])
         values = back.token_fields.get("old_logprobs", torch.empty(0))
         return with_token_field(batch, "old_logprobs", values)
@@ -238,12 +238,12 @@ class RLLoop:
         layout = layout or self.policy.train_layout
         self.move_master(layout)
         budget = self.config.batch.max_tokens_per_micro_batch
+        n = self.config.batch.num_mini_batches
+        fields = tuple(sorted(batch.token_fields))
         plan = plan_for(
-            batch,
-            every_stage(layout, "train", tuple(sorted(batch.token_fields))),
-            PlanConfig(max_tokens_per_micro_batch=budget),
+            batch, every_stage(layout, "train", fields), consumer_plan(layout, budget, n)
         )
-        samples = dispatched_samples(execute(plan, batch))
+        local = execute(plan, batch)
         step_config = RLStepConfig(
             loss=self.config.train.loss,
             max_tokens_per_micro_batch=budget,
@@ -253,10 +253,10 @@ class RLLoop:
         if self.selection is not None:
             optimizer = self.selection.guard(optimizer)
         progress = progress or TrainProgress()
-        n = self.config.batch.num_mini_batches
         for i in range(progress.done, n):
-            progress.metrics = rl_train_step(
-                self.policy.ddp_chunks, optimizer, samples[i::n], step_config
+            whole = model_inputs(local.mini_batch(i), fields, layout.cp)
+            progress.metrics = train_micro_batches(
+                self.policy.ddp_chunks, optimizer, whole, step_config
             )
             if update:
                 self.policy.version += 1
@@ -400,7 +400,7 @@ class RLLoop:
 def every_stage(layout: ParallelLayout, phase: str, fields: tuple[str, ...]) -> Destination:
     """Dispatch destination for the train step / log-prob pass: whole samples on every rank of a
     replica (CP folded into TP, ``replica_layout``) and ``fields`` on every pipeline stage, since
-    both plan the same packed micro-batches on every stage (the last also reads the rest)."""
+    every stage runs the same dispatched micro-batches (the last also reads the rest)."""
     return Destination(
         replica_layout(layout), phase, first_stage_fields=fields, middle_stage_fields=fields
     )

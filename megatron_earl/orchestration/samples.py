@@ -1,5 +1,5 @@
 """Trajectories -> the step's packed batch (on the rollout ranks that produced them) -> the
-samples a consuming layout's ranks train on.
+packed micro-batches a consuming layout's ranks run.
 
 A trajectory of prompt ``p`` and response ``r`` (model turns + observations) becomes one sample of
 ``L = len(p) + len(r)`` tokens, aligned on input positions (``training.microbatch``): position t
@@ -14,8 +14,12 @@ predicts ``tokens[t + 1]``, trainable iff that token was sampled by the model. P
 Per-sample fields: ``reward`` (float32), ``policy_version`` (int64: the oldest turn's version).
 
 Consuming layouts: the dispatcher sends whole samples to every rank of a DP replica (the
-destination it is given folds CP into the TP axis, see ``replica_layout``); the train step and the
-log-prob pass split for context parallelism themselves.
+destination it is given folds CP into the TP axis, see ``replica_layout``), already planned into
+the micro-batches (and mini-batches) the consumer runs (``consumer_plan``); ``model_inputs``
+turns each dispatched micro-batch into the model's packed form (views when cp = 1), and the train
+step and the log-prob pass split for context parallelism themselves. Results go back as per-token
+fields of the same micro-batches (the dispatcher's reverse path). Nothing is unpacked into
+per-sample lists and packed again on the way.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_earl.dispatch import Batch
-from megatron_earl.dispatch.execute import DispatchedBatch
+from megatron_earl.dispatch import Batch, PlanConfig
+from megatron_earl.dispatch.execute import MicroBatch
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.training.advantages import AdvantageEstimator, AdvantageInputs
-from megatron_earl.training.microbatch import next_token_sample
+from megatron_earl.training.microbatch import next_token_sample, thd_micro_batch
 
 TOKEN_FIELDS = {
     "tokens": torch.int64,
@@ -108,25 +112,26 @@ def trajectories_to_batch(
     )
 
 
-def dispatched_samples(local: DispatchedBatch) -> list[dict[str, torch.Tensor]]:
-    """Per-sample dicts of the per-token fields this rank received (whole samples, in order)."""
-    out = []
-    for mb in local.micro_batches:
-        num_tokens = sum(mb.lengths)
-        per_token = {k: v for k, v in mb.fields.items() if v.shape[0] == num_tokens}
-        start = 0
-        for n in mb.lengths:
-            out.append({k: v[start : start + n] for k, v in per_token.items()})
-            start += n
-    return out
+def consumer_plan(layout: ParallelLayout, budget: int, num_mini_batches: int = 1) -> PlanConfig:
+    """The dispatch plan config whose micro-batches the consumer in ``layout`` runs as they are:
+    ``budget`` tokens per rank after its own CP split, grouped into ``num_mini_batches``."""
+    return PlanConfig(
+        max_tokens_per_micro_batch=budget,
+        num_mini_batches=num_mini_batches,
+        consumer_cp=layout.cp,
+    )
 
 
-def attach_token_field(local: DispatchedBatch, name: str, values: Sequence[torch.Tensor]) -> None:
-    """Store per-sample results (in ``dispatched_samples`` order) as a per-token field of the
-    received micro-batches, for the dispatcher's reverse path."""
-    it = iter(values)
-    for mb in local.micro_batches:
-        mb.fields[name] = torch.cat([next(it).float() for _ in mb.lengths])
+def model_inputs(
+    micro_batches: Sequence[MicroBatch], fields: Sequence[str], cp: int
+) -> list[dict[str, object]]:
+    """The model's packed (thd, not CP-split) form of dispatched micro-batches (whole samples):
+    their per-token ``fields``, padded for ``cp`` (views of the received tensors when cp = 1),
+    labelled by sample id."""
+    return [
+        thd_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, cp, mb.sample_ids)
+        for mb in micro_batches
+    ]
 
 
 def with_token_field(batch: Batch, name: str, values: torch.Tensor) -> Batch:

@@ -9,7 +9,7 @@ each sequence padded to a multiple of ``2 * cp`` first (``cu_seqlens_padded``).
 - ``cp_token_index`` / ``packed_cp_token_index``: the token positions a rank holds, in local order.
 - ``split_batch_for_cp``: a micro-batch dict (token dim 1) -> this rank's share, like Megatron-LM's
   ``get_batch_on_this_cp_rank``; ``merge_cp_shards`` is its inverse (tests, log-prob gathering).
-- ``pad_to_cp_multiple`` / ``check_cp_length``: lengths; an impossible request raises
+- ``cp_padded_length`` / ``check_cp_length``: lengths; an impossible request raises
   ``CPLengthError`` naming the values and the nearest padded length.
 
 ``cp_chunk_bounds`` / ``cp_padded_length`` are the one definition of the chunking: the data
@@ -33,13 +33,17 @@ __all__ = [
     "cp_token_index",
     "merge_cp_shards",
     "packed_cp_token_index",
-    "pad_to_cp_multiple",
     "split_batch_for_cp",
 ]
 
 
 def cp_padded_length(seq_len: int, cp: int) -> int:
-    """Length of a sequence padded for CP: a multiple of ``2 * cp`` (unchanged when ``cp == 1``)."""
+    """Length of a sequence padded for CP: the smallest multiple of ``2 * cp`` >= ``seq_len``
+    (unchanged when ``cp == 1``). The one definition of CP padding."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if seq_len < 0:
+        raise ValueError(f"length must be >= 0, got {seq_len}")
     if cp == 1:
         return seq_len
     step = 2 * cp
@@ -71,16 +75,6 @@ class CPLengthError(ValueError):
     """A sequence length that cannot be split over the CP group; names every value involved."""
 
 
-def pad_to_cp_multiple(length: int, cp: int) -> int:
-    """Smallest length >= ``length`` divisible by ``2 * cp`` (what to pad a sequence to)."""
-    if cp < 1:
-        raise ValueError(f"cp must be >= 1, got {cp}")
-    if length < 0:
-        raise ValueError(f"length must be >= 0, got {length}")
-    unit = 2 * cp if cp > 1 else 1
-    return -(-length // unit) * unit
-
-
 def check_cp_length(seq_len: int, cp: int, *, what: str = "sequence length") -> None:
     """Raise ``CPLengthError`` unless ``seq_len`` splits into ``2 * cp`` equal chunks (cp > 1)."""
     if cp < 1:
@@ -89,7 +83,7 @@ def check_cp_length(seq_len: int, cp: int, *, what: str = "sequence length") -> 
         raise CPLengthError(
             f"{what} {seq_len} is not divisible by 2 x cp = {2 * cp} (cp = {cp}): context "
             f"parallelism splits each sequence into 2 x cp equal chunks; pad it to "
-            f"{pad_to_cp_multiple(seq_len, cp)} (megatron_earl.parallel.cp.pad_to_cp_multiple) "
+            f"{cp_padded_length(seq_len, cp)} (megatron_earl.parallel.cp.cp_padded_length) "
             f"or use a cp that divides {seq_len} / 2"
         )
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_earl.parallel.ddp import unwrap_chunk
+
 Region = tuple[tuple[int, int], ...]
 """[start, stop) per dimension of a global tensor."""
 
@@ -104,7 +106,7 @@ def shard_pieces(model_chunks: list[nn.Module]) -> list[ShardPiece]:
 
     pieces: list[ShardPiece] = []
     for index, chunk in enumerate(model_chunks):
-        module = chunk.module if hasattr(chunk, "module") else chunk
+        module = unwrap_chunk(chunk)
         params = {id(p): (name, p) for name, p in module.named_parameters()}
         for entry in module.sharded_state_dict().values():
             if isinstance(entry, ShardedTensorFactory):

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron_earl.parallel.ddp import unwrap_chunk
+
 
 class BudgetExceeded(torch.OutOfMemoryError):
     """A phase's predicted or measured peak exceeds the project-enforced memory budget."""
@@ -192,7 +194,7 @@ def state_bytes(chunks: list[torch.nn.Module], optimizer: Any = None) -> int:
             total += storage.nbytes()
 
     for chunk in chunks:
-        module = chunk.module if hasattr(chunk, "module") else chunk
+        module = unwrap_chunk(chunk)
         for t in [*module.parameters(), *module.buffers()]:
             add(t)
             add(getattr(t, "main_grad", None))

@@ -35,21 +35,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 
+from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.patches import output_layer_passthrough
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per output-layer chunk: 1024 x 32K vocab fp32 = 128 MiB per logits buffer."""
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def output_weight(model: nn.Module) -> torch.Tensor:
     """The output-layer weight ``[V/tp, h]`` of a last-stage GPTModel chunk (tied or not)."""
-    model = _unwrap(model)
+    model = unwrap_chunk(model)
     if getattr(model, "output_layer", None) is None:
         raise ValueError("output_weight needs a last-pipeline-stage chunk (post_process=True)")
     if model.share_embeddings_and_output_weights:
@@ -67,7 +62,7 @@ def output_hidden_states(chunks: Sequence[nn.Module]) -> contextlib.AbstractCont
     """
     layers = [
         m.output_layer
-        for m in map(_unwrap, chunks)
+        for m in map(unwrap_chunk, chunks)
         if getattr(m, "post_process", False) and getattr(m, "output_layer", None) is not None
     ]
     return output_layer_passthrough.passthrough(layers)

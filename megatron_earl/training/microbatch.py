@@ -1,4 +1,4 @@
-"""Token-budget micro-batching (pure): variable-length samples -> packed (thd) micro-batches.
+"""Token-budget micro-batching (pure): packed samples -> the model's packed (thd) micro-batches.
 
 A **sample** is a dict of 1-D per-token tensors of one length L, aligned on *input positions*:
 
@@ -11,22 +11,26 @@ A **sample** is a dict of 1-D per-token tensors of one length L, aligned on *inp
 ``next_token_sample`` builds that from a trajectory stored token by token (a generated-token mask
 and e.g. the rollout engine's per-token log-probs, both aligned with ``tokens``).
 
-Micro-batches are built by a per-rank **token budget**, not a sample count
-(``plan_micro_batches``): the number of micro-batches is the one first-fit-decreasing packing
-needs (``dispatch.plan.pack_micro_batches``, shared with the dispatcher, which raises for a sample
-above the budget naming it), then samples are re-spread over that many micro-batches
+Micro-batches are built by a per-rank **token budget**, not a sample count, by the one planner
+the dispatcher uses (``dispatch.plan.balance_micro_batches``; ``plan_micro_batches`` here is its
+entry for a list of lengths, with errors naming the sample): the number of micro-batches is the
+one first-fit-decreasing packing needs, then samples are re-spread over that many micro-batches
 largest-first onto the lightest one, so the micro-batches carry similar token counts. A sample is
-never split across micro-batches (attention needs it whole).
+never split across micro-batches (attention needs it whole). In the RL loop the dispatcher has
+already planned and packed the micro-batches on the consuming rank; the loop turns each into the
+model's form with ``thd_micro_batch`` (views when cp = 1), never unpacking it into samples.
 
-``pack_micro_batch`` concatenates samples into one packed row ``[1, t]`` with
+``thd_micro_batch`` makes packed per-token fields (samples back to back) one row ``[1, t]`` with
 ``PackedSeqParams(qkv_format="thd")``; with cp > 1 every sample is padded to a multiple of
-``2 * cp`` (padding has ``loss_mask`` 0) and ``split_micro_batch`` keeps this CP
-rank's chunks (``parallel.cp.split_batch_for_cp``). A packed micro-batch dict holds ``tokens``,
-``labels``, ``position_ids``, ``loss_mask`` (float), ``seq_ids`` (the sample's slot in the
-micro-batch for every token, its CP padding included: then every CP rank holds a token of every
-sample and per-sample sums have the same shape on all CP ranks; padding adds 0 since its mask is
-0), the other per-token fields ``[1, t]``, ``packed_seq_params`` and ``sample_index`` (the
-samples' indices in the caller's list).
+``2 * cp`` (``parallel.cp.cp_padded_length``; padding has ``loss_mask`` 0) and
+``split_micro_batch`` keeps this CP rank's chunks (``parallel.cp.split_batch_for_cp``).
+``pack_micro_batch`` does the same for a list of per-sample dicts (tests, SFT, profiling).
+A packed micro-batch dict holds ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` (float),
+``seq_ids`` (the sample's slot in the micro-batch for every token, its CP padding included: then
+every CP rank holds a token of every sample and per-sample sums have the same shape on all CP
+ranks; padding adds 0 since its mask is 0), the other per-token fields ``[1, t]``,
+``packed_seq_params`` and ``sample_index`` (the samples' indices in the caller's list, or their
+sample ids for a dispatched micro-batch).
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_earl.dispatch.plan import cp_padded_length, pack_micro_batches
-from megatron_earl.parallel.cp import merge_cp_shards, split_batch_for_cp
+from megatron_earl.dispatch.plan import balance_micro_batches
+from megatron_earl.parallel.cp import cp_padded_length, merge_cp_shards, split_batch_for_cp
 
 Sample = Mapping[str, torch.Tensor]
 REQUIRED_FIELDS = ("tokens", "labels", "loss_mask")
@@ -118,45 +122,43 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, cp: int = 1) -> 
             f"micro-batch budget max_tokens={max_tokens} ({len(over)} such sample(s): "
             f"{over[:8]}); raise max_tokens to >= {cost[i]} or use a layout with more cp"
         )
-    ffd = pack_micro_batches(range(len(lengths)), dict(enumerate(lengths)), cp, max_tokens)
-    bins: list[list[int]] = [[] for _ in ffd]
-    loads = [0] * len(ffd)
-    for i in sorted(range(len(lengths)), key=lambda i: (-cost[i], i)):
-        fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= max_tokens]
-        if not fits:  # the balanced spread does not fit this many bins: keep FFD's packing
-            return [sorted(b) for b in ffd]
-        b = min(fits, key=lambda b: (loads[b], b))
-        bins[b].append(i)
-        loads[b] += cost[i]
-    return [sorted(b) for b in bins]
+    return balance_micro_batches(range(len(lengths)), dict(enumerate(lengths)), cp, max_tokens)
 
 
-def pack_micro_batch(
-    samples: Sequence[Sample], indices: Sequence[int], cp: int = 1
+def thd_micro_batch(
+    fields: Mapping[str, torch.Tensor],
+    lengths: Sequence[int],
+    cp: int = 1,
+    sample_index: Sequence[int] | None = None,
 ) -> dict[str, object]:
-    """One packed (thd) micro-batch of ``samples[i] for i in indices`` (whole, not CP-split).
+    """The packed (thd) micro-batch of samples held back to back (whole, not CP-split).
 
-    Each sample is padded to ``cp_padded_length`` (a multiple of 2 * cp when cp > 1) with token
-    0, loss mask 0, the sample's seq id and zeros in the other fields.
+    ``fields`` are 1-D per-token tensors ``[sum(lengths)]`` (e.g. a dispatched micro-batch's);
+    ``sample_index`` labels the samples (default ``0..n-1``). ``tokens``/``labels`` become int64,
+    the rest float32 (no copy when they already are). With cp > 1 each sample is padded to
+    ``cp_padded_length`` with token 0, loss mask 0, the sample's seq id and zeros elsewhere.
     """
-    if not indices:
+    if not lengths:
         raise MicroBatchError("a micro-batch needs at least one sample")
-    chosen = [samples[i] for i in indices]
-    lengths = [sample_length(s) for s in chosen]
     padded = [cp_padded_length(n, cp) for n in lengths]
-    fields: dict[str, list[torch.Tensor]] = {name: [] for name in chosen[0]}
-    seq_ids, positions = [], []
-    for slot, (s, n, p) in enumerate(zip(chosen, lengths, padded, strict=True)):
-        for name, t in s.items():
-            t = t.long() if name in INT_FIELDS else t.float()
-            fields[name].append(torch.cat([t, t.new_zeros(p - n)]) if p > n else t)
-        seq_ids.append(torch.full((p,), slot))
-        positions.append(torch.arange(p))
     cu = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32)
     cu_real = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    out: dict[str, object] = {name: torch.cat(ts).unsqueeze(0) for name, ts in fields.items()}
-    out["seq_ids"] = torch.cat(seq_ids).unsqueeze(0)
-    out["position_ids"] = torch.cat(positions).unsqueeze(0)
+    slots = torch.arange(len(lengths))
+    seq_ids = torch.repeat_interleave(slots, torch.tensor(padded))
+    starts = cu[:-1].long()
+    real = None
+    if padded != list(lengths):  # where the real tokens sit in the padded row
+        real = torch.arange(int(cu_real[-1])) + torch.repeat_interleave(
+            starts - cu_real[:-1].long(), torch.tensor(list(lengths))
+        )
+    out: dict[str, object] = {}
+    for name, t in fields.items():
+        t = t.long() if name in INT_FIELDS else t.float()
+        if real is not None:
+            t = t.new_zeros(int(cu[-1])).index_copy_(0, real, t)
+        out[name] = t.unsqueeze(0)
+    out["seq_ids"] = seq_ids.unsqueeze(0)
+    out["position_ids"] = (torch.arange(int(cu[-1])) - starts[seq_ids]).unsqueeze(0)
     out["packed_seq_params"] = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_real,
@@ -166,8 +168,21 @@ def pack_micro_batch(
         max_seqlen_q=max(padded),
         max_seqlen_kv=max(padded),
     )
-    out["sample_index"] = torch.tensor(list(indices), dtype=torch.long)
+    index = range(len(lengths)) if sample_index is None else sample_index
+    out["sample_index"] = torch.tensor(list(index), dtype=torch.long)
     return out
+
+
+def pack_micro_batch(
+    samples: Sequence[Sample], indices: Sequence[int], cp: int = 1
+) -> dict[str, object]:
+    """One packed (thd) micro-batch of ``samples[i] for i in indices`` (``thd_micro_batch`` of
+    their concatenation; ``sample_index`` = ``indices``)."""
+    if not indices:
+        raise MicroBatchError("a micro-batch needs at least one sample")
+    chosen = [samples[i] for i in indices]
+    fields = {name: torch.cat([s[name] for s in chosen]) for name in chosen[0]}
+    return thd_micro_batch(fields, [sample_length(s) for s in chosen], cp, indices)
 
 
 def split_micro_batch(micro_batch: dict[str, object], cp: int, cp_rank: int) -> dict[str, object]:
@@ -189,6 +204,16 @@ def build_micro_batches(
     check_samples(samples)
     plan = plan_micro_batches([sample_length(s) for s in samples], max_tokens, cp)
     return [pack_micro_batch(samples, mb, cp) for mb in plan]
+
+
+def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torch.Tensor:
+    """The real tokens ``[sum(lengths)]`` (CP padding dropped, packed order) of a per-token
+    result ``[1, t]`` of the whole micro-batch: the per-token field form of a dispatched batch."""
+    params = micro_batch["packed_seq_params"]
+    assert isinstance(params, PackedSeqParams)
+    if torch.equal(params.cu_seqlens_q, params.cu_seqlens_q_padded):
+        return values.reshape(-1)
+    return torch.cat(unpack_per_sample(values, micro_batch))
 
 
 def unpack_per_sample(

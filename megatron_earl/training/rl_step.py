@@ -1,17 +1,22 @@
 """The RL train step on Megatron, and the forward-only log-prob pass of the experience phase.
 
+    metrics = train_micro_batches(ddp_chunks, optimizer, whole, RLStepConfig(...))  # the loop
+    logprobs, entropy = micro_batch_logprobs(chunks, whole)                        # the loop
     metrics = rl_train_step(ddp_chunks, optimizer, samples, RLStepConfig(loss=PolicyLossConfig()))
     logprobs, entropy = forward_logprobs(chunks, samples, max_tokens=8192)
 
-``samples`` are this DP rank's samples (``training.microbatch`` describes the fields: ``tokens``,
-``labels``, ``loss_mask``, ``advantages`` and optionally ``old_logprobs``, ``ref_logprobs``,
-``rollout_logprobs``), whole on every CP/TP/PP rank of the DP replica. A step:
+``whole`` are this DP rank's packed micro-batches (``microbatch.thd_micro_batch`` of the
+micro-batches the dispatcher planned and delivered, not CP-split); ``samples`` are this DP rank's
+samples as per-sample dicts, packed here by the same planner (``microbatch.build_micro_batches``).
+``training.microbatch`` describes the fields: ``tokens``, ``labels``, ``loss_mask``,
+``advantages`` and optionally ``old_logprobs``, ``ref_logprobs``, ``rollout_logprobs``; they are
+whole on every CP/TP/PP rank of the DP replica. A step:
 
 1. checks the input on every rank and agrees on errors (one small all-gather), so bad input raises
    the same ``ValueError`` everywhere instead of hanging a collective; samples with NaN/inf at a
    trainable position are dropped (``on_nonfinite="drop"``, their mask zeroed, counted in
    ``num_nonfinite_samples``) or raise (``"raise"``);
-2. packs them into thd micro-batches by the per-rank token budget (``microbatch``), computes the
+2. takes the thd micro-batches (or packs the samples by the per-rank token budget), computes the
    global loss normaliser (summed over micro-batches, all-reduced over DP) and splits for CP;
 3. runs Megatron's forward-backward schedule (PP aware, ``variable_seq_lengths`` under PP) with the
    output layer chunked (``logprobs.head_logprobs``) and ``losses.policy_loss``; the returned loss
@@ -55,6 +60,7 @@ from megatron_earl.training.microbatch import (
     build_micro_batches,
     check_samples,
     merge_cp,
+    real_tokens,
     split_micro_batch,
     unpack_per_sample,
 )
@@ -119,42 +125,56 @@ def agree(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def nonfinite_samples(samples: Sequence[Sample]) -> list[int]:
-    """Indices of samples with NaN/inf in a float field at a trainable position."""
-    bad = []
-    for i, s in enumerate(samples):
-        trainable = s["loss_mask"] != 0
-        if not bool(torch.isfinite(s["loss_mask"]).all()):
-            bad.append(i)
-            continue
-        for t in s.values():
-            if t.is_floating_point() and bool((trainable & ~torch.isfinite(t)).any()):
-                bad.append(i)
-                break
-    return bad
+MB_KEYS = ("seq_ids", "position_ids", "packed_seq_params", "sample_index")
+"""Keys of a thd micro-batch that are not sample fields."""
 
 
-def _prepare(samples: Sequence[Sample], config: RLStepConfig, cp: int):
-    check_samples(samples)
-    if not samples:
+def nonfinite_slots(micro_batch: dict[str, Any]) -> torch.Tensor:
+    """Per sample slot of a whole thd micro-batch: True where a float field holds NaN/inf at a
+    trainable position (or the loss mask itself is not finite). Padding (mask 0) never counts."""
+    mask = micro_batch["loss_mask"]
+    trainable = mask != 0
+    bad = ~torch.isfinite(mask)
+    for key, t in micro_batch.items():
+        if key not in MB_KEYS and t.is_floating_point():
+            bad |= trainable & ~torch.isfinite(t)
+    slots = len(micro_batch["sample_index"])
+    hits = torch.zeros(slots, dtype=torch.long)
+    return hits.index_add_(0, micro_batch["seq_ids"].reshape(-1), bad.reshape(-1).long()) > 0
+
+
+def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
+    """``whole`` with the samples holding NaN/inf at trainable positions masked out (or a
+    ``ValueError``, ``on_nonfinite="raise"``), and their number; bad input raises."""
+    if not whole:
         raise ValueError("this rank has 0 samples; every DP rank needs at least one sample")
-    if "advantages" not in samples[0]:
-        raise ValueError(f"samples need 'advantages' for the policy loss; got {sorted(samples[0])}")
-    if config.loss.kl_coef > 0 and "ref_logprobs" not in samples[0]:
+    names = sorted(k for k in whole[0] if k not in MB_KEYS)
+    if "advantages" not in names:
+        raise ValueError(f"samples need 'advantages' for the policy loss; got {names}")
+    if config.loss.kl_coef > 0 and "ref_logprobs" not in names:
         raise ValueError(f"kl_coef={config.loss.kl_coef} needs a ref_logprobs field")
-    if config.loss.tis_cap is not None and "rollout_logprobs" not in samples[0]:
+    if config.loss.tis_cap is not None and "rollout_logprobs" not in names:
         raise ValueError(f"tis_cap={config.loss.tis_cap} needs a rollout_logprobs field")
-    bad = nonfinite_samples(samples)
+    flags = [nonfinite_slots(mb) for mb in whole]
+    bad = sorted(int(i) for mb, f in zip(whole, flags) for i in mb["sample_index"][f])
     if bad and config.on_nonfinite == "raise":
         raise ValueError(
             f"samples {bad[:8]} ({len(bad)} in all) hold NaN/inf at trainable positions; fix "
             "the producer or use on_nonfinite='drop'"
         )
-    samples = list(samples)
-    for i in bad:  # drop: nothing of the sample trains, and its NaNs never reach arithmetic
-        samples[i] = {**samples[i], "loss_mask": torch.zeros_like(samples[i]["loss_mask"])}
-    whole = build_micro_batches(samples, config.max_tokens_per_micro_batch, cp)
-    return whole, len(bad)
+    out = []
+    for mb, f in zip(whole, flags):
+        if bool(f.any()):  # drop: nothing of the sample trains, and its NaNs never reach arithmetic
+            mb = {**mb, "loss_mask": mb["loss_mask"].masked_fill(f[mb["seq_ids"]], 0.0)}
+        out.append(mb)
+    return out, len(bad)
+
+
+def _packed(samples: Sequence[Sample], max_tokens: int, cp: int) -> list[dict[str, Any]]:
+    check_samples(samples)
+    if not samples:
+        raise ValueError("this rank has 0 samples; every DP rank needs at least one sample")
+    return build_micro_batches(samples, max_tokens, cp)
 
 
 def _cp_sum(cp_group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -251,16 +271,40 @@ def rl_train_step(
     samples: Sequence[Sample],
     config: RLStepConfig,
 ) -> dict[str, float]:
-    """One policy update on this DP rank's ``samples``; returns the step's metrics (module doc).
+    """One policy update on this DP rank's ``samples`` (per-sample dicts, packed here by the
+    budget ``config.max_tokens_per_micro_batch``); returns the step's metrics (module doc).
 
     Which ranks call: every rank of the world; ranks of one DP replica pass the same samples.
     """
+    cp = parallel_state.get_context_parallel_world_size()
+    budget = config.max_tokens_per_micro_batch
+    return _train(
+        ddp_chunks, optimizer, lambda: _checked(_packed(samples, budget, cp), config), config
+    )
+
+
+def train_micro_batches(
+    ddp_chunks: list[nn.Module],
+    optimizer,
+    whole: Sequence[dict[str, Any]],
+    config: RLStepConfig,
+) -> dict[str, float]:
+    """One policy update on this DP rank's packed micro-batches ``whole`` (thd, not CP-split,
+    padded for this layout's cp: ``microbatch.thd_micro_batch``), run as given; returns the
+    step's metrics (module doc).
+
+    Which ranks call: every rank of the world; ranks of one DP replica pass the same batches.
+    """
+    return _train(ddp_chunks, optimizer, lambda: _checked(list(whole), config), config)
+
+
+def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig):
     start = time.perf_counter()
     dp = parallel_state.get_data_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    whole, num_bad = agree(lambda: _prepare(samples, config, cp))
+    whole, num_bad = agree(prepare)
 
     # Global normaliser and counts from the whole (pre-CP-split) micro-batches, summed over DP.
     counts = torch.zeros(5, dtype=torch.float64)
@@ -317,7 +361,8 @@ def forward_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_size: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """Forward-only log-probs and entropy of every sample's ``labels`` (old/ref log-probs).
+    """Forward-only log-probs and entropy of every sample's ``labels`` (old/ref log-probs), the
+    samples packed here by the budget ``max_tokens``.
 
     Returns, on the last pipeline stage, per-sample fp32 tensors [L] in ``samples`` order (whole
     samples: with cp > 1 the CP ranks' local results are all-gathered over the CP group); None on
@@ -325,9 +370,58 @@ def forward_logprobs(
     Which ranks call: every rank of the world, ranks of one DP replica with the same samples.
     """
     cp = parallel_state.get_context_parallel_world_size()
+    whole = agree(lambda: _packed(samples, max_tokens, cp))
+    out = _logprobs(chunks, whole, chunk_size, vocab_size)
+    if out is None:
+        return None
+    per_sample: list[list[torch.Tensor | None]] = [[None] * len(samples) for _ in out]
+    for k, merged in enumerate(out):
+        for mb, values in zip(whole, merged, strict=True):
+            pieces = unpack_per_sample(values, mb)
+            for i, piece in zip(mb["sample_index"].tolist(), pieces, strict=True):
+                per_sample[k][i] = piece.clone()
+    return per_sample[0], per_sample[1]
+
+
+def micro_batch_logprobs(
+    chunks: list[nn.Module],
+    whole: Sequence[dict[str, Any]],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_size: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Forward-only log-probs and entropy of the ``labels`` of packed micro-batches ``whole``
+    (thd, not CP-split: ``microbatch.thd_micro_batch``), run as given.
+
+    Returns, on the last pipeline stage, one fp32 tensor ``[sum(lengths)]`` per micro-batch:
+    its real tokens in packed order (a per-token field of the dispatched micro-batch; with cp > 1
+    all-gathered over the CP group); None on other stages.
+    Which ranks call: every rank of the world, ranks of one DP replica with the same batches.
+    """
+    whole = agree(lambda: _nonempty(whole))
+    out = _logprobs(chunks, whole, chunk_size, vocab_size)
+    if out is None:
+        return None
+    return tuple([real_tokens(v, mb) for mb, v in zip(whole, per_mb)] for per_mb in out)
+
+
+def _nonempty(whole: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not whole:
+        raise ValueError("this rank has 0 samples; every DP rank needs at least one sample")
+    return list(whole)
+
+
+def _logprobs(
+    chunks: list[nn.Module],
+    whole: list[dict[str, Any]],
+    chunk_size: int,
+    vocab_size: int | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """(log-probs, entropy) of every whole micro-batch, ``[1, t]`` merged over CP, on the last
+    stage; None elsewhere. Which ranks call: every rank of the world."""
+    cp = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    whole = agree(lambda: _forward_inputs(samples, max_tokens, cp))
     model = _last_chunk(chunks)
 
     def loss_fn(hidden: torch.Tensor, batch: dict[str, Any]):
@@ -347,20 +441,12 @@ def forward_logprobs(
         )
     if model is None:
         return None
-    out: dict[str, list[torch.Tensor | None]] = {k: [None] * len(samples) for k in per_mb[0]}
+    out: dict[str, list[torch.Tensor]] = {"logprobs": [], "entropy": []}
     for mb, metrics in zip(whole, per_mb, strict=True):
         for key, local in metrics.items():
             shards = [local]
             if cp > 1:
                 shards = [torch.empty_like(local) for _ in range(cp)]
                 dist.all_gather(shards, local, group=parallel_state.get_context_parallel_group())
-            pieces = unpack_per_sample(merge_cp(shards, mb), mb)
-            for i, piece in zip(mb["sample_index"].tolist(), pieces, strict=True):
-                out[key][i] = piece.clone()
+            out[key].append(merge_cp(shards, mb))
     return out["logprobs"], out["entropy"]
-
-
-def _forward_inputs(samples: Sequence[Sample], max_tokens: int, cp: int):
-    if not samples:
-        raise ValueError("this rank has 0 samples; every DP rank needs at least one sample")
-    return build_micro_batches(samples, max_tokens, cp)

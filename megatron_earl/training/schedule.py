@@ -18,6 +18,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 
+from megatron_earl.parallel.ddp import unwrap_chunk
+
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -59,11 +61,6 @@ def lm_loss(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict
     if parallel_state.get_context_parallel_world_size() > 1:
         torch.distributed.all_reduce(reported, group=parallel_state.get_context_parallel_group())
     return loss, {"loss": reported, "logprobs": logprobs.detach()}
-
-
-def unwrap_chunk(chunk: nn.Module) -> nn.Module:
-    """The model inside a DDP-wrapped chunk (the chunk itself when it is not wrapped)."""
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 def _forward_step(loss_fn: LossFn, data_iterator, model: nn.Module):

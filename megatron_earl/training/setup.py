@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_earl.parallel.ddp import unwrap_chunk
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -92,7 +94,7 @@ def wire_schedule_hooks(ddp_chunks: list[nn.Module], optimizer=None) -> None:
     reduction) and the optimizer's loss scale, as Megatron-LM's training loop does."""
     from megatron.core.distributed import finalize_model_grads
 
-    config = ddp_chunks[0].module.config
+    config = unwrap_chunk(ddp_chunks[0]).config
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [c.no_sync for c in ddp_chunks]
     if len(ddp_chunks) == 1:

@@ -51,10 +51,10 @@ def _packed_batch(lengths: list[int], cp: int, seed: int = 9):
     """One packed (thd) micro-batch; every sequence padded to a multiple of 2 x cp."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_earl.parallel.cp import pad_to_cp_multiple
+    from megatron_earl.parallel.cp import cp_padded_length
 
     gen = torch.Generator().manual_seed(seed)
-    padded = [pad_to_cp_multiple(n, cp) for n in lengths]
+    padded = [cp_padded_length(n, cp) for n in lengths]
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
     cu_real = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     total = int(cu[-1])

@@ -10,10 +10,10 @@ from megatron_earl.parallel.cp import (
     CPLengthError,
     check_cp_length,
     cp_chunk_bounds,
+    cp_padded_length,
     cp_token_index,
     merge_cp_shards,
     packed_cp_token_index,
-    pad_to_cp_multiple,
     split_batch_for_cp,
 )
 
@@ -47,8 +47,8 @@ def test_token_indices_partition_the_sequence_and_balance_causal_work(cp):
 @pytest.mark.parametrize(
     ("length", "cp", "padded"), [(0, 2, 0), (1, 2, 4), (16, 2, 16), (17, 4, 24), (5, 1, 5)]
 )
-def test_pad_to_cp_multiple(length, cp, padded):
-    assert pad_to_cp_multiple(length, cp) == padded
+def test_cp_padded_length(length, cp, padded):
+    assert cp_padded_length(length, cp) == padded
 
 
 def test_impossible_length_names_the_values_and_the_padded_length():

@@ -24,6 +24,7 @@ from megatron_earl.dispatch.plan import (
     cp_padded_length,
     pack_micro_batches,
     plan_dispatch,
+    plan_micro_batches,
     plan_return,
 )
 from megatron_earl.dispatch.reference import (
@@ -108,6 +109,67 @@ def _sources(lengths_per_rank):
         out.append(SourceMeta(ids, tuple(lens), ids))
         sid += len(lens)
     return out
+
+
+@pytest.mark.parametrize("consumer_cp", [1, 2, 4])
+@pytest.mark.parametrize("num_mini", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_is_what_the_consumer_runs(consumer_cp, num_mini, seed):
+    """The dispatched micro-batches are the consumer's: the same grouping as the loop used to
+    build by unpacking (first-fit-decreasing order, every n-th sample per mini-batch) and
+    re-planning each mini-batch (``training.microbatch.plan_micro_batches``)."""
+    from megatron_earl.training.microbatch import plan_micro_batches as plan_list
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(num_mini * 2, 40))]
+    budget = 320
+    dst = ParallelLayout(tp=consumer_cp, dp=2)  # CP folded into TP: whole samples per replica
+    cfg = PlanConfig(
+        max_tokens_per_micro_batch=budget, num_mini_batches=num_mini, consumer_cp=consumer_cp
+    )
+    plan = plan_dispatch(
+        _sources(
+            [lengths[: len(lengths) // 2], lengths[len(lengths) // 2 :]]
+            + [[]] * (dst.world_size - 2)
+        ),
+        SCHEMA,
+        Destination(dst),
+        cfg,
+    )
+    table = dict(enumerate(lengths))
+    assignment = assign_samples(table, {s: s for s in table}, dst.dp, cfg)
+    for dp, assigned in enumerate(assignment):
+        order = [s for mb in pack_micro_batches(assigned, table, 1, budget) for s in mb]
+        want = []
+        for i in range(num_mini):
+            ids = order[i::num_mini]
+            want += [
+                [ids[j] for j in b] for b in plan_list([table[s] for s in ids], budget, consumer_cp)
+            ]
+        assert [list(mb) for mb in plan.micro_batches[dp]] == want
+        assert len(plan.mini_batch_sizes[dp]) == num_mini
+        assert sum(plan.mini_batch_sizes[dp]) == len(want)
+        minis = plan_micro_batches(assigned, table, 1, cfg, consumer_cp)
+        assert [list(mb) for m in minis for mb in m] == want
+        for mb in want:  # the consumer's per-rank budget, after its own CP split
+            assert sum(cp_padded_length(table[s], consumer_cp) // consumer_cp for s in mb) <= budget
+
+
+def test_dispatched_micro_batches_know_their_mini_batch():
+    lengths = [[5, 9, 3, 7, 2, 8]]
+    cfg = PlanConfig(max_tokens_per_micro_batch=10, num_mini_batches=2)
+    plan = plan_dispatch(_sources(lengths), SCHEMA, Destination(ParallelLayout()), cfg)
+    _, batches = make_batches(SCHEMA, lengths[0], [list(range(6))], seed=0)
+    local = assemble(plan, _Store.from_batch(batches[0]), 0)
+    sizes = plan.mini_batch_sizes[0]
+    assert [mb.mini_batch for mb in local.micro_batches] == [0] * sizes[0] + [1] * sizes[1]
+    for i in range(2):
+        got = sorted(s for mb in local.mini_batch(i) for s in mb.sample_ids)
+        order = [
+            s for mb in pack_micro_batches(range(6), dict(enumerate(lengths[0])), 1, 10) for s in mb
+        ]
+        assert got == sorted(order[i::2])
+    assert local.mini_batch(2) == []
 
 
 def test_mismatched_field_lengths():

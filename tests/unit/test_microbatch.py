@@ -15,7 +15,9 @@ from megatron_earl.training.microbatch import (
     next_token_sample,
     pack_micro_batch,
     plan_micro_batches,
+    real_tokens,
     split_micro_batch,
+    thd_micro_batch,
     unpack_per_sample,
 )
 
@@ -127,3 +129,26 @@ def test_build_checks_samples():
     empty = {k: v[:0] for k, v in good[0].items()}
     with pytest.raises(MicroBatchError, match="sample 0 has 0 tokens"):
         build_micro_batches([empty], max_tokens=10)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_thd_of_packed_fields_equals_packing_the_samples(cp):
+    """A dispatched micro-batch (samples back to back) and the same samples as a list give the
+    same model input; with cp = 1 the model input is a view of the received tensors."""
+    samples = [_sample(n, i) for i, n in enumerate([5, 3, 9, 1])]
+    packed = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
+    got = thd_micro_batch(packed, [5, 3, 9, 1], cp, sample_index=[10, 11, 12, 13])
+    want = pack_micro_batch(samples, [0, 1, 2, 3], cp=cp)
+    assert got.keys() == want.keys()
+    for k in ("tokens", "labels", "loss_mask", "rollout_logprobs", "seq_ids", "position_ids"):
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    for k in ("cu_seqlens_q", "cu_seqlens_q_padded", "max_seqlen_q"):
+        gp, wp = got["packed_seq_params"], want["packed_seq_params"]
+        assert str(getattr(gp, k)) == str(getattr(wp, k)), k
+    assert got["sample_index"].tolist() == [10, 11, 12, 13]
+    if cp == 1:
+        assert got["loss_mask"].data_ptr() == packed["loss_mask"].data_ptr()
+    # results back as the dispatched per-token form: real tokens, packed order
+    assert torch.equal(real_tokens(got["labels"], got), packed["labels"])
+    with pytest.raises(MicroBatchError, match="at least one sample"):
+        thd_micro_batch({}, [], cp)
