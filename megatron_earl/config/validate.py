@@ -13,7 +13,9 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
 - the environment must be registered (or a dotted path that imports);
 - the demo tokenizer's vocabulary must fit ``model.vocab_size``;
 - group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``;
-- selecting the rollout layout (``selector.phases``) needs the embedded engine.
+- selecting the rollout layout (``selector.phases``) needs the embedded engine;
+- a KL term (``train.loss.kl_coef > 0``) keeps the reference policy in the fixed experience
+  layout, so the selector may not choose the experience layout.
 
 Whether the selector's memory budget admits any layout is checked by
 ``orchestration.selection.selector_problems`` (the launchers call it next: this layer does not
@@ -59,7 +61,20 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
             f"train.advantage={config.train.advantage!r} uses a group baseline: "
             f"batch.samples_per_prompt ({config.batch.samples_per_prompt}) must be >= 2"
         )
+    problems.extend(_reference_problems(config))
     return problems
+
+
+def _reference_problems(config: RunConfig) -> list[str]:
+    kl_coef = config.train.loss.kl_coef
+    if kl_coef > 0 and config.selector.enabled and "experience" in config.selector.phases:
+        return [
+            f"train.loss.kl_coef={kl_coef} keeps a frozen reference policy in the fixed "
+            f"experience layout, but selector.phases {list(config.selector.phases)} lets the "
+            "selector choose the experience layout per step; remove 'experience' from "
+            "selector.phases, set selector.enabled=false, or set train.loss.kl_coef=0"
+        ]
+    return []
 
 
 def validate_run(config: RunConfig, world_size: int) -> None:

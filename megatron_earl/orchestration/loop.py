@@ -6,8 +6,10 @@ One step, with the per-phase layouts of the run config:
                 (trajectories stay on TP rank 0 of each rollout replica; GRPO advantages there)
                 -- or, with SGLang engines, push weights if stale and drive them from every rank
                 (``orchestration.remote``)
-    experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs;
-                reverse path E -> the rollout ranks (rollout/train mismatch metric)
+    experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs (and, with
+                ``train.loss.kl_coef > 0``, ref log-probs of the frozen reference policy, kept
+                in E: ``training.reference``); reverse path E -> the rollout ranks
+                (rollout/train mismatch metric)
     train       use_layout(T); dispatch R -> T; RL train step(s); weight version + 1
     checkpoint  every ``checkpoint.interval`` steps (atomic, any layout on load)
 
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import execute, plan_for
@@ -62,6 +65,7 @@ from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
+from megatron_earl.training.reference import ReferenceConfig, ReferencePolicy
 from megatron_earl.training.rl_step import RLStepConfig, micro_batch_logprobs, train_micro_batches
 
 SAMPLE_ID_STRIDE = 1_000_000
@@ -85,6 +89,21 @@ class RLLoop:
         self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
         if self.remote is None:
             self.engine_for(self.layouts["rollout"])
+        self.reference: ReferencePolicy | None = None
+        """The frozen reference policy in the experience layout (``kl_coef > 0`` only); its
+        weights are the policy's at the first experience phase (``freeze_reference``) unless
+        loaded before (resume)."""
+        if config.train.loss.kl_coef > 0:
+            with runtime.preserved_rng():
+                runtime.seed(config.seed)
+                self.reference = ReferencePolicy(
+                    config.model,
+                    ReferenceConfig(
+                        layout=self.layouts["experience"],
+                        max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch,
+                        vocab_size=config.model.vocab_size,
+                    ),
+                )
         use_layout(self.layouts["train"])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
@@ -146,6 +165,13 @@ class RLLoop:
         for layout in [lay for lay in self.engines if lay not in keep]:
             del self.engines[layout]
 
+    def freeze_reference(self) -> None:
+        """Copy the policy's current weights into the reference policy (point-to-point reshard
+        from the master copy into the experience layout). Called once, before the first RL
+        step; a no-op without a reference. Every rank calls."""
+        if self.reference is not None:
+            self.reference.load_from(self.policy.master_pieces)
+
     def prepare(self, layout: ParallelLayout) -> None:
         """Activate ``layout`` and build the policy's copy in it if needed (the selector's
         switch; the phase syncs the weights). Every rank calls."""
@@ -158,6 +184,8 @@ class RLLoop:
         total = state_bytes(self.policy.ddp_chunks, self.policy.optimizer)
         if layout != self.policy.train_layout:
             total += state_bytes(self.policy.copies[layout].chunks)
+        if self.reference is not None:
+            total += state_bytes(self.reference.chunks)
         return total
 
     # ------------------------------------------------------------------ phases
@@ -201,7 +229,8 @@ class RLLoop:
         return result.trajectories, source
 
     def experience(self, batch, layout: ParallelLayout | None = None):
-        """Old log-probs of every sample in the experience layout, returned to the owners."""
+        """Old log-probs of every sample in the experience layout (and ref log-probs of the
+        reference policy when there is one), returned to the owners."""
         layout = layout or self.layouts["experience"]
         use_layout(layout)
         self.policy.sync(layout)
@@ -212,17 +241,28 @@ class RLLoop:
             consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
         )
         local = execute(plan, batch)
+        inputs = model_inputs(local.micro_batches, fields, layout.cp)
         out = micro_batch_logprobs(
-            self.policy.chunks(layout),
-            model_inputs(local.micro_batches, fields, layout.cp),
-            vocab_size=self.config.model.vocab_size,
+            self.policy.chunks(layout), inputs, vocab_size=self.config.model.vocab_size
         )
         if out is not None:
             for mb, values in zip(local.micro_batches, out[0], strict=True):
                 mb.fields["old_logprobs"] = values
-        back = return_results(plan, local, ["old_logprobs"])
-        values = back.token_fields.get("old_logprobs", torch.empty(0))
-        return with_token_field(batch, "old_logprobs", values)
+        names = ["old_logprobs"]
+        if self.reference is not None:
+            # start-up validation keeps the experience layout fixed when there is a reference
+            assert layout == self.reference.config.layout, (layout, self.reference.config.layout)
+            if not self.reference.loaded:
+                self.freeze_reference()
+            ref = self.reference.micro_batch_logprobs(inputs)
+            if ref is not None:
+                for mb, values in zip(local.micro_batches, ref, strict=True):
+                    mb.fields["ref_logprobs"] = values
+            names.append("ref_logprobs")
+        back = return_results(plan, local, names)
+        for name in names:
+            batch = with_token_field(batch, name, back.token_fields.get(name, torch.empty(0)))
+        return batch
 
     def train(
         self,

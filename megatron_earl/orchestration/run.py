@@ -8,12 +8,18 @@ warm start and the first evaluation are skipped (their results are in the checkp
 step k are a pure function of k, so the resumed steps see the same data as an uninterrupted run;
 sampling seeds are per step, so they generate the same tokens.
 
+Reference policy (``train.loss.kl_coef > 0``): the initial policy, i.e. the weights after
+``checkpoint.load`` and the warm start, frozen before the first RL step and saved once (weights
+only) under ``<checkpoint_dir>/reference``; a resumed run loads it from there, so the KL term keeps
+pointing at the same policy.
+
 Start from existing weights: ``checkpoint.load`` names a Hugging Face model directory or a Megatron
 checkpoint (saved in any layout); only the weights are loaded, then warm start and RL as usual.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -65,6 +71,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         if loop.selection is not None and state.data_state.get("selector"):
             loop.selection.restore(state.data_state["selector"])
         summary.update(state.data_state.get("summary", {}))
+        if loop.reference is not None:
+            _load_reference(loop, config)
     else:
         if config.checkpoint.load:
             # Initial weights only (a Hugging Face directory or a Megatron checkpoint, any
@@ -75,6 +83,9 @@ def train(config: RunConfig) -> dict[str, Any]:
             summary["initial_weights"] = f"{kind}:{config.checkpoint.load}"
         if config.sft.steps:
             loop.warm_start()
+        if loop.reference is not None:
+            loop.freeze_reference()
+            _save_reference(loop, config)
         if config.eval.num_prompts:
             summary["before"] = _evaluate(loop, config)
             if rank0:
@@ -116,6 +127,39 @@ def train(config: RunConfig) -> dict[str, Any]:
         _save(loop, saving, config, summary)
     summary["steps"] = loop.step
     return summary
+
+
+def reference_dir(config: RunConfig) -> Path:
+    """Where a run keeps its reference policy's weights (one weights-only checkpoint)."""
+    return config.checkpoint_dir / "reference"
+
+
+def _save_reference(loop: RLLoop, config: RunConfig) -> None:
+    """Save the frozen reference weights (any layout loads them). Every rank calls."""
+    with loop.reference.in_layout():
+        ckpt.save_checkpoint(
+            ckpt.CheckpointConfig(save_dir=str(reference_dir(config)), keep_last=1),
+            0,
+            loop.reference.chunks,
+            weight_version=loop.policy.version,
+            model_config=config.model,
+            family=family_for_model(config.model).name,
+        )
+
+
+def _load_reference(loop: RLLoop, config: RunConfig) -> None:
+    """Load the reference weights saved at the start of the run. Every rank calls."""
+    path = reference_dir(config)
+    if not ckpt.complete_steps(path):
+        raise ckpt.CheckpointError(
+            f"train.loss.kl_coef={config.train.loss.kl_coef} needs the reference policy saved "
+            f"at the start of the run in {path}, but there is none (did the run start with "
+            "kl_coef=0?); resume with train.loss.kl_coef=0, or start a new run with "
+            f"checkpoint.load={config.checkpoint_dir} to use the resumed weights as reference"
+        )
+    with loop.reference.in_layout():
+        ckpt.load_model_weights(loop.reference.chunks, path)
+    loop.reference.loaded = True
 
 
 def _evaluate(loop: RLLoop, config: RunConfig) -> dict[str, float]:

@@ -5,6 +5,11 @@ log-probs are computed in the experience phase (for the KL term). No grads, no o
     ref.load_from(shard_pieces(policy_chunks))   # taken while the policy layout was current
     ref_logprobs = ref.logprobs(samples)          # switches to ref's layout and back
 
+In the RL loop (``orchestration.loop``, ``train.loss.kl_coef > 0``) the reference lives in the
+experience layout and holds the *initial* policy: the weights the first RL step starts from (after
+``checkpoint.load`` and the SFT warm start), as verl and slime do. ``orchestration.run`` saves
+them once under ``<checkpoint_dir>/reference`` and loads them back on resume.
+
 The model is built, loaded and run with its own layout current (``parallel.state.use_layout``; a
 cached switch costs no communication after the first), and the caller's layout is restored
 afterwards. Weights arrive from the policy by ``redistribute.weight_exec.reshard_weights``
@@ -60,6 +65,8 @@ class ReferencePolicy:
 
         self.model = model
         self.config = config
+        self.loaded = False
+        """Whether weights were loaded (a fresh reference holds its random initialisation)."""
         with self.in_layout():
             self.chunks = build_model(model, vpp=config.layout.vpp)
             for chunk in self.chunks:
@@ -88,6 +95,7 @@ class ReferencePolicy:
         from megatron_earl.redistribute.weight_exec import reshard_weights
 
         reshard_weights(policy_pieces, self.pieces, bucket_bytes=bucket_bytes)
+        self.loaded = True
 
     @torch.no_grad()
     def load_full_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
@@ -95,6 +103,7 @@ class ReferencePolicy:
         from megatron_earl.redistribute.geometry import load_full_state_dict
 
         load_full_state_dict(self.chunks, weights)
+        self.loaded = True
 
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor] | None:
         """Per-sample reference log-probs of ``labels`` (fp32, [L] each, in ``samples`` order) on
@@ -106,6 +115,21 @@ class ReferencePolicy:
                 self.chunks,
                 samples,
                 max_tokens=self.config.max_tokens_per_micro_batch,
+                chunk_size=self.config.logprob_chunk_size,
+                vocab_size=self.config.vocab_size,
+            )
+        return None if out is None else out[0]
+
+    def micro_batch_logprobs(self, whole: Sequence[dict]) -> list[torch.Tensor] | None:
+        """Reference log-probs of packed micro-batches ``whole`` (``microbatch.thd_micro_batch``,
+        dispatched for the reference layout), one fp32 tensor of real tokens per micro-batch, on
+        the last pipeline stage; None on other stages. The loop's path: no unpack/repack."""
+        from megatron_earl.training.rl_step import micro_batch_logprobs
+
+        with self.in_layout():
+            out = micro_batch_logprobs(
+                self.chunks,
+                whole,
                 chunk_size=self.config.logprob_chunk_size,
                 vocab_size=self.config.vocab_size,
             )

@@ -19,9 +19,10 @@ whole on every CP/TP/PP rank of the DP replica. A step:
 2. takes the thd micro-batches (or packs the samples by the per-rank token budget), computes the
    global loss normaliser (summed over micro-batches, all-reduced over DP) and splits for CP;
 3. runs Megatron's forward-backward schedule (PP aware, ``variable_seq_lengths`` under PP) with the
-   output layer chunked (``logprobs.head_logprobs``) and ``losses.policy_loss``; the returned loss
-   is scaled by ``num_micro_batches * dp`` (docs/rl_losses.md), so gradients are the full-batch
-   gradient; Megatron DDP reduces them over DP x CP in ``finalize_model_grads``;
+   output layer chunked (``logprobs.head_logprobs``) and the configured loss (picked once per
+   step from the registry: ``losses.build_loss``); the returned loss is scaled by
+   ``num_micro_batches * dp`` (docs/rl_losses.md), so gradients are the full-batch gradient;
+   Megatron DDP reduces them over DP x CP in ``finalize_model_grads``;
 4. skips the optimizer step if any gradient (or the loss) is non-finite (``skipped_step`` = 1),
    else steps Megatron's optimizer (gradient clipping inside, ``OptimConfig.clip_grad``).
 
@@ -54,7 +55,7 @@ from megatron_earl.training.logprobs import (
     output_hidden_states,
     output_weight,
 )
-from megatron_earl.training.losses import PolicyLossConfig, local_normaliser, policy_loss
+from megatron_earl.training.losses import PolicyLossConfig, build_loss, local_normaliser
 from megatron_earl.training.microbatch import (
     Sample,
     build_micro_batches,
@@ -187,7 +188,8 @@ def _cp_sum(cp_group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tenso
 
 
 def _loss_fn(model: nn.Module | None, config: RLStepConfig, normaliser: torch.Tensor, scale: float):
-    loss_config = dataclasses.replace(config.loss, check_finite=False)  # input checked upfront
+    # the loss is picked once per step; input was checked upfront (agree), not per micro-batch
+    policy_loss = build_loss(dataclasses.replace(config.loss, check_finite=False))
     cp = parallel_state.get_context_parallel_world_size()
     seq_reduce = _cp_sum(parallel_state.get_context_parallel_group()) if cp > 1 else None
 
@@ -200,7 +202,6 @@ def _loss_fn(model: nn.Module | None, config: RLStepConfig, normaliser: torch.Te
             vocab_size=config.vocab_size,
         )
         loss, metrics = policy_loss(
-            loss_config,
             logprobs,
             batch["advantages"],
             batch["loss_mask"],
