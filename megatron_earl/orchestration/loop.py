@@ -2,10 +2,11 @@
 
 One step, with the per-phase layouts of the run config:
 
-    rollout     use_layout(R); reshard policy -> R; agent loops on the embedded engine
-                (trajectories stay on TP rank 0 of each rollout replica; GRPO advantages there)
-                -- or, with SGLang engines, push weights if stale and drive them from every rank
-                (``orchestration.remote``)
+    rollout     the run's rollout backend (``orchestration.engines``, chosen once from
+                ``rollout.engine``): sync its weights, generate this rank's share of the
+                prompts -- embedded: reshard policy -> R, agent loops on the engine in R
+                (trajectories on TP rank 0 of each replica); sglang: push weights if stale,
+                drive the servers from every rank. GRPO advantages where the groups are.
     experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs;
                 reverse path E -> the rollout ranks (rollout/train mismatch metric)
     train       use_layout(T); dispatch R -> T; RL train step(s); weight version + 1
@@ -34,15 +35,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Destination, PlanConfig
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
+from megatron_earl.orchestration.engines import Rollout, rollout_backend_class
 from megatron_earl.orchestration.policy import Policy
-from megatron_earl.orchestration.remote import RemoteEngines
-from megatron_earl.orchestration.rollout import PromptSet, group_index, run_rollout
+from megatron_earl.orchestration.rollout import PromptSet, group_index
 from megatron_earl.orchestration.samples import (
     attach_token_field,
     dispatched_samples,
@@ -57,34 +57,28 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.rl_step import RLStepConfig, forward_logprobs, rl_train_step
-from megatron_earl.training.schedule import unwrap_chunk
 
 SAMPLE_ID_STRIDE = 1_000_000
 """Sample ids of rollout source d (replica or rank) start at d * SAMPLE_ID_STRIDE."""
 
 
 class RLLoop:
-    """State of one run on this rank: the policy in every phase layout, the engine, the step."""
+    """State of one run on this rank: the policy in every phase layout, the rollout backend,
+    the step."""
 
     def __init__(self, config: RunConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
-        self.remote = None
-        built = dict(self.layouts)
-        if config.rollout.engine == "sglang":
-            # External engines: no rollout copy of the policy in this job.
-            self.remote = RemoteEngines(config.rollout.engine_urls, config.model)
-            built.pop("rollout")
-        self.policy = Policy.build(config.model, built, config.train.optim(), config.seed)
-        self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
-        if self.remote is None:
-            self.engine_for(self.layouts["rollout"])
+        kind = rollout_backend_class(config.rollout.engine)
+        self.policy = Policy.build(
+            config.model, kind.policy_layouts(self.layouts), config.train.optim(), config.seed
+        )
+        self.backend = kind(config, self.policy, tokenizer)
         use_layout(self.layouts["train"])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
@@ -94,24 +88,6 @@ class RLLoop:
         if config.selector.enabled:
             self.selection = PhaseSelection(config, dist.get_world_size())
         self.last_lengths: list[int] = []
-
-    def engine_for(self, layout: ParallelLayout) -> EmbeddedEngine:
-        """The embedded engine over the policy's chunks in ``layout`` (built once, cached; it
-        needs pp = cp = 1). Activates ``layout``. Every rank calls."""
-        use_layout(layout)
-        if layout not in self.engines:
-            self.policy.ensure(layout)
-            self.engines[layout] = EmbeddedEngine(
-                [unwrap_chunk(c) for c in self.policy.chunks(layout)],
-                self.config.model,
-                EmbeddedEngineConfig(
-                    max_batch_size=min(self.config.rollout.max_concurrency, 64),
-                    max_seq_len=self.config.rollout.max_context,
-                    seed=self.config.seed,
-                ),
-                detokenize=self.tokenizer.decode,
-            )
-        return self.engines[layout]
 
     def warm_start(self, env=None) -> None:
         """``config.sft.steps`` SFT steps on the master copy (``orchestration.sft``) on
@@ -143,8 +119,7 @@ class RLLoop:
         would otherwise stay resident. Local."""
         keep = {*self.active.values(), self.policy.train_layout}
         self.policy.retain(keep)
-        for layout in [lay for lay in self.engines if lay not in keep]:
-            del self.engines[layout]
+        self.backend.retain(keep)
 
     def prepare(self, layout: ParallelLayout) -> None:
         """Activate ``layout`` and build the policy's copy in it if needed (the selector's
@@ -178,27 +153,13 @@ class RLLoop:
 
     def rollout(
         self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout | None = None
-    ) -> tuple[list[Trajectory], int | None]:
-        """Generate with the current policy. Returns this rank's trajectories and its source
-        index (distinct per rank that holds trajectories; None on ranks that hold none)."""
-        if self.remote is not None:
-            use_layout(self.policy.train_layout)
-            self.remote.sync(
-                self.policy.master_pieces, self.policy.version, self.config.model.torch_dtype
-            )
-            rank, world = dist.get_rank(), dist.get_world_size()
-            tasks = prompts.tasks_for(rank, world)
-            return self.remote.rollout(tasks, self.tokenizer, agent), rank
+    ) -> Rollout:
+        """Generate with the current policy on the run's backend. Returns this rank's
+        trajectories and its source index (distinct per rank that holds trajectories; None on
+        ranks that hold none)."""
         layout = layout or self.active["rollout"]
-        engine = self.engine_for(layout)
-        self.policy.sync(layout)
-        engine.mark_weights_updated(self.policy.version)
-        engine.model.eval()
-        result = run_rollout(engine, self.tokenizer, prompts, agent)
-        for chunk in self.policy.ddp_chunks:
-            chunk.train()
-        source = parallel_state.get_data_parallel_rank() if result.is_source else None
-        return result.trajectories, source
+        self.backend.sync_weights(layout)
+        return self.backend.generate(prompts, agent, layout)
 
     def experience(self, batch, layout: ParallelLayout | None = None):
         """Old log-probs of every sample in the experience layout, returned to the owners."""
@@ -265,13 +226,12 @@ class RLLoop:
 
     def move_master(self, layout: ParallelLayout) -> None:
         """Make ``layout`` the train layout: the master copy (weights and Adam state) moves
-        there; the engines over the old and new master chunks are dropped (rebuilt on demand).
-        Activates ``layout``. Every rank calls."""
+        there; the backend drops what it built over the old and new master chunks (rebuilt on
+        demand). Activates ``layout``. Every rank calls."""
         old = self.policy.train_layout
         if layout != old:
             self.policy.move_master(layout)
-            self.engines.pop(old, None)
-            self.engines.pop(layout, None)
+            self.backend.master_moved(old, layout)
         use_layout(layout)
 
     # ------------------------------------------------------------------ one step
@@ -306,7 +266,7 @@ class RLLoop:
                     (prompts, agent),
                     lengths,
                     lambda data, layout: self.rollout(*data, layout),
-                    self.engine_for,
+                    self.backend.switch,
                     selected,
                 )
             else:
