@@ -13,13 +13,14 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
 - the environment must be registered (or a dotted path that imports);
 - the demo tokenizer's vocabulary must fit ``model.vocab_size``;
 - group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``;
-- selecting the rollout layout (``selector.phases``) needs the embedded engine;
 - a KL term (``train.loss.kl_coef > 0``) keeps the reference policy in the fixed experience
   layout, so the selector may not choose the experience layout.
 
-Whether the selector's memory budget admits any layout is checked by
-``orchestration.selection.selector_problems`` (the launchers call it next: this layer does not
-import the selector).
+What the rollout engine kind needs (the embedded engine: a tp/dp rollout layout; SGLang engines:
+``rollout.engine_urls``, no selected rollout layout) is checked by each kind's
+``RolloutBackend.problems`` (``orchestration.engines.rollout_backend_problems``), and whether the
+selector's memory budget admits any layout by ``orchestration.selection.selector_problems``: the
+launchers call both next (``cli.train.checked_config``; this layer imports neither).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
                 f"{config.batch.samples_per_step} samples (batch.prompts_per_step x "
                 "batch.samples_per_prompt); every data-parallel rank needs at least one"
             )
-    problems.extend(_engine_problems(config))
     load = config.checkpoint.load
     if load is not None and not Path(load).exists():
         problems.append(f"checkpoint.load: checkpoint path {load!r} does not exist")
@@ -85,30 +85,6 @@ def validate_run(config: RunConfig, world_size: int) -> None:
             f"configuration cannot run on {world_size} rank{'s' * (world_size != 1)}:\n  "
             + "\n  ".join(problems)
         )
-
-
-def _engine_problems(config: RunConfig) -> list[str]:
-    rollout = config.layout("rollout")
-    selected = config.selector.enabled and "rollout" in config.selector.phases
-    if selected and config.rollout.engine != "embedded":
-        return [
-            f"selector.phases {list(config.selector.phases)} selects the rollout layout, which "
-            f"needs rollout.engine=embedded (got {config.rollout.engine!r}); select 'experience' "
-            "only with SGLang engines"
-        ]
-    if config.rollout.engine == "embedded" and (rollout.pp > 1 or rollout.cp > 1):
-        return [
-            f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "
-            f"(pp={rollout.pp}, cp={rollout.cp}); use e.g. "
-            f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
-        ]
-    if config.rollout.engine == "sglang" and not config.rollout.engine_urls:
-        return [
-            "rollout.engine=sglang needs rollout.engine_urls (the SGLang servers to drive, e.g. "
-            "from scripts/slurm_disaggregated.sbatch); the trainer does not start colocated "
-            "SGLang servers itself"
-        ]
-    return []
 
 
 def _tokenizer_problems(config: RunConfig) -> list[str]:

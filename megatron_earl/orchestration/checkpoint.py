@@ -341,8 +341,6 @@ def _init_empty_adam_state(optimizer: Any) -> None:
             init_adam_state(sub)
 
 
-
-
 def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:
     return {f"model{i}": unwrap_chunk(c).sharded_state_dict() for i, c in enumerate(chunks)}
 

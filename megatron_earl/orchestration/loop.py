@@ -2,10 +2,11 @@
 
 One step, with the per-phase layouts of the run config:
 
-    rollout     use_layout(R); reshard policy -> R; agent loops on the embedded engine
-                (trajectories stay on TP rank 0 of each rollout replica; GRPO advantages there)
-                -- or, with SGLang engines, push weights if stale and drive them from every rank
-                (``orchestration.remote``)
+    rollout     the run's rollout backend (``orchestration.engines``, chosen once from
+                ``rollout.engine``): sync its weights, generate this rank's share of the
+                prompts -- embedded: reshard policy -> R, agent loops on the engine in R
+                (trajectories on TP rank 0 of each replica); sglang: push weights if stale,
+                drive the servers from every rank. GRPO advantages where the groups are.
     experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs (and, with
                 ``train.loss.kl_coef > 0``, ref log-probs of the frozen reference policy, kept
                 in E: ``training.reference``); reverse path E -> the rollout ranks
@@ -36,16 +37,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
+from megatron_earl.orchestration.engines import Rollout, rollout_backend_class
 from megatron_earl.orchestration.policy import Policy
-from megatron_earl.orchestration.remote import RemoteEngines
-from megatron_earl.orchestration.rollout import PromptSet, group_index, run_rollout
+from megatron_earl.orchestration.rollout import PromptSet, group_index
 from megatron_earl.orchestration.samples import (
     consumer_plan,
     model_inputs,
@@ -56,12 +56,10 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
-from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
@@ -73,22 +71,18 @@ SAMPLE_ID_STRIDE = 1_000_000
 
 
 class RLLoop:
-    """State of one run on this rank: the policy in every phase layout, the engine, the step."""
+    """State of one run on this rank: the policy in every phase layout, the rollout backend,
+    the step."""
 
     def __init__(self, config: RunConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
-        self.remote = None
-        built = dict(self.layouts)
-        if config.rollout.engine == "sglang":
-            # External engines: no rollout copy of the policy in this job.
-            self.remote = RemoteEngines(config.rollout.engine_urls, config.model)
-            built.pop("rollout")
-        self.policy = Policy.build(config.model, built, config.train.optim(), config.seed)
-        self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
-        if self.remote is None:
-            self.engine_for(self.layouts["rollout"])
+        kind = rollout_backend_class(config.rollout.engine)
+        self.policy = Policy.build(
+            config.model, kind.policy_layouts(self.layouts), config.train.optim(), config.seed
+        )
+        self.backend = kind(config, self.policy, tokenizer)
         self.reference: ReferencePolicy | None = None
         """The frozen reference policy in the experience layout (``kl_coef > 0`` only); its
         weights are the policy's at the first experience phase (``freeze_reference``) unless
@@ -113,24 +107,6 @@ class RLLoop:
         if config.selector.enabled:
             self.selection = PhaseSelection(config, dist.get_world_size())
         self.last_lengths: list[int] = []
-
-    def engine_for(self, layout: ParallelLayout) -> EmbeddedEngine:
-        """The embedded engine over the policy's chunks in ``layout`` (built once, cached; it
-        needs pp = cp = 1). Activates ``layout``. Every rank calls."""
-        use_layout(layout)
-        if layout not in self.engines:
-            self.policy.ensure(layout)
-            self.engines[layout] = EmbeddedEngine(
-                [unwrap_chunk(c) for c in self.policy.chunks(layout)],
-                self.config.model,
-                EmbeddedEngineConfig(
-                    max_batch_size=min(self.config.rollout.max_concurrency, 64),
-                    max_seq_len=self.config.rollout.max_context,
-                    seed=self.config.seed,
-                ),
-                detokenize=self.tokenizer.decode,
-            )
-        return self.engines[layout]
 
     def warm_start(self, env=None) -> None:
         """``config.sft.steps`` SFT steps on the master copy (``orchestration.sft``) on
@@ -162,8 +138,7 @@ class RLLoop:
         would otherwise stay resident. Local."""
         keep = {*self.active.values(), self.policy.train_layout}
         self.policy.retain(keep)
-        for layout in [lay for lay in self.engines if lay not in keep]:
-            del self.engines[layout]
+        self.backend.retain(keep)
 
     def freeze_reference(self) -> None:
         """Copy the policy's current weights into the reference policy (point-to-point reshard
@@ -206,27 +181,13 @@ class RLLoop:
 
     def rollout(
         self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout | None = None
-    ) -> tuple[list[Trajectory], int | None]:
-        """Generate with the current policy. Returns this rank's trajectories and its source
-        index (distinct per rank that holds trajectories; None on ranks that hold none)."""
-        if self.remote is not None:
-            use_layout(self.policy.train_layout)
-            self.remote.sync(
-                self.policy.master_pieces, self.policy.version, self.config.model.torch_dtype
-            )
-            rank, world = dist.get_rank(), dist.get_world_size()
-            tasks = prompts.tasks_for(rank, world)
-            return self.remote.rollout(tasks, self.tokenizer, agent), rank
+    ) -> Rollout:
+        """Generate with the current policy on the run's backend. Returns this rank's
+        trajectories and its source index (distinct per rank that holds trajectories; None on
+        ranks that hold none)."""
         layout = layout or self.active["rollout"]
-        engine = self.engine_for(layout)
-        self.policy.sync(layout)
-        engine.mark_weights_updated(self.policy.version)
-        engine.model.eval()
-        result = run_rollout(engine, self.tokenizer, prompts, agent)
-        for chunk in self.policy.ddp_chunks:
-            chunk.train()
-        source = parallel_state.get_data_parallel_rank() if result.is_source else None
-        return result.trajectories, source
+        self.backend.sync_weights(layout)
+        return self.backend.generate(prompts, agent, layout)
 
     def experience(self, batch, layout: ParallelLayout | None = None):
         """Old log-probs of every sample in the experience layout (and ref log-probs of the
@@ -305,13 +266,12 @@ class RLLoop:
 
     def move_master(self, layout: ParallelLayout) -> None:
         """Make ``layout`` the train layout: the master copy (weights and Adam state) moves
-        there; the engines over the old and new master chunks are dropped (rebuilt on demand).
-        Activates ``layout``. Every rank calls."""
+        there; the backend drops what it built over the old and new master chunks (rebuilt on
+        demand). Activates ``layout``. Every rank calls."""
         old = self.policy.train_layout
         if layout != old:
             self.policy.move_master(layout)
-            self.engines.pop(old, None)
-            self.engines.pop(layout, None)
+            self.backend.master_moved(old, layout)
         use_layout(layout)
 
     # ------------------------------------------------------------------ one step
@@ -346,7 +306,7 @@ class RLLoop:
                     (prompts, agent),
                     lengths,
                     lambda data, layout: self.rollout(*data, layout),
-                    self.engine_for,
+                    self.backend.switch,
                     selected,
                 )
             else:

@@ -1,0 +1,146 @@
+"""``rollout.engine: embedded``: the Megatron model itself generates, in the rollout layout, in
+the trainer's own processes.
+
+- Engines: one ``EmbeddedEngine`` per rollout layout, over the policy's copy in that layout
+  (the master chunks when it is the train layout), built the first time the layout is used (the
+  start-up layout eagerly, the selector's choices lazily) and cached; ``retain`` and
+  ``master_moved`` drop the ones whose chunks are gone.
+- Weights: ``sync_weights`` reshards the master weights into the layout's copy point to point
+  when it is stale (``Policy.sync``) and tags the engine with the weight version.
+- Rollout: each DP replica of the rollout layout drives its share of the prompts (prompt i ->
+  replica i % dp) through the agent loop; TP rank 0 of the replica schedules, its TP peers
+  compute with it (``run_engine``). Trajectories stay on TP rank 0 of each replica (a group's
+  trajectories on one rank: GRPO baselines are computed there); the replica index is the source.
+
+The embedded engine generates with tp and dp only: the rollout layout needs pp = cp = 1
+(``problems``).
+
+Which ranks call: every rank of the world.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from megatron.core import parallel_state
+
+from megatron_earl.config.run import RunConfig
+from megatron_earl.orchestration.engines.base import (
+    Rollout,
+    RolloutBackend,
+    register_rollout_backend,
+)
+from megatron_earl.orchestration.rollout import PromptSet
+from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.state import use_layout
+from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig, RolloutBatch
+from megatron_earl.rollout.agent.trajectory import Trajectory
+from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+from megatron_earl.tokenizer.base import ChatTokenizer
+from megatron_earl.training.schedule import unwrap_chunk
+
+
+@register_rollout_backend
+class EmbeddedBackend(RolloutBackend):
+    """Embedded engines over the policy's copies in the rollout layouts (module docstring)."""
+
+    name = "embedded"
+
+    def __init__(self, config, policy, tokenizer) -> None:
+        super().__init__(config, policy, tokenizer)
+        self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
+        self.switch(config.layout("rollout"))
+
+    @classmethod
+    def problems(cls, config: RunConfig) -> list[str]:
+        rollout = config.layout("rollout")
+        if rollout.pp > 1 or rollout.cp > 1:
+            return [
+                f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "
+                f"(pp={rollout.pp}, cp={rollout.cp}); use e.g. "
+                f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
+            ]
+        return []
+
+    def switch(self, layout: ParallelLayout) -> None:
+        """Activate ``layout``; build the policy's copy there and its engine if needed."""
+        self._engine(layout)
+
+    def _engine(self, layout: ParallelLayout) -> EmbeddedEngine:
+        """The engine over the policy's chunks in ``layout`` (built once, cached). Activates
+        ``layout``. Every rank calls."""
+        use_layout(layout)
+        if layout not in self.engines:
+            self.policy.ensure(layout)
+            rollout = self.config.rollout
+            self.engines[layout] = EmbeddedEngine(
+                [unwrap_chunk(c) for c in self.policy.chunks(layout)],
+                self.config.model,
+                EmbeddedEngineConfig(
+                    max_batch_size=min(rollout.max_concurrency, 64),
+                    max_seq_len=rollout.max_context,
+                    seed=self.config.seed,
+                ),
+                detokenize=self.tokenizer.decode,
+            )
+        return self.engines[layout]
+
+    def sync_weights(self, layout: ParallelLayout) -> dict[str, float]:
+        """Reshard the master weights into ``layout``'s copy if stale (``reshard_s``,
+        ``reshard_bytes_sent``); tag the engine with the version. Collective (world)."""
+        engine = self._engine(layout)
+        stats = self.policy.sync(layout)
+        engine.mark_weights_updated(self.policy.version)
+        return stats
+
+    def generate(self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout):
+        engine = self._engine(layout)
+        engine.model.eval()
+        result = run_rollout(engine, self.tokenizer, prompts, agent)
+        for chunk in self.policy.ddp_chunks:  # the engine may run on the master chunks
+            chunk.train()
+        source = parallel_state.get_data_parallel_rank() if result.is_source else None
+        return Rollout(result.trajectories, source)
+
+    def master_moved(self, old: ParallelLayout, new: ParallelLayout) -> None:
+        """The engines over the old master's chunks and over ``new``'s dropped copy go (rebuilt
+        on demand)."""
+        self.engines.pop(old, None)
+        self.engines.pop(new, None)
+
+    def retain(self, layouts: Iterable[ParallelLayout]) -> None:
+        keep = set(layouts)
+        for layout in [lay for lay in self.engines if lay not in keep]:
+            del self.engines[layout]
+
+
+@dataclass
+class RolloutResult:
+    """What this rank holds after the rollout: trajectories on TP rank 0 of a replica, none else."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    is_source: bool = False
+    """True on the ranks that hold trajectories (TP rank 0 of each rollout replica)."""
+
+
+def run_rollout(
+    engine: EmbeddedEngine,
+    tokenizer: ChatTokenizer,
+    prompts: PromptSet,
+    config: AgentLoopConfig,
+) -> RolloutResult:
+    """Roll out this replica's prompts (``config.group_size`` samples each) on ``engine``. Every
+    rank of the world calls, with the rollout layout active."""
+    replica = parallel_state.get_data_parallel_rank()
+    num_replicas = parallel_state.get_data_parallel_world_size()
+    tasks = prompts.tasks_for(replica, num_replicas)
+
+    async def driver(eng: EmbeddedEngine) -> RolloutBatch:
+        return await AgentLoop(eng, tokenizer, config).run_batch(tasks)
+
+    batch = run_engine(engine, driver)
+    if batch is None:
+        return RolloutResult()
+    return RolloutResult(batch.trajectories, batch.metrics.to_dict(), is_source=True)

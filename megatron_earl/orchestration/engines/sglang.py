@@ -1,0 +1,166 @@
+"""``rollout.engine: sglang``: SGLang engines that are servers of their own (other nodes, or
+``megatron-earl serve`` for tests), given by ``rollout.engine_urls`` and driven over SGLang's
+native HTTP API: the disaggregated setup. The job holds no rollout copy of the policy
+(``policy_layouts`` drops the rollout layout).
+
+- Rollout: every trainer rank drives its share of the prompts (prompt i -> rank i % world) through
+  the agent loop over one ``EnginePool`` of all engines (least-loaded routing, a trajectory sticks
+  to one engine, a failed engine's requests move to another). Trajectories stay on the rank that
+  drove them (the dispatcher's sources; the rank is the source index).
+- Weights: before a rollout whose engines serve an older version, the master weights are
+  resharded onto rank 0 as whole tensors (the same point-to-point planner as any reshard, into
+  full-size destination pieces; rank 0 holds the model once) and pushed in buckets
+  (pause -> flush -> buckets via ``update_weights_from_tensor``, tagged with the version ->
+  continue). Streaming over ``update_weights_from_distributed`` is in ``rollout.weight_sync``
+  for setups that can open an NCCL group to the engines.
+
+The rollout layout cannot be selected per step with these engines (``problems``).
+
+Which ranks call: every rank of the world.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.run import RunConfig
+from megatron_earl.models.hf_mapping import global_shapes
+from megatron_earl.orchestration.engines.base import (
+    Rollout,
+    RolloutBackend,
+    register_rollout_backend,
+)
+from megatron_earl.orchestration.rollout import PromptSet
+from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.state import use_layout
+from megatron_earl.redistribute.geometry import ShardPiece
+from megatron_earl.redistribute.weight_exec import reshard_weights
+from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_earl.rollout.agent.trajectory import Trajectory
+from megatron_earl.rollout.pool import EnginePool
+from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.weight_sync import hf_named_tensors, push_weights
+
+
+def gather_full_weights(
+    master_pieces: list[ShardPiece], model: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor] | None:
+    """Whole global tensors on rank 0 (None elsewhere), resharded point to point from the
+    master pieces. Collective over the world."""
+    full: dict[str, torch.Tensor] = {}
+    pieces: list[ShardPiece] = []
+    if dist.get_rank() == 0:
+        for key, shape in global_shapes(model).items():
+            full[key] = torch.empty(shape, dtype=dtype)
+            pieces.append(
+                ShardPiece(
+                    key=key,
+                    global_shape=tuple(shape),
+                    region=tuple((0, n) for n in shape),
+                    local=full[key],
+                    param_name=key,
+                    param=full[key],
+                    is_replica=False,
+                )
+            )
+    reshard_weights(master_pieces, pieces)
+    return full if dist.get_rank() == 0 else None
+
+
+@register_rollout_backend
+class SGLangBackend(RolloutBackend):
+    """The run's SGLang engines, as seen from every trainer rank (module docstring)."""
+
+    name = "sglang"
+
+    def __init__(self, config, policy, tokenizer) -> None:
+        super().__init__(config, policy, tokenizer)
+        self.urls = config.rollout.engine_urls
+        self.version: int | None = None
+        """Weight version the engines serve (None: never pushed by this run)."""
+
+    @classmethod
+    def problems(cls, config: RunConfig) -> list[str]:
+        problems = []
+        if config.selector.enabled and "rollout" in config.selector.phases:
+            problems.append(
+                f"selector.phases {list(config.selector.phases)} selects the rollout layout, "
+                f"which needs rollout.engine=embedded (got {config.rollout.engine!r}); select "
+                "'experience' only with SGLang engines"
+            )
+        if not config.rollout.engine_urls:
+            problems.append(
+                "rollout.engine=sglang needs rollout.engine_urls (the SGLang servers to drive, "
+                "e.g. from scripts/slurm_disaggregated.sbatch); the trainer does not start "
+                "colocated SGLang servers itself"
+            )
+        return problems
+
+    @classmethod
+    def policy_layouts(cls, layouts: dict[str, ParallelLayout]) -> dict[str, ParallelLayout]:
+        """Every phase's but the rollout's: the engines hold their own weights."""
+        return {phase: layout for phase, layout in layouts.items() if phase != "rollout"}
+
+    def switch(self, layout: ParallelLayout) -> None:
+        """The engines serve every layout alike; the weights are read from the master copy,
+        so the train layout is activated."""
+        use_layout(self.policy.train_layout)
+
+    def master_moved(self, old: ParallelLayout, new: ParallelLayout) -> None:
+        """Nothing is built over the master's chunks (the next push reads the new ones)."""
+
+    def retain(self, layouts: Iterable[ParallelLayout]) -> None:
+        """Nothing is built per layout."""
+
+    def sync_weights(self, layout: ParallelLayout) -> dict[str, float]:
+        """Push the master weights if the engines are behind (``weight_push_s``,
+        ``weight_push_bytes``, ``weight_push_buckets``). Ends with the train layout active.
+        Collective (world)."""
+        self.switch(layout)
+        version = self.policy.version
+        if self.version == version:
+            return {}
+        start = time.perf_counter()
+        full = gather_full_weights(
+            self.policy.master_pieces, self.config.model, self.config.model.torch_dtype
+        )
+        stats = {}
+        if full is not None:
+            stats = asyncio.run(self._push(full, version))
+        dist.barrier()
+        self.version = version
+        return {"weight_push_s": time.perf_counter() - start, **stats}
+
+    async def _push(self, full: dict[str, torch.Tensor], version: int) -> dict:
+        clients = [SGLangClient(url) for url in self.urls]
+        try:
+            stats = await push_weights(clients, hf_named_tensors(full, self.config.model), version)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        return {
+            "weight_push_bytes": float(stats.bytes_sent),
+            "weight_push_buckets": stats.num_buckets,
+        }
+
+    def generate(self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout):
+        """Run this rank's prompts on the pool (local: the HTTP traffic is this rank's own)."""
+        rank = dist.get_rank()
+        tasks = prompts.tasks_for(rank, dist.get_world_size())
+        if not tasks:
+            return Rollout([], rank)
+
+        async def run() -> list[Trajectory]:
+            pool = EnginePool([SGLangClient(url) for url in self.urls])
+            try:
+                batch = await AgentLoop(pool, self.tokenizer, agent).run_batch(tasks)
+            finally:
+                await pool.close()
+            return batch.trajectories
+
+        return Rollout(asyncio.run(run()), rank)

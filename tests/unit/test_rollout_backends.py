@@ -1,0 +1,105 @@
+"""Rollout backends (``orchestration.engines``): the registry of engine kinds, chosen once at
+start-up, and each kind's start-up checks, reached through the trainer's pre-flight
+(``cli.train.checked_config``). Pure: no process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_earl.cli.train import checked_config
+from megatron_earl.config import ConfigError, load_config
+from megatron_earl.orchestration.engines import (
+    RolloutBackend,
+    available_rollout_backends,
+    register_rollout_backend,
+    rollout_backend_class,
+    rollout_backend_problems,
+)
+from megatron_earl.orchestration.engines.embedded import EmbeddedBackend
+from megatron_earl.orchestration.engines.sglang import SGLangBackend
+
+DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
+URLS = "rollout.engine_urls=[http://a:30000]"
+
+
+def test_every_engine_name_is_registered_and_accepted_by_the_config():
+    assert available_rollout_backends() == ("embedded", "sglang")
+    assert rollout_backend_class("embedded") is EmbeddedBackend
+    assert rollout_backend_class("sglang") is SGLangBackend
+    for name in available_rollout_backends():
+        extra = [URLS] if name == "sglang" else []
+        config = load_config(DEMO, [f"rollout.engine={name}", *extra])
+        assert rollout_backend_problems(config) == []
+
+
+def test_unknown_engine_names_the_registered_ones():
+    with pytest.raises(ConfigError) as err:
+        rollout_backend_class("vllm")
+    assert str(err.value) == (
+        "rollout.engine 'vllm' is not a registered rollout engine; valid: ('embedded', 'sglang')"
+    )
+    config = SimpleNamespace(rollout=SimpleNamespace(engine="vllm"))
+    (problem,) = rollout_backend_problems(config)
+    assert "'vllm'" in problem and "('embedded', 'sglang')" in problem
+
+
+def test_a_kind_registers_once_and_implements_the_whole_interface():
+    with pytest.raises(ValueError, match="'embedded' is already registered"):
+        register_rollout_backend(type("Again", (EmbeddedBackend,), {}))
+
+    class Partial(RolloutBackend):
+        name = "partial"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial(None, None, None)
+
+
+def test_policy_layouts_of_each_kind():
+    config = load_config(DEMO)
+    phases = {p: config.layout(p) for p in ("rollout", "experience", "train")}
+    assert EmbeddedBackend.policy_layouts(phases) == phases
+    assert SGLangBackend.policy_layouts(phases) == {
+        "experience": phases["experience"],
+        "train": phases["train"],
+    }
+
+
+def test_embedded_engine_needs_a_tp_dp_rollout_layout():
+    with pytest.raises(ConfigError) as err:
+        checked_config(["--config", DEMO, "layouts.rollout=tp1cp1pp2dp1"], 2)
+    assert str(err.value) == (
+        "layouts.rollout 'tp1cp1pp2dp1': the embedded engine generates with tp and dp only "
+        "(pp=2, cp=1); use e.g. 'tp2cp1pp1dp1'"
+    )
+    config = load_config(DEMO, ["layouts.rollout=tp1cp2pp1dp1"])
+    assert rollout_backend_problems(config) == [
+        "layouts.rollout 'tp1cp2pp1dp1': the embedded engine generates with tp and dp only "
+        "(pp=1, cp=2); use e.g. 'tp2cp1pp1dp1'"
+    ]
+
+
+def test_sglang_engines_need_urls_and_a_fixed_rollout_layout():
+    with pytest.raises(ConfigError) as err:
+        checked_config(["--config", DEMO, "rollout.engine=sglang"], 2)
+    assert str(err.value) == (
+        "rollout.engine=sglang needs rollout.engine_urls (the SGLang servers to drive, e.g. "
+        "from scripts/slurm_disaggregated.sbatch); the trainer does not start colocated "
+        "SGLang servers itself"
+    )
+    selected = load_config(
+        DEMO,
+        [
+            "rollout.engine=sglang",
+            URLS,
+            "selector.enabled=true",
+            "selector.phases=[rollout,experience]",
+        ],
+    )
+    assert rollout_backend_problems(selected) == [
+        "selector.phases ['rollout', 'experience'] selects the rollout layout, which needs "
+        "rollout.engine=embedded (got 'sglang'); select 'experience' only with SGLang engines"
+    ]
+    checked_config(["--config", DEMO, "rollout.engine=sglang", URLS], 2)
