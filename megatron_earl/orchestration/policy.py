@@ -39,7 +39,8 @@ from megatron_earl.redistribute.optimizer_state import (
     reshard_model_and_optimizer,
 )
 from megatron_earl.redistribute.weight_exec import reshard_weights
-from megatron_earl.training.setup import OptimConfig, build_optimizer, wire_schedule_hooks, wrap_ddp
+from megatron_earl.config.optim import OptimConfig
+from megatron_earl.training.setup import build_optimizer, wire_schedule_hooks, wrap_ddp
 
 
 @dataclass

@@ -35,7 +35,7 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import MemoryBudget, state_bytes
 from megatron_earl.selector.throughput import ThroughputTable
-from megatron_earl.training.setup import OptimConfig
+from megatron_earl.config.optim import OptimConfig
 
 
 def runqueue_wait_s() -> float:

@@ -49,7 +49,8 @@ from megatron_earl.training.logprobs import (
     output_hidden_states,
     output_weight,
 )
-from megatron_earl.training.losses import PolicyLossConfig, local_normaliser, policy_loss
+from megatron_earl.config.loss import PolicyLossConfig
+from megatron_earl.training.losses import local_normaliser, policy_loss
 from megatron_earl.training.microbatch import (
     Sample,
     build_micro_batches,

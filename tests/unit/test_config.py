@@ -65,7 +65,7 @@ def test_dotted_overrides_are_typed():
 
 
 def test_train_config_is_an_optim_config():
-    from megatron_earl.training.setup import OptimConfig
+    from megatron_earl.config.optim import OptimConfig
 
     cfg = load_config(None, ["train.lr=0.5", "train.weight_decay=0.1"])
     assert isinstance(cfg.train, OptimConfig)
