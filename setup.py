@@ -13,7 +13,7 @@ setup(
     description="Megatron-Core plugin for long-context agentic RL (EARL): per-phase parallel "
     "layouts, decentralized data dispatch, multi-turn rollouts",
     packages=find_packages(include=["megatron_earl", "megatron_earl.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "torch>=2.13.0,<2.14",
         "megatron-core>=0.16.0,<0.17",

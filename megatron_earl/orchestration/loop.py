@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_earl.config.run import RunConfig
+from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.dispatch import Destination, PlanConfig
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
@@ -53,7 +54,7 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
@@ -74,18 +75,18 @@ class RLLoop:
     def __init__(self, config: RunConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
+        self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}
         self.remote = None
         built = dict(self.layouts)
-        if config.rollout.engine == "sglang":
+        if config.rollout.engine == EngineKind.SGLANG:
             # External engines: no rollout copy of the policy in this job.
             self.remote = RemoteEngines(config.rollout.engine_urls, config.model)
-            built.pop("rollout")
+            built.pop(Phase.ROLLOUT)
         self.policy = Policy.build(config.model, built, config.train.optim(), config.seed)
         self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
         if self.remote is None:
-            self.engine_for(self.layouts["rollout"])
-        use_layout(self.layouts["train"])
+            self.engine_for(self.layouts[Phase.ROLLOUT])
+        use_layout(self.layouts[Phase.TRAIN])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
         self.active = dict(self.layouts)
@@ -189,7 +190,7 @@ class RLLoop:
             rank, world = dist.get_rank(), dist.get_world_size()
             tasks = prompts.tasks_for(rank, world)
             return self.remote.rollout(tasks, self.tokenizer, agent), rank
-        layout = layout or self.active["rollout"]
+        layout = layout or self.active[Phase.ROLLOUT]
         engine = self.engine_for(layout)
         self.policy.sync(layout)
         engine.mark_weights_updated(self.policy.version)
@@ -202,13 +203,13 @@ class RLLoop:
 
     def experience(self, batch, layout: ParallelLayout | None = None):
         """Old log-probs of every sample in the experience layout, returned to the owners."""
-        layout = layout or self.layouts["experience"]
+        layout = layout or self.layouts[Phase.EXPERIENCE]
         use_layout(layout)
         self.policy.sync(layout)
         budget = self.config.batch.max_tokens_per_micro_batch
         plan = plan_for(
             batch,
-            every_stage(layout, "experience", ("tokens", "labels", "loss_mask")),
+            every_stage(layout, Phase.EXPERIENCE, ("tokens", "labels", "loss_mask")),
             PlanConfig(max_tokens_per_micro_batch=budget),
         )
         local = execute(plan, batch)
@@ -240,7 +241,7 @@ class RLLoop:
         budget = self.config.batch.max_tokens_per_micro_batch
         plan = plan_for(
             batch,
-            every_stage(layout, "train", tuple(sorted(batch.token_fields))),
+            every_stage(layout, Phase.TRAIN, tuple(sorted(batch.token_fields))),
             PlanConfig(max_tokens_per_micro_batch=budget),
         )
         samples = dispatched_samples(execute(plan, batch))
@@ -296,13 +297,13 @@ class RLLoop:
             seed=cfg.seed * 1_000_003 + self.step,
         )
         selected: dict[str, float | str] = {}
-        with clock("rollout"):
-            if self.selected("rollout"):
+        with clock(Phase.ROLLOUT):
+            if self.selected(Phase.ROLLOUT):
                 lengths = (
                     self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
                 )
                 trajs, source = self._select(
-                    "rollout",
+                    Phase.ROLLOUT,
                     (prompts, agent),
                     lengths,
                     lambda data, layout: self.rollout(*data, layout),
@@ -312,7 +313,7 @@ class RLLoop:
             else:
                 trajs, source = self.rollout(prompts, agent)
 
-        with clock("experience"):
+        with clock(Phase.EXPERIENCE):
             ok = [t for t in trajs if t.ok]
             batch = (
                 trajectories_to_batch(
@@ -323,19 +324,19 @@ class RLLoop:
             )
             lengths = gathered_lengths(batch.lengths) if self.selection is not None else []
             self.last_lengths = lengths or self.last_lengths
-            if self.selected("experience") and lengths:
+            if self.selected(Phase.EXPERIENCE) and lengths:
                 batch = self._select(
-                    "experience", batch, lengths, self.experience, self.prepare, selected
+                    Phase.EXPERIENCE, batch, lengths, self.experience, self.prepare, selected
                 )
                 selected["selector/experience/samples"] = float(len(lengths))
             else:
-                batch = self.experience(batch, self.active["experience"])
+                batch = self.experience(batch, self.active[Phase.EXPERIENCE])
 
-        with clock("train"):
-            if self.selected("train") and lengths:
+        with clock(Phase.TRAIN):
+            if self.selected(Phase.TRAIN) and lengths:
                 progress = TrainProgress()
                 train_metrics = self._select(
-                    "train",
+                    Phase.TRAIN,
                     batch,
                     lengths,
                     lambda data, layout: self.train(data, layout, progress),

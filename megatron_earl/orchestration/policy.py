@@ -30,6 +30,8 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.optim import OptimConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.models.gpt import build_model
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
@@ -39,7 +41,6 @@ from megatron_earl.redistribute.optimizer_state import (
     reshard_model_and_optimizer,
 )
 from megatron_earl.redistribute.weight_exec import reshard_weights
-from megatron_earl.config.optim import OptimConfig
 from megatron_earl.training.setup import build_optimizer, wire_schedule_hooks, wrap_ddp
 
 
@@ -82,7 +83,7 @@ class Policy:
     ) -> Policy:
         """Build the master copy in ``layouts["train"]`` and a copy per other distinct layout.
         Ends with the train layout active."""
-        train = layouts["train"]
+        train = layouts[Phase.TRAIN]
         copies = {}
         for layout in dict.fromkeys(layouts.values()):
             if layout == train:

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_earl.config.run import CheckpointConfig, RunConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.convert.families import family_for_model
 from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
@@ -46,7 +47,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     rank0 = dist.get_rank() == 0
     tokenizer = build_tokenizer(config.tokenizer)
     loop = RLLoop(config, tokenizer)
-    use_layout(loop.layouts["train"])
+    use_layout(loop.layouts[Phase.TRAIN])
     policy = loop.policy
     saving = checkpoint_config(config)
     summary: dict[str, Any] = {}

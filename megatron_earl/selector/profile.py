@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.optim import OptimConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import MemoryBudget, state_bytes
 from megatron_earl.selector.throughput import ThroughputTable
-from megatron_earl.config.optim import OptimConfig
 
 
 def runqueue_wait_s() -> float:
@@ -208,14 +209,14 @@ class PhaseRunner:
         torch.distributed.barrier()
         start, waited = time.perf_counter(), runqueue_wait_s()
         with self.budget.track(static_bytes=static) as measured:
-            if phase == "train":
+            if phase == Phase.TRAIN:
                 config = RLStepConfig(
                     max_tokens_per_micro_batch=max_tokens,
                     logprob_chunk_size=self.logprob_chunk_size,
                 )
                 optimizer = self.budget.guard_optimizer(self.optimizer)
                 metrics = rl_train_step(self.ddp, optimizer, mine, config)
-            elif phase == "experience":
+            elif phase == Phase.EXPERIENCE:
                 forward_logprobs(
                     self.chunks, mine, max_tokens=max_tokens, chunk_size=self.logprob_chunk_size
                 )
