@@ -81,7 +81,7 @@ class Policy:
         optim: OptimConfig,
         seed: int,
     ) -> Policy:
-        """Build the master copy in ``layouts["train"]`` and a copy per other distinct layout.
+        """Build the master copy in ``layouts[Phase.TRAIN]`` and a copy per other distinct layout.
         Ends with the train layout active."""
         train = layouts[Phase.TRAIN]
         copies = {}

@@ -3,7 +3,7 @@
     selection = PhaseSelection(config, world_size)
     lengths = gathered_lengths(batch.lengths)              # the same list on every rank
     result, layout, metrics = selection.run(
-        "experience", batch, lengths, phase_fn, switch=switch, static_bytes=static,
+        Phase.EXPERIENCE, batch, lengths, phase_fn, switch=switch, static_bytes=static,
         train_layout=lambda: policy.train_layout, step=step,
     )
 

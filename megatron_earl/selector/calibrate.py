@@ -1,6 +1,6 @@
 """Calibrate the memory model against measured peaks of the real model, and report the error.
 
-    points = measure(runner, [(layout, lengths), ...], phase="train")     # every rank calls
+    points = measure(runner, [(layout, lengths), ...], phase=Phase.TRAIN)     # every rank calls
     settings = fit(memory_model, points)                                   # pure
     table = errors(MemoryModel(model, settings), points)                   # pure: per-point error
 

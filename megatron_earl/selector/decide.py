@@ -1,7 +1,7 @@
 """The decision: before each phase, the highest-throughput layout predicted to fit, with hysteresis.
 
     selector = Selector(model, world_size=32, budget_bytes=80 * GiB, memory=..., table=...)
-    decision = selector.decide("train", lengths, step=12)     # -> Decision (also logged)
+    decision = selector.decide(Phase.TRAIN, lengths, step=12)     # -> Decision (also logged)
     use_layout(decision.layout); ...
 
 Rule, per phase:

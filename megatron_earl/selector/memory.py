@@ -1,8 +1,8 @@
 """Per-rank peak-memory model of each phase (rollout, experience, train) in a parallel layout.
 
     mem = MemoryModel(model_config, MemorySettings.gpu())
-    work = PhaseWorkload.for_lengths("train", lengths, token_budget=8192)
-    breakdown = mem.peak("train", ParallelLayout(tp=4, cp=2, dp=4), work)    # bytes per rank
+    work = PhaseWorkload.for_lengths(Phase.TRAIN, lengths, token_budget=8192)
+    breakdown = mem.peak(Phase.TRAIN, ParallelLayout(tp=4, cp=2, dp=4), work)    # bytes per rank
     breakdown.total, breakdown.as_dict()
 
 Terms (bytes on the most loaded rank: the first or last pipeline stage):

@@ -3,9 +3,9 @@ profiling runs, its CPU calibration, and the benchmark all go through ``PhaseRun
 
     runner = PhaseRunner(model, budget=MemoryBudget(256 << 20))
     runner.switch(ParallelLayout(dp=2))              # builds the model (first time) or reshards
-    result = runner.run("train", samples)            # rl_train_step on this DP rank's share
+    result = runner.run(Phase.TRAIN, samples)            # rl_train_step on this DP rank's share
     result.tokens_per_s, result.peak_bytes           # peak: max over ranks, static + dynamic
-    result = profile_layout(runner, table, "train", layout, lengths, steps=2)   # fills table
+    result = profile_layout(runner, table, Phase.TRAIN, layout, lengths, steps=2)   # fills table
 
 ``switch`` keeps one layout's model and optimizer at a time: entering another layout builds its
 chunks, DDP and optimizer, copies the weights *and* Adam's moments from the previous layout
@@ -55,9 +55,9 @@ class BusyClock:
     (``runqueue_wait_s``), the figure a shared machine does not inflate.
 
         clock = BusyClock()
-        with clock("train"):
+        with clock(Phase.TRAIN):
             ...
-        clock.wall["train"], clock.min_busy()["train"]      # min_busy: collective (world)
+        clock.wall[Phase.TRAIN], clock.min_busy()[Phase.TRAIN]      # min_busy: collective (world)
     """
 
     def __init__(self) -> None:

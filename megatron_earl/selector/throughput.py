@@ -2,8 +2,8 @@
 analytic roofline for the cells never measured.
 
     table = ThroughputTable(Roofline(model, HardwareSpec.h100()), world_size=32)
-    table.record("train", layout, length=6000, tokens=48000, seconds=2.1)   # profiling / live step
-    table.predict("train", layout, length=6000)                             # measured or analytic
+    table.record(Phase.TRAIN, layout, length=6000, tokens=48000, seconds=2.1)  # profiling, live
+    table.predict(Phase.TRAIN, layout, length=6000)  # measured or analytic
 
 Buckets are powers of two (``bucket_of``: 3000 -> 4096). A measurement updates its cell with an
 exponential moving average (``ema``; the first one sets it). A cell never measured is predicted by
