@@ -154,9 +154,7 @@ def _round_trip(cases: dict, out_root: str):
     chunks = build_model(model)
     load_initial_weights(chunks, hf_dir)
     run_dir = f"{out_root}/run"
-    save_checkpoint(
-        CheckpointConfig(dir=run_dir), 5, chunks, model_config=model, family="llama"
-    )
+    save_checkpoint(CheckpointConfig(dir=run_dir), 5, chunks, model_config=model, family="llama")
     from megatron_earl.orchestration.checkpoint import resolve_checkpoint
 
     convert.mcore_to_hf(resolve_checkpoint(run_dir), f"{out_root}/hf-from-training")
