@@ -75,8 +75,9 @@ def layout_sizes(text: str) -> dict[str, int | None]:
     """The axis sizes a layout string names: "tp2cp1pp1dp1" (any order, missing axes = 1, vpp
     None) or "tp=2,dp=2". Only the syntax is checked here; ``ParallelLayout`` checks the values.
     Raises ``ConfigError`` on a string that is not a layout."""
-    found = re.findall(r"(tp|cp|pp|dp|vpp|ep)\s*=?\s*(\d+)", text.lower())
-    rest = re.sub(r"(tp|cp|pp|dp|vpp|ep)\s*=?\s*\d+|[\s,x]", "", text.lower())
+    axis = "|".join(LAYOUT_AXES)
+    found = re.findall(rf"({axis})\s*=?\s*(\d+)", text.lower())
+    rest = re.sub(rf"({axis})\s*=?\s*\d+|[\s,x]", "", text.lower())
     if not found or rest:
         raise ConfigError(f"cannot parse layout {text!r}; expected e.g. 'tp2pp1cp1dp2'")
     sizes: dict[str, int | None] = {a: 1 for a in LAYOUT_AXES} | {"vpp": None}
