@@ -18,7 +18,7 @@ setup(
         "megatron_earl.patches",
     ],
     package_dir={"megatron_earl.patches": "patches"},
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "torch>=2.13.0,<2.14",
         "megatron-core>=0.16.0,<0.17",

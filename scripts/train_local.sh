@@ -27,7 +27,7 @@ fi
 export OMP_NUM_THREADS
 
 if [[ "${EARL_SKIP_CHECK:-0}" != 1 ]]; then
-    "$PYTHON" -m megatron_earl.config.check --world-size "$NPROC" --config "$CONFIG" "$@"
+    "$PYTHON" -m megatron_earl.cli.check --world-size "$NPROC" --config "$CONFIG" "$@"
 fi
 
 exec "$TORCHRUN" --standalone --nnodes=1 --nproc-per-node="$NPROC" \

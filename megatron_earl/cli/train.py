@@ -52,9 +52,9 @@ def checked_config(argv: list[str], world_size: int) -> RunConfig:
     ``selector_problems``): raises one ``ConfigError``. Pure; run before any process group, by
     ``megatron-earl train`` and again by every rank here."""
     from megatron_earl.config.run import ConfigError
-    from megatron_earl.config.validate import validate_run
     from megatron_earl.orchestration.engines import rollout_backend_problems
     from megatron_earl.orchestration.selection import selector_problems
+    from megatron_earl.orchestration.validate import validate_run
 
     config = resolve_config(argv, world_size)
     validate_run(config, world_size)

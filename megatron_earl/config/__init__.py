@@ -1,9 +1,11 @@
-"""Typed configuration: the model config, the whole-run ``RunConfig`` with YAML loading and dotted
-overrides, start-up validation, and the Megatron-LM argument bridge (``megatron_args``).
+"""Typed configuration: the model config, the component settings (``SamplingParams``,
+``PolicyLossConfig``, ``OptimConfig``), the whole-run ``RunConfig`` with YAML loading and dotted
+overrides, the phase and engine-kind vocabulary (``vocab``), and the Megatron-LM argument bridge
+(``megatron_args``). A leaf: it imports nothing else of megatron_earl; start-up validation against
+the components and the world size is ``orchestration.validate.validate_run``.
 
-    from megatron_earl.config import load_config, validate_run
+    from megatron_earl.config import load_config
     cfg = load_config("configs/demo_cpu.yaml", ["train.lr=1e-4"])
-    validate_run(cfg, world_size=2)
 """
 
 from megatron_earl.config.loader import (
@@ -15,7 +17,6 @@ from megatron_earl.config.loader import (
 )
 from megatron_earl.config.model import ModelConfig, ModelConfigError
 from megatron_earl.config.run import (
-    PHASES,
     BatchConfig,
     CheckpointConfig,
     ConfigError,
@@ -29,19 +30,21 @@ from megatron_earl.config.run import (
     SFTConfig,
     TrainConfig,
 )
-from megatron_earl.config.validate import run_problems, validate_run
+from megatron_earl.config.vocab import PHASES, EngineKind, Phase
 
 __all__ = [
     "PHASES",
     "BatchConfig",
     "CheckpointConfig",
     "ConfigError",
+    "EngineKind",
     "EnvConfig",
     "EvalConfig",
     "LayoutsConfig",
     "LoggingConfig",
     "ModelConfig",
     "ModelConfigError",
+    "Phase",
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",
@@ -51,7 +54,5 @@ __all__ = [
     "config_to_tree",
     "dump_config",
     "load_config",
-    "run_problems",
     "save_config",
-    "validate_run",
 ]

@@ -10,13 +10,17 @@ top. The merged tree is then mapped onto the dataclasses by ``config_from_tree``
 key and value against the dataclass annotations and raises ONE ``ConfigError`` listing all
 problems: unknown keys (with the nearest valid key, by difflib), wrong types (key, value and
 expected type), and each section's own ``__post_init__`` validation. ints are accepted where a
-float is expected; nothing else is converted. Missing keys take the dataclass defaults.
+float is expected, and a name where a vocabulary (``config.vocab``: phase, engine kind) is
+expected (the section turns it into the member, or names the valid ones); nothing else is
+converted. Missing keys take the dataclass defaults. Vocabulary members are written back as their
+plain strings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -98,6 +102,8 @@ def config_to_tree(config: Any) -> dict[str, Any]:
             return [plain(v) for v in value]
         if isinstance(value, Mapping):
             return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, enum.Enum):
+            return value.value
         return value
 
     return plain(config)
@@ -197,8 +203,8 @@ def _try(value: Any, tp: Any, path: str, problems: list[str], all_paths: list[st
     if tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         return ok, float(value) if ok else None
-    if tp is str:
-        return isinstance(value, str), value
+    if tp is str or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
+        return isinstance(value, str), value  # a vocabulary name is checked by its section
     raise TypeError(f"{path}: unsupported config annotation {tp!r}")  # a bug in a config class
 
 
@@ -212,6 +218,8 @@ def _type_name(tp: Any) -> str:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
         return f"a mapping (section {tp.__name__})"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return f"one of {', '.join(m.value for m in tp)}"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 

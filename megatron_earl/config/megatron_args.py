@@ -31,8 +31,8 @@ from typing import Any
 
 from megatron_earl.config.loader import config_from_tree, merged_tree, parse_overrides
 from megatron_earl.config.megatron_flags import IGNORED_FLAGS, add_megatron_flags
-from megatron_earl.config.run import ConfigError, RunConfig
-from megatron_earl.parallel.layout import LayoutError, ParallelLayout
+from megatron_earl.config.run import ConfigError, RunConfig, layout_sizes
+from megatron_earl.config.vocab import EngineKind, Phase
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,14 +79,14 @@ def add_earl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="dotted config overrides applied last, e.g. train.loss.kl_coef=0.01",
     )
-    for phase in ("rollout", "experience"):
+    for phase in (Phase.ROLLOUT, Phase.EXPERIENCE):
         group.add_argument(
             f"--earl-{phase}-layout",
             default=None,
             help=f"{phase} layout, e.g. tp4cp1pp1dp2 (default: the training layout)",
         )
     group.add_argument("--earl-env", default=None, help="environment name or pkg.module:Class")
-    group.add_argument("--earl-engine", default=None, choices=("embedded", "sglang"))
+    group.add_argument("--earl-engine", default=None, choices=tuple(EngineKind))
     group.add_argument("--earl-engine-urls", nargs="+", default=None, help="SGLang server URLs")
     group.add_argument("--earl-max-turns", type=int, default=None, help="model turns per episode")
     group.add_argument("--earl-prompts-per-step", type=int, default=None)
@@ -118,7 +118,7 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int | None =
             + "\n  ".join(conflicts)
         )
     flat = {**megatron, **_earl_tree(args)}
-    for phase in ("rollout", "experience"):  # default: the training layout
+    for phase in (Phase.ROLLOUT, Phase.EXPERIENCE):  # default: the training layout
         if f"layouts.{phase}" not in flat and phase not in (yaml_tree.get("layouts") or {}):
             flat[f"layouts.{phase}"] = megatron["layouts.train"]
     tree = _deep_merge(yaml_tree, _unflatten(flat))
@@ -229,8 +229,8 @@ def _same(key: str, a: Any, b: Any) -> bool:
     """Equal config values; layouts compare as layouts ("tp2dp1" == "tp2cp1pp1dp1")."""
     if key.startswith("layouts.") and isinstance(a, str) and isinstance(b, str):
         try:
-            return ParallelLayout.parse(a) == ParallelLayout.parse(b)
-        except LayoutError:
+            return layout_sizes(a) == layout_sizes(b)
+        except ConfigError:
             return False
     return a == b
 

@@ -2,13 +2,16 @@
 
 ``RunConfig`` composes the component configs that already exist (``ModelConfig``, ``OptimConfig``
 via ``TrainConfig``, ``PolicyLossConfig``, ``SamplingParams``) with the run-level sections below.
-YAML files and dotted overrides map onto it through ``config.loader``; start-up validation against
-the world size lives in ``config.validate``. Every section validates its own values in
-``__post_init__`` and raises ``ConfigError`` naming the bad value and what would be valid.
+YAML files and dotted overrides map onto it through ``config.loader``. Every section validates its
+own values in ``__post_init__`` and raises ``ConfigError`` naming the bad value and what would be
+valid. This package is a leaf: it imports nothing else of megatron_earl, so checks that need a
+component (registries of environments and advantage estimators, ``ParallelLayout`` against the
+world size and the model, the tokenizer) run at start-up in ``orchestration.validate``, and
+``parallel.layout.phase_layout`` turns a phase's layout string into a ``ParallelLayout``.
 
     seed, steps, name, output_dir, tokenizer     top-level scalars
     model        ModelConfig                     shape and numerics of the policy
-    layouts      LayoutsConfig                   one ParallelLayout string per phase
+    layouts      LayoutsConfig                   one layout string per phase ("tp2cp1pp1dp1")
     batch        BatchConfig                     prompts/samples per step, token budget
     rollout      RolloutConfig                   engine, turn/context limits, sampling
     env          EnvConfig                       environment name + kwargs
@@ -22,21 +25,24 @@ the world size lives in ``config.validate``. Every section validates its own val
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.parallel.layout import LayoutError, ParallelLayout
-from megatron_earl.rollout.engine import SamplingParams
-from megatron_earl.training.losses import PolicyLossConfig
-from megatron_earl.training.setup import OptimConfig
+from megatron_earl.config.optim import OptimConfig
+from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.config.vocab import PHASES, EngineKind, Phase
 
-PHASES = ("rollout", "experience", "train")
-"""The phases of a step, in order; each has its own parallel layout."""
-ENGINES = ("embedded", "sglang")
-SELECTABLE_PHASES = ("rollout", "experience", "train")
-"""Phases the selector may choose a layout for (``selector.phases``)."""
+DEMO_TOKENIZER_VOCAB_SIZE = 320
+"""Vocabulary of the built-in demo tokenizer (``tokenizer.demo``; a unit test keeps them equal):
+the default ``model.vocab_size``."""
+LAYOUT_AXES = ("tp", "cp", "pp", "dp", "vpp", "ep")
+"""Axes a layout string may name; missing ones are 1 (vpp: None)."""
+DIST_OPT_FORMATS = ("fully_reshardable", "dp_reshardable")
+"""Distributed-optimizer checkpoint formats (``checkpoint.dist_opt_format``)."""
 
 
 class ConfigError(ValueError):
@@ -56,15 +62,32 @@ def _positive(obj: Any, names: tuple[str, ...], minimum: int = 1) -> list[str]:
     ]
 
 
-def _demo_vocab_size() -> int:
-    from megatron_earl.tokenizer.demo import DemoTokenizer
+def _vocabulary(cls: type, value: Any, problems: list[str], what: str) -> Any:
+    """``value`` as a member of the vocabulary ``cls``; an unknown name appends a problem."""
+    try:
+        return cls(value)
+    except ValueError:
+        problems.append(f"{what} {value!r} is not one of {tuple(cls)}")
+        return value
 
-    return DemoTokenizer().vocab_size
+
+def layout_sizes(text: str) -> dict[str, int | None]:
+    """The axis sizes a layout string names: "tp2cp1pp1dp1" (any order, missing axes = 1, vpp
+    None) or "tp=2,dp=2". Only the syntax is checked here; ``ParallelLayout`` checks the values.
+    Raises ``ConfigError`` on a string that is not a layout."""
+    axis = "|".join(LAYOUT_AXES)
+    found = re.findall(rf"({axis})\s*=?\s*(\d+)", text.lower())
+    rest = re.sub(rf"({axis})\s*=?\s*\d+|[\s,x]", "", text.lower())
+    if not found or rest:
+        raise ConfigError(f"cannot parse layout {text!r}; expected e.g. 'tp2pp1cp1dp2'")
+    sizes: dict[str, int | None] = {a: 1 for a in LAYOUT_AXES} | {"vpp": None}
+    return sizes | {k: int(v) for k, v in found}
 
 
 @dataclass(frozen=True)
 class LayoutsConfig:
-    """Parallel layout of each phase, as strings ``ParallelLayout.parse`` reads ("tp2cp1pp1dp1")."""
+    """Parallel layout of each phase, as strings ("tp2cp1pp1dp1"; syntax: ``layout_sizes``).
+    ``parallel.layout.phase_layout`` builds the ``ParallelLayout`` of a phase from them."""
 
     rollout: str = "tp1cp1pp1dp1"
     """Layout of the rollout phase (embedded engine generation)."""
@@ -77,16 +100,16 @@ class LayoutsConfig:
         problems = []
         for phase in PHASES:
             try:
-                ParallelLayout.parse(getattr(self, phase))
-            except LayoutError as err:
+                layout_sizes(getattr(self, phase))
+            except ConfigError as err:
                 problems.append(f"{phase}: {err}")
         _require(problems, "layouts")
 
-    def of(self, phase: str) -> ParallelLayout:
-        """The parsed layout of ``phase`` (one of ``PHASES``)."""
+    def of(self, phase: Phase | str) -> str:
+        """The layout string of ``phase``; an unknown phase raises ``ConfigError``."""
         if phase not in PHASES:
             raise ConfigError(f"unknown phase {phase!r}; valid: {PHASES}")
-        return ParallelLayout.parse(getattr(self, phase))
+        return getattr(self, phase)
 
 
 @dataclass(frozen=True)
@@ -121,7 +144,7 @@ class BatchConfig:
 class RolloutConfig:
     """Multi-turn rollout limits, engine and sampling."""
 
-    engine: str = "embedded"
+    engine: EngineKind = EngineKind.EMBEDDED
     """ "embedded" (the Megatron model in the rollout layout) or "sglang" (SGLang servers)."""
     engine_urls: tuple[str, ...] = ()
     """SGLang server URLs (disaggregated servers); required with engine=sglang (the trainer does
@@ -137,9 +160,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
-        if self.engine not in ENGINES:
-            problems.append(f"engine {self.engine!r} is not one of {ENGINES}")
-        if self.engine_urls and self.engine != "sglang":
+        object.__setattr__(self, "engine", _vocabulary(EngineKind, self.engine, problems, "engine"))
+        if self.engine_urls and self.engine != EngineKind.SGLANG:
             problems.append(f"engine_urls {list(self.engine_urls)} need engine=sglang")
         bad_urls = [u for u in self.engine_urls if not u.startswith(("http://", "https://"))]
         if bad_urls:
@@ -154,7 +176,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """Which environment the agent loop runs (``megatron_earl.envs.ENVS``)."""
+    """Which environment the agent loop runs (``megatron_earl.envs.ENVS``; the name is checked
+    against the registry at start-up, ``orchestration.validate``)."""
 
     name: str = "arithmetic"
     """Registered environment name or a dotted path "pkg.module:Class"."""
@@ -172,7 +195,9 @@ class EnvConfig:
 @dataclass(frozen=True)
 class TrainConfig(OptimConfig):
     """Training phase: the optimizer settings (inherited from ``OptimConfig``, so this object is
-    passed to ``build_optimizer`` as is), the policy loss and the advantage estimator."""
+    passed to ``build_optimizer`` as is), the policy loss and the advantage estimator (its name
+    and kwargs are checked against ``training.advantages`` at start-up,
+    ``orchestration.validate``)."""
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy loss (PPO/GSPO clipping, KL, entropy, TIS, aggregation)."""
@@ -183,12 +208,7 @@ class TrainConfig(OptimConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from megatron_earl.training.advantages import build_estimator
-
-        try:
-            build_estimator(self.advantage, **self.advantage_kwargs)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"train: advantage {self.advantage!r}: {err}") from None
+        _require([] if self.advantage else ["advantage must not be empty"], "train")
 
     def optim(self) -> OptimConfig:
         """Just the optimizer settings, as a plain ``OptimConfig``."""
@@ -251,19 +271,32 @@ class CheckpointConfig:
     """Where and how often checkpoints are written, how many are kept, what to start from."""
 
     dir: str | None = None
-    """Checkpoint directory; None means ``<output_dir>/<name>/checkpoints``."""
+    """Checkpoint directory; None means ``<output_dir>/<name>/checkpoints`` in a run
+    (``RunConfig.checkpoint_dir``); ``save_checkpoint`` needs it set."""
     interval: int = 0
     """Save every this many steps (0: only at the end of the run)."""
     keep_last: int = 2
     """Retention: keep the newest this many checkpoints (0 keeps all)."""
+    keep_every: int = 0
+    """Retention: also keep every checkpoint whose step is a multiple of this (0: none)."""
     load: str | None = None
     """Initial weights (must exist): a Hugging Face model directory or a Megatron checkpoint in
     any layout; weights only, the run starts at step 0. None: random initialisation."""
     resume: bool = True
     """Resume from the newest checkpoint in ``dir`` when there is one (overrides ``load``)."""
+    dist_opt_format: str | None = None
+    """Distributed-optimizer state format: "fully_reshardable" (gathered per DP group on save,
+    loads in any layout), "dp_reshardable" (fully parallel, reshards over DP only) or None: the
+    former with Apex/TE optimizers, the latter on the torch-Adam fallback (megatron-core 0.16.1
+    cannot load fully_reshardable state into torch Adam: KeyError 'step')."""
 
     def __post_init__(self) -> None:
-        _require(_positive(self, ("interval", "keep_last"), minimum=0), "checkpoint")
+        problems = _positive(self, ("interval", "keep_last", "keep_every"), minimum=0)
+        if self.dist_opt_format not in (None, *DIST_OPT_FORMATS):
+            problems.append(
+                f"dist_opt_format {self.dist_opt_format!r} is not one of {DIST_OPT_FORMATS}"
+            )
+        _require(problems, "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -297,7 +330,7 @@ class SelectorSettings:
     budget_mb: float = 81920.0
     """Per-rank memory budget (MiB): enforced by the project on CPU (a phase past it is an OOM),
     the device memory the selector plans with on GPU."""
-    phases: tuple[str, ...] = ("experience", "train")
+    phases: tuple[Phase, ...] = (Phase.EXPERIENCE, Phase.TRAIN)
     """Phases to select a layout for: any of "rollout", "experience", "train" (rollout candidates
     are tp/dp only: the embedded engine needs pp = cp = 1; "train" needs the plain optimizer)."""
     safety_margin: float = 0.1
@@ -318,12 +351,14 @@ class SelectorSettings:
             problems.append(f"profile_lengths {list(self.profile_lengths)} must be >= 1")
         if self.budget_mb <= 0:
             problems.append(f"budget_mb ({self.budget_mb}) must be > 0")
-        bad = [p for p in self.phases if p not in SELECTABLE_PHASES]
+        bad = [p for p in self.phases if p not in PHASES]
         if bad or not self.phases:
             problems.append(
-                f"phases {list(self.phases)} must be a non-empty subset of {SELECTABLE_PHASES} "
+                f"phases {list(self.phases)} must be a non-empty subset of {PHASES} "
                 "(pick any of them)"
             )
+        else:
+            object.__setattr__(self, "phases", tuple(Phase(p) for p in self.phases))
         if not 0 <= self.safety_margin < 1:
             problems.append(f"safety_margin ({self.safety_margin}) must be in [0, 1)")
         if self.switch_gain < 0:
@@ -345,7 +380,9 @@ class RunConfig:
     """Parent directory of run directories (resolved config, metrics, checkpoints)."""
     tokenizer: str = "demo"
     """ "demo" (the built-in tokenizer) or a local Hugging Face tokenizer directory."""
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=_demo_vocab_size()))
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(vocab_size=DEMO_TOKENIZER_VOCAB_SIZE)
+    )
     """Policy model shape and numerics (default: a tiny model over the demo tokenizer)."""
     layouts: LayoutsConfig = field(default_factory=LayoutsConfig)
     """Parallel layout of each phase."""
@@ -386,7 +423,3 @@ class RunConfig:
     def tensorboard_dir(self) -> Path:
         tb = self.logging.tensorboard_dir
         return Path(tb) if tb else self.run_dir / "tensorboard"
-
-    def layout(self, phase: str) -> ParallelLayout:
-        """The parsed layout of ``phase``."""
-        return self.layouts.of(phase)

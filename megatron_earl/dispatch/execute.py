@@ -1,6 +1,6 @@
 """The dispatch executor: runs a plan's transfer stages over packed byte buffers, point to point.
 
-    plan = plan_for(batch, Destination(layout, "train"), PlanConfig(...))  # 1 small all-gather
+    plan = plan_for(batch, Destination(layout, Phase.TRAIN), PlanConfig(...))  # 1 small all-gather
     local = execute(plan, batch)     # this rank's micro-batches (DP share, CP chunks, fields)
     back = return_results(plan, local, ["new_logprobs"])  # reverse.py: a Batch on each owner
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_earl.config.vocab import PHASES, Phase
 from megatron_earl.dispatch.balance import assign_samples
 from megatron_earl.dispatch.batch import Schema
 from megatron_earl.dispatch.route import DispatchError, Piece, RouteConfig, Transfer, route
@@ -67,16 +68,13 @@ class SourceMeta:
     """Their groups (samples of one prompt)."""
 
 
-PHASES = ("rollout", "experience", "train")
-
-
 @dataclass(frozen=True)
 class Destination:
     """Where the batch goes: a layout, a phase, and which fields each pipeline stage reads."""
 
     layout: ParallelLayout
     """The consuming layout."""
-    phase: str = "train"
+    phase: Phase = Phase.TRAIN
     """One of ``PHASES`` (recorded in the plan; the stage fields below carry the behaviour)."""
     first_stage_fields: tuple[str, ...] = ("tokens",)
     """Fields the first pipeline stage reads (the embedding input)."""

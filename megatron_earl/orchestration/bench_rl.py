@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.run import EnvConfig, RunConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.decide import NoFeasibleLayout
@@ -45,7 +46,8 @@ from megatron_earl.selector.oom import PhaseOutOfMemory
 from megatron_earl.selector.throughput import bucket_of
 from megatron_earl.tokenizer import build_tokenizer
 
-PHASES = ("experience", "train")
+BENCH_PHASES = (Phase.EXPERIENCE, Phase.TRAIN)
+"""Phases the sweep selects layouts for and measures."""
 BASE = [
     "sft.weak_teacher_fraction=0.0",
     "eval.num_prompts=0",
@@ -94,7 +96,7 @@ def build_run(name: str, config: RunConfig, args, static: ParallelLayout | None)
     loop = RLLoop(config, tokenizer)
     loop.warm_start(EnvConfig("guessing", {"difficulty": args.sft_difficulty}).spec())
     if static is not None:
-        for phase in PHASES:
+        for phase in BENCH_PHASES:
             selector = loop.selection.selectors[phase]
             selector.candidates = [static]
             selector.config = dataclasses.replace(selector.config, budget_bytes=float(1 << 50))
@@ -122,7 +124,7 @@ def take_step(run: Run, step: int, args) -> None:
         cause = err.__cause__ or err  # the measured BudgetExceeded of a static layout
         run.crash = f"step {step + 1} (difficulty {difficulty}): {cause}"
         return
-    for phase in PHASES:
+    for phase in BENCH_PHASES:
         run.ooms += int(metrics[f"selector/{phase}/ooms"])
         if metrics[f"selector/{phase}/ooms"]:
             run.recovered.append(
@@ -134,8 +136,8 @@ def take_step(run: Run, step: int, args) -> None:
 def step_work(m: dict) -> dict[str, tuple[float, float]]:
     """(tokens, busy seconds less switch time) of one step per phase, and of both phases."""
     tokens = m["rollout/tokens"]
-    seconds = {p: m[f"time_busy/{p}"] - m[f"selector/{p}/switch_s"] for p in PHASES}
-    out = {p: (tokens, seconds[p]) for p in PHASES}
+    seconds = {p: m[f"time_busy/{p}"] - m[f"selector/{p}/switch_s"] for p in BENCH_PHASES}
+    out = {p: (tokens, seconds[p]) for p in BENCH_PHASES}
     out["both"] = (tokens, sum(seconds.values()))
     return out
 
@@ -157,7 +159,7 @@ def bucket_table(run: Run) -> dict[int, dict]:
     for m in run.rows:
         out.setdefault(bucket_of_step(m), []).append(m)
     return {
-        b: {k: throughput(rows, k) for k in (*PHASES, "both")}
+        b: {k: throughput(rows, k) for k in (*BENCH_PHASES, "both")}
         | {
             "n": len(rows),
             "layouts": ",".join(
@@ -178,8 +180,8 @@ def paired(selector: Run, static: Run, bucket: int) -> tuple[dict, dict] | None:
     ]
     if not steps:
         return None
-    mine = {k: throughput([m for m, _ in steps], k) for k in (*PHASES, "both")}
-    theirs = {k: throughput([t for _, t in steps], k) for k in (*PHASES, "both")}
+    mine = {k: throughput([m for m, _ in steps], k) for k in (*BENCH_PHASES, "both")}
+    theirs = {k: throughput([t for _, t in steps], k) for k in (*BENCH_PHASES, "both")}
     return mine, theirs | {"n": len(steps)}
 
 
@@ -201,14 +203,14 @@ def report(runs: list[Run]) -> list[str]:
         for b in buckets:
             c = tables[run.name].get(b)
             cells.append(
-                f"{c['experience']:>7.0f}/{c['train']:>6.0f}/{c['both']:>6.0f} n{c['n']}"
+                f"{c[Phase.EXPERIENCE]:>7.0f}/{c[Phase.TRAIN]:>6.0f}/{c['both']:>6.0f} n{c['n']}"
                 if c
                 else f"{'OOM' if run.crash else '-':>24}"
             )
         lines.append(f"{run.name:<26} {run.steps:>5} {run.ooms:>4}  " + "  ".join(cells))
     for run in runs:
-        switch_s = sum(m[f"selector/{p}/switch_s"] for m in run.rows for p in PHASES)
-        moved = sum(1 for m in run.rows for p in PHASES if m[f"selector/{p}/switched"])
+        switch_s = sum(m[f"selector/{p}/switch_s"] for m in run.rows for p in BENCH_PHASES)
+        moved = sum(1 for m in run.rows for p in BENCH_PHASES if m[f"selector/{p}/switched"])
         lines.append(
             f"  {run.name}: {moved} layout changes, switch time {switch_s:.2f} s"
             " over the run (not in the tokens/s above)"
@@ -230,7 +232,7 @@ def report(runs: list[Run]) -> list[str]:
             continue
         parts = []
         for name, (mine, theirs) in pairs.items():
-            r = [mine[k] / theirs[k] - 1 for k in ("both", *PHASES)]
+            r = [mine[k] / theirs[k] - 1 for k in ("both", *BENCH_PHASES)]
             parts.append(f"vs {name} (n{theirs['n']}): {r[0]:+.1%} ({r[1]:+.1%}; {r[2]:+.1%})")
         better = max(pairs, key=lambda k: pairs[k][1]["both"])
         mine, theirs = pairs[better]

@@ -1,9 +1,10 @@
 """Training checkpoints: save/resume with megatron-core ``dist_checkpointing``, atomic, retained.
 
     save_checkpoint(cfg, step, ddp_chunks, optimizer, weight_version=v, data_state={...})
-    state = load_checkpoint(cfg.save_dir, ddp_chunks, optimizer)    # follows 'latest'
+    state = load_checkpoint(cfg.dir, ddp_chunks, optimizer)    # follows 'latest'
 
-On disk (``save_dir``)::
+``cfg`` is the run config's ``CheckpointConfig`` (``config.run``) with ``dir`` set. On disk
+(``dir``)::
 
     iter_0000010/          a complete dist_checkpointing (torch_dist) directory + run_metadata.json
     iter_0000020.tmp/      a save in progress (or interrupted): ignored, removed by clean_incomplete
@@ -26,7 +27,7 @@ megatron_earl/docs/checkpoints.md for the megatron-core 0.16.1 details.
 Atomicity: all ranks write into ``iter_N.tmp/``; rank 0 then fsyncs every file and the directory,
 renames it to ``iter_N/``, writes ``latest.tmp``, fsyncs and renames it to ``latest``. A crash at
 any point leaves ``latest`` naming the previous complete checkpoint. Retention keeps the last
-``keep_last`` checkpoints plus every step divisible by ``keep_every``.
+``keep_last`` checkpoints (0: all) plus every step divisible by ``keep_every``.
 
 ``dist_checkpointing.save`` normally starts a *spawned* multiprocessing manager, which re-imports
 ``__main__`` (a script without an ``if __name__ == "__main__":`` guard hangs) and costs seconds;
@@ -54,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_earl.config.run import CheckpointConfig
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.patches import checkpoint_results_queue, cpu_redirect
 
@@ -61,50 +63,12 @@ COMMON_KEY = "megatron_earl"
 LATEST = "latest"
 _PREFIX = "iter_"
 # megatron-core 0.16's default distributed-optimizer format (fully_sharded_model_space) builds
-# flattened ShardedTensors that its own validation rejects ("flattened_range is not supported").
-_DIST_OPT_FORMATS = ("fully_reshardable", "dp_reshardable")
+# flattened ShardedTensors that its own validation rejects ("flattened_range is not supported"):
+# config.run.DIST_OPT_FORMATS offers the two others.
 
 
 class CheckpointError(ValueError):
     """A missing or unusable checkpoint; the message names the path."""
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Where and how often to save, what to keep, what to resume from."""
-
-    save_dir: str | None = None
-    """Directory of this run's checkpoints (None: never save)."""
-    save_interval: int = 0
-    """Save every this many steps (0: only when asked)."""
-    keep_last: int = 2
-    """Keep the most recent K checkpoints (>= 1)."""
-    keep_every: int = 0
-    """Also keep every checkpoint whose step is a multiple of N (0: none)."""
-    load: str | None = None
-    """Resume from: a run directory (follows ``latest``) or one ``iter_*`` directory."""
-    load_optimizer: bool = True
-    """Restore the optimizer state on resume."""
-    load_rng: bool = True
-    """Restore RNG states on resume (same layout only)."""
-    dist_opt_format: str | None = None
-    """Distributed-optimizer state format: "fully_reshardable" (gathered per DP group on save,
-    loads in any layout), "dp_reshardable" (fully parallel, reshards over DP only) or None: the
-    former with Apex/TE optimizers, the latter on the torch-Adam fallback (megatron-core 0.16.1
-    cannot load fully_reshardable state into torch Adam: KeyError 'step')."""
-
-    def __post_init__(self) -> None:
-        if self.dist_opt_format not in (None, *_DIST_OPT_FORMATS):
-            raise ValueError(
-                f"dist_opt_format {self.dist_opt_format!r} is not one of {_DIST_OPT_FORMATS}"
-            )
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
-        if self.keep_every < 0 or self.save_interval < 0:
-            raise ValueError(
-                f"keep_every ({self.keep_every}) and save_interval ({self.save_interval}) "
-                "must be >= 0"
-            )
 
 
 @dataclass
@@ -128,8 +92,9 @@ def iter_dir_name(step: int) -> str:
 
 
 def retained_steps(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
-    """Steps to keep: the ``keep_last`` largest, plus multiples of ``keep_every`` (if > 0)."""
-    kept = set(sorted(steps)[-keep_last:]) if keep_last > 0 else set()
+    """Steps to keep: the ``keep_last`` largest (0: all), plus multiples of ``keep_every`` (if
+    > 0)."""
+    kept = set(sorted(steps)[-keep_last:]) if keep_last > 0 else set(steps)
     if keep_every > 0:
         kept.update(s for s in steps if s % keep_every == 0)
     return kept
@@ -360,16 +325,16 @@ def save_checkpoint(
     family: str | None = None,
     run_metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """Save ``iter_<step>`` atomically under ``config.save_dir`` and apply retention.
+    """Save ``iter_<step>`` atomically under ``config.dir`` and apply retention.
 
     ``data_state`` (JSON-like, the same on every rank) is the data position to resume from.
     Which ranks call: every rank of the world (``dist_checkpointing.save`` is collective).
     """
     from megatron.core.dist_checkpointing import serialization
 
-    if config.save_dir is None:
-        raise CheckpointError("CheckpointConfig.save_dir is None: nowhere to save")
-    save_dir = Path(config.save_dir)
+    if config.dir is None:
+        raise CheckpointError("CheckpointConfig.dir is None: nowhere to save")
+    save_dir = Path(config.dir)
     final = save_dir / iter_dir_name(step)
     tmp = save_dir / f"{final.name}.tmp"
     rank = dist.get_rank()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
@@ -56,7 +57,7 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
@@ -77,7 +78,7 @@ class RLLoop:
     def __init__(self, config: RunConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.layouts = {phase: config.layout(phase) for phase in ("rollout", "experience", "train")}
+        self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}
         kind = rollout_backend_class(config.rollout.engine)
         self.policy = Policy.build(
             config.model, kind.policy_layouts(self.layouts), config.train.optim(), config.seed
@@ -93,12 +94,12 @@ class RLLoop:
                 self.reference = ReferencePolicy(
                     config.model,
                     ReferenceConfig(
-                        layout=self.layouts["experience"],
+                        layout=self.layouts[Phase.EXPERIENCE],
                         max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch,
                         vocab_size=config.model.vocab_size,
                     ),
                 )
-        use_layout(self.layouts["train"])
+        use_layout(self.layouts[Phase.TRAIN])
         self.estimator = build_estimator(config.train.advantage, **config.train.advantage_kwargs)
         self.step = 0
         self.active = dict(self.layouts)
@@ -185,20 +186,20 @@ class RLLoop:
         """Generate with the current policy on the run's backend. Returns this rank's
         trajectories and its source index (distinct per rank that holds trajectories; None on
         ranks that hold none)."""
-        layout = layout or self.active["rollout"]
+        layout = layout or self.active[Phase.ROLLOUT]
         self.backend.sync_weights(layout)
         return self.backend.generate(prompts, agent, layout)
 
     def experience(self, batch, layout: ParallelLayout | None = None):
         """Old log-probs of every sample in the experience layout (and ref log-probs of the
         reference policy when there is one), returned to the owners."""
-        layout = layout or self.layouts["experience"]
+        layout = layout or self.layouts[Phase.EXPERIENCE]
         use_layout(layout)
         self.policy.sync(layout)
         fields = ("tokens", "labels", "loss_mask")
         plan = plan_for(
             batch,
-            every_stage(layout, "experience", fields),
+            every_stage(layout, Phase.EXPERIENCE, fields),
             consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
         )
         local = execute(plan, batch)
@@ -242,7 +243,7 @@ class RLLoop:
         n = self.config.batch.num_mini_batches
         fields = tuple(sorted(batch.token_fields))
         plan = plan_for(
-            batch, every_stage(layout, "train", fields), consumer_plan(layout, budget, n)
+            batch, every_stage(layout, Phase.TRAIN, fields), consumer_plan(layout, budget, n)
         )
         local = execute(plan, batch)
         step_config = RLStepConfig(
@@ -296,13 +297,13 @@ class RLLoop:
             seed=cfg.seed * 1_000_003 + self.step,
         )
         selected: dict[str, float | str] = {}
-        with clock("rollout"):
-            if self.selected("rollout"):
+        with clock(Phase.ROLLOUT):
+            if self.selected(Phase.ROLLOUT):
                 lengths = (
                     self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
                 )
                 trajs, source = self._select(
-                    "rollout",
+                    Phase.ROLLOUT,
                     (prompts, agent),
                     lengths,
                     lambda data, layout: self.rollout(*data, layout),
@@ -312,7 +313,7 @@ class RLLoop:
             else:
                 trajs, source = self.rollout(prompts, agent)
 
-        with clock("experience"):
+        with clock(Phase.EXPERIENCE):
             ok = [t for t in trajs if t.ok]
             batch = (
                 trajectories_to_batch(
@@ -323,19 +324,19 @@ class RLLoop:
             )
             lengths = gathered_lengths(batch.lengths) if self.selection is not None else []
             self.last_lengths = lengths or self.last_lengths
-            if self.selected("experience") and lengths:
+            if self.selected(Phase.EXPERIENCE) and lengths:
                 batch = self._select(
-                    "experience", batch, lengths, self.experience, self.prepare, selected
+                    Phase.EXPERIENCE, batch, lengths, self.experience, self.prepare, selected
                 )
                 selected["selector/experience/samples"] = float(len(lengths))
             else:
-                batch = self.experience(batch, self.active["experience"])
+                batch = self.experience(batch, self.active[Phase.EXPERIENCE])
 
-        with clock("train"):
-            if self.selected("train") and lengths:
+        with clock(Phase.TRAIN):
+            if self.selected(Phase.TRAIN) and lengths:
                 progress = TrainProgress()
                 train_metrics = self._select(
-                    "train",
+                    Phase.TRAIN,
                     batch,
                     lengths,
                     lambda data, layout: self.train(data, layout, progress),

@@ -1,7 +1,7 @@
 """Per-step metrics: JSONL (one line per step, flat keys) and TensorBoard, plus a phase timer.
 
     timer = PhaseTimer()
-    with timer.phase("rollout"):
+    with timer.phase(Phase.ROLLOUT):
         ...
     with MetricsLogger(cfg.run_dir, tensorboard=True, enabled=rank == 0) as log:
         log.log(step, {"reward": {"mean": 0.4}, **timer.metrics(), "layout/train": "tp2cp1pp1dp1"})

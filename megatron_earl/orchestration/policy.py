@@ -30,6 +30,8 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.optim import OptimConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.models.gpt import build_model
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
@@ -39,7 +41,7 @@ from megatron_earl.redistribute.optimizer_state import (
     reshard_model_and_optimizer,
 )
 from megatron_earl.redistribute.weight_exec import reshard_weights
-from megatron_earl.training.setup import OptimConfig, build_optimizer, wire_schedule_hooks, wrap_ddp
+from megatron_earl.training.setup import build_optimizer, wire_schedule_hooks, wrap_ddp
 
 
 @dataclass
@@ -79,9 +81,9 @@ class Policy:
         optim: OptimConfig,
         seed: int,
     ) -> Policy:
-        """Build the master copy in ``layouts["train"]`` and a copy per other distinct layout.
+        """Build the master copy in ``layouts[Phase.TRAIN]`` and a copy per other distinct layout.
         Ends with the train layout active."""
-        train = layouts["train"]
+        train = layouts[Phase.TRAIN]
         copies = {}
         for layout in dict.fromkeys(layouts.values()):
             if layout == train:

@@ -27,12 +27,13 @@ import torch.distributed as dist
 
 from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.dispatch import Batch
 from megatron_earl.orchestration.samples import SAMPLE_FIELDS, TOKEN_FIELDS
 from megatron_earl.selector.memory import MiB
 from megatron_earl.selector.profile import synthetic_samples
 
-PROFILED_PHASES = ("experience", "train")
+PROFILED_PHASES = (Phase.EXPERIENCE, Phase.TRAIN)
 
 
 def default_profile_lengths(config: RunConfig) -> tuple[int, ...]:
@@ -95,9 +96,9 @@ def profile_start_up(loop) -> list[str]:
                         lengths,
                         config.model.vocab_size,
                         seed=index,
-                        old_logprobs=phase == "train",
+                        old_logprobs=phase == Phase.TRAIN,
                     )
-                    if phase == "experience":
+                    if phase == Phase.EXPERIENCE:
                         loop.prepare(layout)
                         fn = lambda b=batch, lay=layout: loop.experience(b, lay)
                     else:

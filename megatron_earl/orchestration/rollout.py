@@ -24,7 +24,7 @@ class PromptSet:
     """Environment spec for ``ENVS`` ({name, kwargs})."""
     seeds: tuple[int, ...]
     """One task seed per prompt."""
-    tag: str = "train"
+    tag: str
     """Prefix of group ids (e.g. "s12" for step 12, "eval")."""
 
     def tasks_for(self, replica: int, num_replicas: int) -> list[RolloutTask]:

@@ -19,12 +19,14 @@ checkpoint (saved in any layout); only the weights are loaded, then warm start a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from megatron_earl.config.run import RunConfig
+from megatron_earl.config.run import CheckpointConfig, RunConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.convert.families import family_for_model
 from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
@@ -34,13 +36,9 @@ from megatron_earl.parallel.state import use_layout
 from megatron_earl.tokenizer import build_tokenizer
 
 
-def checkpoint_config(config: RunConfig) -> ckpt.CheckpointConfig:
-    c = config.checkpoint
-    return ckpt.CheckpointConfig(
-        save_dir=str(config.checkpoint_dir),
-        save_interval=c.interval,
-        keep_last=max(c.keep_last, 1),
-    )
+def checkpoint_config(config: RunConfig) -> CheckpointConfig:
+    """The run's checkpoint settings with the directory resolved (``RunConfig.checkpoint_dir``)."""
+    return dataclasses.replace(config.checkpoint, dir=str(config.checkpoint_dir))
 
 
 def _resume_source(config: RunConfig) -> str | None:
@@ -55,7 +53,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     rank0 = dist.get_rank() == 0
     tokenizer = build_tokenizer(config.tokenizer)
     loop = RLLoop(config, tokenizer)
-    use_layout(loop.layouts["train"])
+    use_layout(loop.layouts[Phase.TRAIN])
     policy = loop.policy
     saving = checkpoint_config(config)
     summary: dict[str, Any] = {}
@@ -116,14 +114,14 @@ def train(config: RunConfig) -> dict[str, Any]:
                 metrics.update(_evaluate(loop, config))
             record = logger.log(loop.step, metrics)
             bar.update(loop.step, record)
-            if saving.save_interval and loop.step % saving.save_interval == 0:
+            if saving.interval and loop.step % saving.interval == 0:
                 _save(loop, saving, config, summary)
         bar.close()
     if config.eval.num_prompts:
         summary["after"] = _evaluate(loop, config)
         if rank0:
             print(f"eval after RL: {summary['after']}", flush=True)
-    if saving.save_interval == 0 or loop.step % saving.save_interval:
+    if saving.interval == 0 or loop.step % saving.interval:
         _save(loop, saving, config, summary)
     summary["steps"] = loop.step
     return summary
@@ -167,7 +165,7 @@ def _evaluate(loop: RLLoop, config: RunConfig) -> dict[str, float]:
     return loop.evaluate(e.num_prompts, e.seed_offset, e.samples_per_prompt, e.temperature)
 
 
-def _save(loop: RLLoop, saving: ckpt.CheckpointConfig, config: RunConfig, summary: dict) -> None:
+def _save(loop: RLLoop, saving: CheckpointConfig, config: RunConfig, summary: dict) -> None:
     use_layout(loop.policy.train_layout)
     ckpt.save_checkpoint(
         saving,

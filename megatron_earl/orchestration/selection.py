@@ -3,7 +3,7 @@
     selection = PhaseSelection(config, world_size)
     lengths = gathered_lengths(batch.lengths)              # the same list on every rank
     result, layout, metrics = selection.run(
-        "experience", batch, lengths, phase_fn, switch=switch, static_bytes=static,
+        Phase.EXPERIENCE, batch, lengths, phase_fn, switch=switch, static_bytes=static,
         train_layout=lambda: policy.train_layout, step=step,
     )
 
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_earl.config.run import RunConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import BudgetExceeded, MemoryBudget
 from megatron_earl.selector.calibrate import CalibrationPoint, fit
@@ -63,11 +64,11 @@ from megatron_earl.selector.throughput import HardwareSpec, Roofline, Throughput
 def phase_candidates(config: RunConfig, phase: str, world_size: int) -> list[ParallelLayout]:
     """The layouts ``phase`` may run in (module docstring)."""
     every = candidate_layouts(world_size, config.model)
-    if phase == "rollout":
+    if phase == Phase.ROLLOUT:
         return [
             c for c in every if c.cp == 1 and c.pp == 1 and c.dp <= config.batch.prompts_per_step
         ]
-    if phase == "train":  # every replica needs a sample in every mini-batch
+    if phase == Phase.TRAIN:  # every replica needs a sample in every mini-batch
         per_mini_batch = config.batch.samples_per_step // config.batch.num_mini_batches
         return [c for c in every if c.dp <= per_mini_batch]
     return [c for c in every if c.dp <= config.batch.samples_per_step]
@@ -91,7 +92,7 @@ def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str,
         phase: Selector(
             config.model,
             world_size,
-            decide if phase == "rollout" else dataclasses.replace(decide, lookahead_steps=0.0),
+            decide if phase == Phase.ROLLOUT else dataclasses.replace(decide, lookahead_steps=0.0),
             memory,
             table,
             phase_candidates(config, phase, world_size),
@@ -107,7 +108,7 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
     if not config.selector.enabled:
         return []
     problems = []
-    if "train" in config.selector.phases and config.train.use_distributed_optimizer:
+    if Phase.TRAIN in config.selector.phases and config.train.use_distributed_optimizer:
         problems.append(
             "selector.phases includes train, which moves the optimizer state between layouts; "
             "train.use_distributed_optimizer=true keeps it in flat DP shards that cannot move: "
@@ -258,14 +259,14 @@ class PhaseSelection:
         it ran in and the step metrics of the decision. ``train_layout()`` is where the master
         copy is (the experience phase's memory includes it). Every rank calls."""
         selector = self.selectors[phase]
-        selector.train_layout = None if phase == "train" else train_layout()
+        selector.train_layout = None if phase == Phase.TRAIN else train_layout()
         runs: dict[str, tuple[float, float]] = {}  # layout -> (predicted, measured) of its run
         seconds = [0.0]
 
         def measured(batch: Any, layout: ParallelLayout) -> Any:
             predicted = selector.predicted_peak(phase, layout, lengths)
             static = static_bytes(layout)
-            home = layout if phase == "train" else train_layout()
+            home = layout if phase == Phase.TRAIN else train_layout()
             try:
                 busy, (result, peak) = self._timed(
                     lambda: self._measure(phase, lambda: phase_fn(batch, layout), static)
@@ -346,7 +347,7 @@ class PhaseSelection:
             peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             return result, float(peak[0])
-        if phase == "rollout":  # the engine computes in a worker thread: not measured on CPU
+        if phase == Phase.ROLLOUT:  # the engine computes in a worker thread: not measured on CPU
             return fn(), math.nan
         self._enforcing = enforce
         try:
@@ -354,6 +355,6 @@ class PhaseSelection:
                 result = fn()
         finally:
             self._enforcing = False
-        if enforce and phase != "train":
+        if enforce and phase != Phase.TRAIN:
             return result, float(self.budget.checkpoint())
         return result, float(self.budget.agreed_peak())

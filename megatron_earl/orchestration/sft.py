@@ -20,11 +20,11 @@ import random
 import torch
 from megatron.core import parallel_state
 
+from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.run import SFTConfig
 from megatron_earl.envs.base import ENVS
 from megatron_earl.rollout.agent.sft import demonstration_tokens
 from megatron_earl.tokenizer.base import ChatTokenizer
-from megatron_earl.training.losses import PolicyLossConfig
 from megatron_earl.training.microbatch import next_token_sample
 from megatron_earl.training.rl_step import RLStepConfig, rl_train_step
 

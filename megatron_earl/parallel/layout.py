@@ -11,6 +11,9 @@ Rank order is Megatron's default ``tp-cp-ep-dp-pp`` (tp varies fastest):
 ``validate(world_size, model, seq_length=...)`` raises one ``LayoutError`` that names every
 problem (sizes vs world size, heads / query groups / FFN / vocab vs tp, layers vs pp x vpp, sequence
 length vs 2 x cp) and the nearest valid layout.
+
+``phase_layout(config.layouts, Phase.TRAIN)`` is the layout a run config gives a phase (the config
+holds layout strings; their syntax is ``config.run.layout_sizes``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.model import ModelConfig, ModelConfigError
+from megatron_earl.config.run import ConfigError, LayoutsConfig, layout_sizes
+from megatron_earl.config.vocab import Phase
 
 AXES = ("tp", "cp", "dp", "pp")
 """Mesh axes in Megatron's rank order, fastest first (ep reserved)."""
@@ -89,13 +92,10 @@ class ParallelLayout:
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
         """Parse "tp2cp1pp1dp1" (any order, missing axes = 1) or "tp=2,dp=2"."""
-        import re
-
-        found = re.findall(r"(tp|cp|pp|dp|vpp|ep)\s*=?\s*(\d+)", text.lower())
-        rest = re.sub(r"(tp|cp|pp|dp|vpp|ep)\s*=?\s*\d+|[\s,x]", "", text.lower())
-        if not found or rest:
-            raise LayoutError(f"cannot parse layout {text!r}; expected e.g. 'tp2pp1cp1dp2'")
-        return cls(**{k: int(v) for k, v in found})
+        try:
+            return cls(**layout_sizes(text))
+        except ConfigError as err:
+            raise LayoutError(str(err)) from None
 
     # ------------------------------------------------------------------ validation
 
@@ -213,6 +213,12 @@ class ParallelLayout:
         return [(g[0],) for g in self.groups("pp")]
 
 
+def phase_layout(layouts: LayoutsConfig, phase: Phase) -> ParallelLayout:
+    """The ``ParallelLayout`` a run config's ``layouts`` section gives ``phase``; raises
+    ``ConfigError`` for an unknown phase, ``LayoutError`` for impossible sizes."""
+    return ParallelLayout.parse(layouts.of(phase))
+
+
 def nearest_layout(
     layout: ParallelLayout,
     world_size: int,
@@ -255,8 +261,6 @@ def nearest_layout(
 def _model_problems(layout: ParallelLayout, model: ModelConfig) -> list[str]:
     """The model's own divisibility checks (``ModelConfig.validate_for_parallel``): one message
     listing every failed check, or nothing."""
-    from megatron_earl.config.model import ModelConfigError
-
     try:
         model.validate_for_parallel(tp=layout.tp, pp=layout.pp, cp=layout.cp, vpp=layout.vpp)
     except ModelConfigError as err:

@@ -31,7 +31,12 @@ import torch.distributed as dist
 
 from megatron_earl.dispatch.execute import exchange_p2p
 from megatron_earl.redistribute.geometry import ShardPiece, region_shape, region_slices
-from megatron_earl.redistribute.weight_plan import PieceMeta, Transfer, WeightPlan, plan_weights
+from megatron_earl.redistribute.weight_plan import (
+    PieceMeta,
+    WeightPlan,
+    WeightTransfer,
+    plan_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -112,8 +117,8 @@ def execute_plan(
             local_bytes += t.nbytes
     sent = received = peak = 0
     for transfers in plan.rounds:
-        sends: dict[int, list[Transfer]] = defaultdict(list)
-        recvs: dict[int, list[Transfer]] = defaultdict(list)
+        sends: dict[int, list[WeightTransfer]] = defaultdict(list)
+        recvs: dict[int, list[WeightTransfer]] = defaultdict(list)
         for t in transfers:
             if t.src_rank == rank:
                 sends[t.dst_rank].append(t)
@@ -182,13 +187,13 @@ def reshard_weights(
     return dataclasses.replace(stats, plan_s=plan_s)
 
 
-def _buffer(ts: list[Transfer], device: torch.device) -> torch.Tensor:
+def _buffer(ts: list[WeightTransfer], device: torch.device) -> torch.Tensor:
     """A message buffer: the transfers at their offsets (no padding after the last one)."""
     last = ts[-1]
     return torch.empty(last.offset + last.nbytes, dtype=torch.uint8, device=device)
 
 
-def _direct(ts: list[Transfer], views: list[torch.Tensor], side: str) -> torch.Tensor | None:
+def _direct(ts: list[WeightTransfer], views: list[torch.Tensor], side: str) -> torch.Tensor | None:
     """The parameter memory itself as the message, when the message is one transfer whose box is
     contiguous on this side (no staging copy, no buffer); else None. Each side decides alone: the
     message bytes are the same either way."""
@@ -200,6 +205,6 @@ def _direct(ts: list[Transfer], views: list[torch.Tensor], side: str) -> torch.T
     return box.reshape(-1).view(torch.uint8) if box.is_contiguous() else None
 
 
-def _slot(buf: torch.Tensor, t: Transfer, dtype: torch.dtype) -> torch.Tensor:
+def _slot(buf: torch.Tensor, t: WeightTransfer, dtype: torch.dtype) -> torch.Tensor:
     """The transfer's box inside a message buffer, as a tensor of ``dtype`` and the box's shape."""
     return buf[t.offset : t.offset + t.nbytes].view(dtype).view(region_shape(t.region))

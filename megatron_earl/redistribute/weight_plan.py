@@ -21,7 +21,7 @@ How the plan is made:
    each rank's send plus receive bytes (each transfer padded to ``ALIGN``) stay within
    ``bucket_bytes``: the executor allocates at most those buffers, so ``bucket_bytes`` bounds the
    peak extra memory of the reshard. All transfers from one rank to another in one round travel as
-   one message; ``Transfer.offset`` is their byte offset inside it.
+   one message; ``WeightTransfer.offset`` is their byte offset inside it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class PieceMeta:
 
 
 @dataclass(frozen=True)
-class Transfer:
+class WeightTransfer:
     """Copy of one box of a global tensor from a source piece to a destination piece."""
 
     src_rank: int
@@ -108,9 +108,9 @@ class WeightPlan:
     """Ranks taking part (ranks of the group the plan is executed on)."""
     bucket_bytes: int
     """Bound on each rank's send + receive buffer bytes in one round."""
-    local: tuple[Transfer, ...]
+    local: tuple[WeightTransfer, ...]
     """Copies whose source and destination are the same rank (no communication)."""
-    rounds: tuple[tuple[Transfer, ...], ...]
+    rounds: tuple[tuple[WeightTransfer, ...], ...]
     """Remote transfers, one tuple per round, ordered by (src_rank, dst_rank, offset)."""
 
     def bytes_sent(self, rank: int) -> int:
@@ -197,8 +197,8 @@ def plan_weights(
     # Half a bucket per transfer, so a rank can send one and receive one in the same round.
     max_chunk = max(ALIGN, bucket_bytes // (2 * ALIGN) * ALIGN)
     load = [0] * world
-    local: list[Transfer] = []
-    remote: list[Transfer] = []
+    local: list[WeightTransfer] = []
+    remote: list[WeightTransfer] = []
     order = sorted(
         (
             (m.key, m.region, rank, index)
@@ -231,7 +231,7 @@ def plan_weights(
             if mine:
                 src_rank, src_index = mine[0]
                 local.append(
-                    Transfer(
+                    WeightTransfer(
                         src_rank,
                         dst_rank,
                         key,
@@ -250,7 +250,7 @@ def plan_weights(
             load[src_rank] += nbytes
             for sub in split_box(box, itemsize, max_chunk):
                 remote.append(
-                    Transfer(
+                    WeightTransfer(
                         src_rank,
                         dst_rank,
                         key,
@@ -271,11 +271,11 @@ def plan_weights(
 
 
 def _pack_rounds(
-    transfers: list[Transfer], world: int, bucket_bytes: int
-) -> tuple[tuple[Transfer, ...], ...]:
+    transfers: list[WeightTransfer], world: int, bucket_bytes: int
+) -> tuple[tuple[WeightTransfer, ...], ...]:
     """First-fit decreasing: each rank's send + receive padded bytes per round <= bucket_bytes."""
     usage: list[list[int]] = []
-    members: list[list[Transfer]] = []
+    members: list[list[WeightTransfer]] = []
     # Rounds a rank has filled up: skip them quickly (first_open[rank] = first round with room).
     first_open = [0] * world
     for t in sorted(transfers, key=lambda t: -t.padded_nbytes):

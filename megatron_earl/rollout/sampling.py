@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_earl.rollout.engine import SamplingParams
+from megatron_earl.config.sampling import SamplingParams
 
 
 def filter_logits(logits_Vr: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -30,6 +30,7 @@ import statistics
 import sys
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.testing.distributed import run_distributed
 
 MODEL = ModelConfig(
@@ -79,13 +80,13 @@ def _body(lengths: list[int], steps_per_length: int, budget_mib: float, token_bu
         for layout in candidates:
             batch = _batch_lengths(length)
             try:
-                result = profile_layout(scratch, table, "train", layout, batch, steps=2)
+                result = profile_layout(scratch, table, Phase.TRAIN, layout, batch, steps=2)
             except torch.OutOfMemoryError:
                 ooms.append((layout, length))
                 continue
             points.append(
                 CalibrationPoint(
-                    "train",
+                    Phase.TRAIN,
                     str(layout),
                     tuple(batch),
                     token_budget,
@@ -99,18 +100,19 @@ def _body(lengths: list[int], steps_per_length: int, budget_mib: float, token_bu
     config = SelectorConfig(budget_bytes=budget.limit_bytes, token_budget=token_budget)
     selector = Selector(MODEL, world, config, memory, table, candidates)
     for layout, length in ooms:
-        selector.mark_infeasible("train", layout, length)
+        selector.mark_infeasible(Phase.TRAIN, layout, length)
     shortest, longest = min(lengths), max(lengths)
-    short = max(selector.candidates, key=lambda c: table.predict("train", c, shortest)[0])
+    short = max(selector.candidates, key=lambda c: table.predict(Phase.TRAIN, c, shortest)[0])
     fitting = [
         c
         for c in selector.candidates
-        if selector.predicted_peak("train", c, _batch_lengths(longest)) * (1 + config.safety_margin)
+        if selector.predicted_peak(Phase.TRAIN, c, _batch_lengths(longest))
+        * (1 + config.safety_margin)
         <= config.budget_bytes
     ]
     if not fitting:
         raise RuntimeError(f"no layout fits {longest} tokens in {budget_mib} MiB")
-    long = max(fitting, key=lambda c: table.predict("train", c, longest)[0])
+    long = max(fitting, key=lambda c: table.predict(Phase.TRAIN, c, longest)[0])
 
     runs = {
         "selector": PhaseRunner(MODEL, budget, token_budget=token_budget, seed=7),
@@ -134,20 +136,22 @@ def _body(lengths: list[int], steps_per_length: int, budget_mib: float, token_bu
             try:
                 if name == "selector":
                     result, report = run_phase_with_recovery(
-                        lambda data, layout, r=runner: r.run("train", data),
+                        lambda data, layout, r=runner: r.run(Phase.TRAIN, data),
                         samples,
                         selector=selector,
-                        phase="train",
+                        phase=Phase.TRAIN,
                         lengths=batch,
                         switch=runner.switch,
                         step=step,
                     )
                     rec["ooms"] += report.num_ooms
                     rec["layouts"].append((longest_now, str(report.layout), report.decision.reason))
-                    table.record("train", report.layout, max(batch), result.tokens, result.seconds)
+                    table.record(
+                        Phase.TRAIN, report.layout, max(batch), result.tokens, result.seconds
+                    )
                 else:
                     runner.switch(static_layout[name])
-                    result = runner.run("train", samples)
+                    result = runner.run(Phase.TRAIN, samples)
             except torch.OutOfMemoryError as err:
                 rec["ooms"] += 1
                 rec["crashed"] = f"step {step} ({longest_now} tokens): {err}"
@@ -155,7 +159,7 @@ def _body(lengths: list[int], steps_per_length: int, budget_mib: float, token_bu
             rec["steps"] += 1
             rec["buckets"].setdefault(bucket, []).append(result.tokens_per_s)
             layout = ParallelLayout.parse(result.layout)
-            predicted = selector.predicted_peak("train", layout, batch)
+            predicted = selector.predicted_peak(Phase.TRAIN, layout, batch)
             accuracy.append((name, result.layout, longest_now, predicted, result.peak_bytes))
     record["selector"]["switch_seconds"] = runs["selector"].switch_seconds
     return {
@@ -163,8 +167,8 @@ def _body(lengths: list[int], steps_per_length: int, budget_mib: float, token_bu
         "accuracy": accuracy,
         "num_steps": len(schedule),
         "calibration": {
-            "activation_scale": memory.settings.activation_scale["train"],
-            "fixed_bytes": memory.settings.fixed_bytes["train"],
+            "activation_scale": memory.settings.activation_scale[Phase.TRAIN],
+            "fixed_bytes": memory.settings.fixed_bytes[Phase.TRAIN],
             "points": len(points),
         },
     }

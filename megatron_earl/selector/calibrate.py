@@ -1,6 +1,6 @@
 """Calibrate the memory model against measured peaks of the real model, and report the error.
 
-    points = measure(runner, [(layout, lengths), ...], phase="train")     # every rank calls
+    points = measure(runner, [(layout, lengths), ...], phase=Phase.TRAIN)     # every rank calls
     settings = fit(memory_model, points)                                   # pure
     table = errors(MemoryModel(model, settings), points)                   # pure: per-point error
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.memory import MemoryModel, MemorySettings, PhaseWorkload
 
@@ -57,7 +58,7 @@ class CalibrationPoint:
 
 
 def measure(
-    runner, runs: Sequence[tuple[ParallelLayout, Sequence[int]]], phase: str = "train"
+    runner, runs: Sequence[tuple[ParallelLayout, Sequence[int]]], phase: str = Phase.TRAIN
 ) -> list[CalibrationPoint]:
     """Run ``phase`` once per (layout, lengths) after a warm-up run; every rank calls."""
     from megatron_earl.selector.profile import synthetic_samples

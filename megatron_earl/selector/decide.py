@@ -1,7 +1,7 @@
 """The decision: before each phase, the highest-throughput layout predicted to fit, with hysteresis.
 
     selector = Selector(model, world_size=32, budget_bytes=80 * GiB, memory=..., table=...)
-    decision = selector.decide("train", lengths, step=12)     # -> Decision (also logged)
+    decision = selector.decide(Phase.TRAIN, lengths, step=12)     # -> Decision (also logged)
     use_layout(decision.layout); ...
 
 Rule, per phase:
@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import PHASES
 from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.selector.memory import PHASES, MemoryModel, PhaseWorkload, per_rank
+from megatron_earl.selector.memory import MemoryModel, PhaseWorkload, per_rank
 from megatron_earl.selector.throughput import ThroughputTable, bucket_of
 
 logger = logging.getLogger("megatron_earl.selector")

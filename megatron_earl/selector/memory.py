@@ -1,8 +1,8 @@
 """Per-rank peak-memory model of each phase (rollout, experience, train) in a parallel layout.
 
     mem = MemoryModel(model_config, MemorySettings.gpu())
-    work = PhaseWorkload.for_lengths("train", lengths, token_budget=8192)
-    breakdown = mem.peak("train", ParallelLayout(tp=4, cp=2, dp=4), work)    # bytes per rank
+    work = PhaseWorkload.for_lengths(Phase.TRAIN, lengths, token_budget=8192)
+    breakdown = mem.peak(Phase.TRAIN, ParallelLayout(tp=4, cp=2, dp=4), work)    # bytes per rank
     breakdown.total, breakdown.as_dict()
 
 Terms (bytes on the most loaded rank: the first or last pipeline stage):
@@ -48,9 +48,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import PHASES, Phase
 from megatron_earl.parallel.layout import ParallelLayout
 
-PHASES = ("rollout", "experience", "train")
 GiB = 1 << 30
 MiB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,8 +66,8 @@ def per_rank(num_bytes: float) -> str:
 class PhaseWorkload:
     """What one phase processes per data-parallel replica (the inputs of the memory model)."""
 
-    phase: str
-    """"rollout", "experience" or "train"."""
+    phase: Phase
+    """The phase (rollout, experience or train)."""
     max_seq_len: int
     """Longest sequence of the batch (tokens): nothing is truncated, so this one must fit."""
     tokens_per_micro_batch: int
@@ -206,8 +206,16 @@ class MemorySettings:
                 "cp_mask_bytes": 4.0,
                 "logprob_chunk_size": 512,
                 # fitted by calibrate.fit on dp2/tp2/cp2/pp2 x 512..4096 tokens (docs/selector.md)
-                "activation_scale": {"rollout": 1.0, "experience": 1.03, "train": 1.265},
-                "fixed_bytes": {"rollout": 0.0, "experience": -1.45 * MiB, "train": -1.6 * MiB},
+                "activation_scale": {
+                    Phase.ROLLOUT: 1.0,
+                    Phase.EXPERIENCE: 1.03,
+                    Phase.TRAIN: 1.265,
+                },
+                "fixed_bytes": {
+                    Phase.ROLLOUT: 0.0,
+                    Phase.EXPERIENCE: -1.45 * MiB,
+                    Phase.TRAIN: -1.6 * MiB,
+                },
                 **overrides,
             }
         )
@@ -342,7 +350,7 @@ class MemoryModel:
         m, s = self.model, self.settings
         tokens = math.ceil(work.tokens_per_micro_batch / layout.cp)  # this rank's share
         layers = m.num_layers / layout.pp
-        if phase == "train":
+        if phase == Phase.TRAIN:
             per_layer = self.activation_elements_per_token(layout.tp, s.recompute, layout.cp)
             # 1F1B: the first stage holds min(pp, micro-batches) in flight, the last stage one
             in_flight = min(layout.pp, work.num_micro_batches) if stage == "first" else 1
@@ -351,7 +359,7 @@ class MemoryModel:
             else:
                 saved = layers * per_layer * in_flight
             elements = (saved + 3 * m.hidden_size) * tokens
-        elif phase == "experience":  # + the final hidden states kept for the chunked head
+        elif phase == Phase.EXPERIENCE:  # + the final hidden states kept for the chunked head
             extra = 2 * m.hidden_size if stage == "last" else m.hidden_size
             elements = (self._layer_transient(layout.tp, layout.cp) + extra) * tokens
         else:  # rollout: prefill of one sequence at a time, then decode
@@ -362,12 +370,12 @@ class MemoryModel:
         """Causal masks of this project's CP attention: (2cp + 1) (s / 2cp)^2 elements per
         sequence and layer (kept for backward in training; one layer at a time otherwise)."""
         s = self.settings
-        if layout.cp == 1 or phase == "rollout" or not s.cp_mask_bytes:
+        if layout.cp == 1 or phase == Phase.ROLLOUT or not s.cp_mask_bytes:
             return 0.0
         chunk = work.max_seq_len / (2 * layout.cp)
         per_seq = (2 * layout.cp + 1) * chunk * chunk * s.cp_mask_bytes
         seqs = max(1, work.tokens_per_micro_batch // work.max_seq_len)
-        layers = self.model.num_layers / layout.pp if phase == "train" else 1
+        layers = self.model.num_layers / layout.pp if phase == Phase.TRAIN else 1
         return per_seq * layers * seqs
 
     def activations(
@@ -404,11 +412,11 @@ class MemoryModel:
         """The chunked output layer's fp32 ``chunk x V/tp`` buffers (no fitted constant)."""
         s = self.settings
         vocab = self.model.padded_vocab_size / layout.tp
-        if phase == "rollout":  # next-token logits of the decoding batch
+        if phase == Phase.ROLLOUT:  # next-token logits of the decoding batch
             chunk = work.concurrent_sequences
         else:
             chunk = min(s.logprob_chunk_size, math.ceil(work.tokens_per_micro_batch / layout.cp))
-        buffers = s.logprob_buffers if phase == "train" else s.logprob_buffers / 2
+        buffers = s.logprob_buffers if phase == Phase.TRAIN else s.logprob_buffers / 2
         return chunk * vocab * 4 * buffers
 
     def kv_cache(self, layout: ParallelLayout, work: PhaseWorkload) -> float:
@@ -446,10 +454,10 @@ class MemoryModel:
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         s = self.settings
-        home = layout if phase == "train" or train_layout is None else train_layout
+        home = layout if phase == Phase.TRAIN or train_layout is None else train_layout
         weights = self.stage_parameters(layout) * self.param_bytes
         grads = optim = 0.0
-        if phase == "train" or s.train_state_resident:
+        if phase == Phase.TRAIN or s.train_state_resident:
             master_weights, grads, optim = self.train_state(home)
             if home != layout:  # the phase's own copy next to the master
                 weights += master_weights
@@ -467,6 +475,6 @@ class MemoryModel:
             optimizer=optim,
             activations=activations,
             logprob_buffers=buffers,
-            kv_cache=self.kv_cache(layout, work) if phase == "rollout" else 0.0,
+            kv_cache=self.kv_cache(layout, work) if phase == Phase.ROLLOUT else 0.0,
             overhead=s.overhead_bytes,
         )

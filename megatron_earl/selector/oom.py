@@ -1,7 +1,7 @@
 """OOM recovery: run a phase, and on an out-of-memory re-run the same data in the next layout.
 
     result, layout = run_phase_with_recovery(
-        phase_fn, data, selector=selector, phase="train", lengths=lengths, switch=switch, step=s
+        phase_fn, data, selector=selector, phase=Phase.TRAIN, lengths=lengths, switch=switch, step=s
     )
 
 ``switch(layout)`` makes ``layout`` current (process groups, model weights, optimizer state);

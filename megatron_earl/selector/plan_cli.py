@@ -24,9 +24,10 @@ from pathlib import Path
 import yaml
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import PHASES
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.decide import NoFeasibleLayout, Selector, SelectorConfig
-from megatron_earl.selector.memory import PHASES, GiB, MemoryModel, MemorySettings
+from megatron_earl.selector.memory import GiB, MemoryModel, MemorySettings
 from megatron_earl.selector.throughput import HardwareSpec, Roofline, ThroughputTable
 
 _QWEN25 = dict(

@@ -3,9 +3,9 @@ profiling runs, its CPU calibration, and the benchmark all go through ``PhaseRun
 
     runner = PhaseRunner(model, budget=MemoryBudget(256 << 20))
     runner.switch(ParallelLayout(dp=2))              # builds the model (first time) or reshards
-    result = runner.run("train", samples)            # rl_train_step on this DP rank's share
+    result = runner.run(Phase.TRAIN, samples)            # rl_train_step on this DP rank's share
     result.tokens_per_s, result.peak_bytes           # peak: max over ranks, static + dynamic
-    result = profile_layout(runner, table, "train", layout, lengths, steps=2)   # fills table
+    result = profile_layout(runner, table, Phase.TRAIN, layout, lengths, steps=2)   # fills table
 
 ``switch`` keeps one layout's model and optimizer at a time: entering another layout builds its
 chunks, DDP and optimizer, copies the weights *and* Adam's moments from the previous layout
@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.optim import OptimConfig
+from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import MemoryBudget, state_bytes
 from megatron_earl.selector.throughput import ThroughputTable
-from megatron_earl.training.setup import OptimConfig
 
 
 def runqueue_wait_s() -> float:
@@ -54,9 +55,9 @@ class BusyClock:
     (``runqueue_wait_s``), the figure a shared machine does not inflate.
 
         clock = BusyClock()
-        with clock("train"):
+        with clock(Phase.TRAIN):
             ...
-        clock.wall["train"], clock.min_busy()["train"]      # min_busy: collective (world)
+        clock.wall[Phase.TRAIN], clock.min_busy()[Phase.TRAIN]      # min_busy: collective (world)
     """
 
     def __init__(self) -> None:
@@ -208,14 +209,14 @@ class PhaseRunner:
         torch.distributed.barrier()
         start, waited = time.perf_counter(), runqueue_wait_s()
         with self.budget.track(static_bytes=static) as measured:
-            if phase == "train":
+            if phase == Phase.TRAIN:
                 config = RLStepConfig(
                     max_tokens_per_micro_batch=max_tokens,
                     logprob_chunk_size=self.logprob_chunk_size,
                 )
                 optimizer = self.budget.guard_optimizer(self.optimizer)
                 metrics = rl_train_step(self.ddp, optimizer, mine, config)
-            elif phase == "experience":
+            elif phase == Phase.EXPERIENCE:
                 forward_logprobs(
                     self.chunks, mine, max_tokens=max_tokens, chunk_size=self.logprob_chunk_size
                 )

@@ -27,15 +27,17 @@ the same state) and every rank loads.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_earl.config.vocab import PHASES
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.calibrate import CalibrationPoint
 from megatron_earl.selector.decide import Selector
-from megatron_earl.selector.memory import PHASES, MemoryModel, MemorySettings
+from megatron_earl.selector.memory import MemoryModel, MemorySettings
 from megatron_earl.selector.throughput import ThroughputTable
 
 VERSION = 1
@@ -52,7 +54,7 @@ def selector_state(
         value = _to_json(getattr(memory.settings, f.name))
         if value is not _SKIP:
             settings[f.name] = value
-    return {
+    state = {
         "version": VERSION,
         "selectors": {
             name: {
@@ -72,6 +74,8 @@ def selector_state(
         "memory": settings,
         "points": [_to_json(dataclasses.asdict(p)) for p in points],
     }
+    # Plain built-in types only (phases become plain strings): checkpoints pickle this dict.
+    return json.loads(json.dumps(state))
 
 
 def load_selector_state(

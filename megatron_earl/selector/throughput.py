@@ -2,8 +2,8 @@
 analytic roofline for the cells never measured.
 
     table = ThroughputTable(Roofline(model, HardwareSpec.h100()), world_size=32)
-    table.record("train", layout, length=6000, tokens=48000, seconds=2.1)   # profiling / live step
-    table.predict("train", layout, length=6000)                             # measured or analytic
+    table.record(Phase.TRAIN, layout, length=6000, tokens=48000, seconds=2.1)  # profiling, live
+    table.predict(Phase.TRAIN, layout, length=6000)  # measured or analytic
 
 Buckets are powers of two (``bucket_of``: 3000 -> 4096). A measurement updates its cell with an
 exponential moving average (``ema``; the first one sets it). A cell never measured is predicted by
@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import PHASES, Phase
 from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.selector.memory import PHASES, MemoryModel, PhaseWorkload
+from megatron_earl.selector.memory import MemoryModel, PhaseWorkload
 
 
 def bucket_of(length: int, smallest: int = 256) -> int:
@@ -101,7 +102,7 @@ class Roofline:
         dense = m.num_parameters() - m.padded_vocab_size * m.hidden_size  # embedding is a lookup
         attn = m.num_layers * seq_len * m.num_attention_heads * m.head_dim  # causal: s/2 avg x 2
         fwd = 2 * dense + 2 * attn
-        if phase == "experience":
+        if phase == Phase.EXPERIENCE:
             return fwd
         return fwd * (4 if self.recompute == "full" else 3)
 
@@ -113,9 +114,9 @@ class Roofline:
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         world = layout.world_size
-        if phase == "rollout":
+        if phase == Phase.ROLLOUT:
             work = PhaseWorkload(
-                "rollout", seq_len, seq_len, concurrent_sequences=concurrent_sequences
+                Phase.ROLLOUT, seq_len, seq_len, concurrent_sequences=concurrent_sequences
             )
             read = self.memory.stage_parameters(layout) * self.memory.param_bytes
             read += self.memory.kv_cache(layout, work)

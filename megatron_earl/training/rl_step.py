@@ -49,13 +49,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.training.logprobs import (
     DEFAULT_CHUNK_SIZE,
     head_logprobs,
     output_hidden_states,
     output_weight,
 )
-from megatron_earl.training.losses import PolicyLossConfig, build_loss, local_normaliser
+from megatron_earl.training.losses import build_loss, local_normaliser
 from megatron_earl.training.microbatch import (
     Sample,
     build_micro_batches,

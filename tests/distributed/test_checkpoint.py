@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.run import CheckpointConfig
 from megatron_earl.orchestration.checkpoint import (
-    CheckpointConfig,
     CheckpointError,
     clean_incomplete,
     complete_steps,
@@ -108,7 +108,7 @@ def _save_then_step(save_dir: str):
 
     ddp, optimizer = _setup(ParallelLayout(tp=2), MODEL)
     _step(ddp, optimizer, 0)
-    save_checkpoint(CheckpointConfig(save_dir=save_dir), 1, ddp, optimizer, model_config=MODEL)
+    save_checkpoint(CheckpointConfig(dir=save_dir), 1, ddp, optimizer, model_config=MODEL)
     return {"logits": _logits(ddp), "next_loss": _step(ddp, optimizer, 1)}
 
 
@@ -152,7 +152,7 @@ def _distopt_save(save_dir: str):
 
     ddp, optimizer = _setup(ParallelLayout(dp=2), MODEL, distributed_optimizer=True)
     _step(ddp, optimizer, 0)
-    save_checkpoint(CheckpointConfig(save_dir=save_dir), 1, ddp, optimizer)
+    save_checkpoint(CheckpointConfig(dir=save_dir), 1, ddp, optimizer)
     return _step(ddp, optimizer, 1)
 
 
@@ -194,7 +194,7 @@ def _train(save_dir: str, steps: int, save_at: int | None, resume: bool):
         losses[step] = _step(ddp, optimizer, step)
         if save_at is not None and step + 1 == save_at:
             save_checkpoint(
-                CheckpointConfig(save_dir=save_dir),
+                CheckpointConfig(dir=save_dir),
                 step + 1,
                 ddp,
                 optimizer,
@@ -222,7 +222,7 @@ def _crash_mid_save(save_dir: str):
     from megatron_earl.orchestration import checkpoint
 
     ddp, optimizer = _setup(ParallelLayout(), MODEL)
-    cfg = CheckpointConfig(save_dir=save_dir)
+    cfg = CheckpointConfig(dir=save_dir)
     checkpoint.save_checkpoint(cfg, 1, ddp, optimizer)
     original = checkpoint._publish
 
@@ -267,8 +267,9 @@ def test_retention_keeps_last_k_and_every_nth(tmp_path):
     _apply_retention(tmp_path, keep_last=2, keep_every=200, newest=500)
     assert complete_steps(tmp_path) == [200, 400, 500]
     assert (tmp_path / "iter_0000600.tmp").exists()
+    assert retained_steps([1, 2, 3], keep_last=0, keep_every=0) == {1, 2, 3}  # 0 keeps all
     with pytest.raises(ValueError, match="keep_last"):
-        CheckpointConfig(save_dir=str(tmp_path), keep_last=0)
+        CheckpointConfig(dir=str(tmp_path), keep_last=-1)
 
 
 def test_missing_checkpoint_path_is_a_clear_error(tmp_path):

@@ -85,6 +85,7 @@ def _run(layout: ParallelLayout, model: ModelConfig, full_weights, batches, cu_p
     from megatron.core import parallel_state
 
     from megatron_earl import runtime
+    from megatron_earl.config.optim import OptimConfig
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.cp import split_batch_for_cp
     from megatron_earl.parallel.state import initialize_layout
@@ -94,7 +95,7 @@ def _run(layout: ParallelLayout, model: ModelConfig, full_weights, batches, cu_p
         shard_pieces,
     )
     from megatron_earl.training.schedule import forward_backward
-    from megatron_earl.training.setup import OptimConfig, wire_schedule_hooks, wrap_ddp
+    from megatron_earl.training.setup import wire_schedule_hooks, wrap_ddp
 
     initialize_layout(layout)
     runtime.seed(1234)

@@ -122,11 +122,12 @@ def _round_trip(cases: dict, out_root: str):
     asked for; then a training checkpoint (``save_checkpoint``) of the llama case -> HF."""
     from megatron_earl import runtime
     from megatron_earl.config.model import ModelConfig
+    from megatron_earl.config.run import CheckpointConfig
     from megatron_earl.convert import convert
     from megatron_earl.convert.dcp import COMMON_KEY, load_common
     from megatron_earl.convert.initial import load_initial_weights
     from megatron_earl.models.gpt import build_model
-    from megatron_earl.orchestration.checkpoint import CheckpointConfig, save_checkpoint
+    from megatron_earl.orchestration.checkpoint import save_checkpoint
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import use_layout
 
@@ -153,9 +154,7 @@ def _round_trip(cases: dict, out_root: str):
     chunks = build_model(model)
     load_initial_weights(chunks, hf_dir)
     run_dir = f"{out_root}/run"
-    save_checkpoint(
-        CheckpointConfig(save_dir=run_dir), 5, chunks, model_config=model, family="llama"
-    )
+    save_checkpoint(CheckpointConfig(dir=run_dir), 5, chunks, model_config=model, family="llama")
     from megatron_earl.orchestration.checkpoint import resolve_checkpoint
 
     convert.mcore_to_hf(resolve_checkpoint(run_dir), f"{out_root}/hf-from-training")

@@ -91,8 +91,9 @@ def _engine_run(layout, weights, prompts, max_new):
     """Engine outputs (scheduler rank), then training log-probs of them on every TP rank."""
     import torch.distributed as dist
 
+    from megatron_earl.config.sampling import SamplingParams
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
-    from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
+    from megatron_earl.rollout.engine import GenerateRequest
 
     chunks, _ = _build(layout, weights)
     engine = EmbeddedEngine(

@@ -44,8 +44,8 @@ KINDS = ("param", "main", *MOMENTS)
 
 
 def _policy(optim_kwargs: dict | None = None, model: ModelConfig = MODEL):
+    from megatron_earl.config.optim import OptimConfig
     from megatron_earl.orchestration.policy import Policy
-    from megatron_earl.training.setup import OptimConfig
 
     optim = OptimConfig(lr=LR, **(optim_kwargs or {}))
     return Policy.build(model, {"train": TP2, "experience": DP2, "rollout": PP2}, optim, seed=5)

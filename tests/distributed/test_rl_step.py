@@ -49,7 +49,7 @@ def _samples(seed: int = 3):
 
 
 def _config(**kw):
-    from megatron_earl.training.losses import PolicyLossConfig
+    from megatron_earl.config.loss import PolicyLossConfig
     from megatron_earl.training.rl_step import RLStepConfig
 
     loss = PolicyLossConfig(

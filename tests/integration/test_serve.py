@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.rollout.engine import FinishType, GenerateRequest, SamplingParams
+from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.rollout.engine import FinishType, GenerateRequest
 from megatron_earl.rollout.pool import EnginePool
 from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, build_command

@@ -123,12 +123,13 @@ def test_sigkill_mid_step_resumes_to_identical_metrics(full_run, tmp_path):
 
 def _engine_greedy(ckpt: str, model_fields: dict, prompt: list[int], n: int) -> list[int]:
     from megatron_earl.config.model import ModelConfig
+    from megatron_earl.config.sampling import SamplingParams
     from megatron_earl.convert.initial import load_initial_weights
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import use_layout
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
-    from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
+    from megatron_earl.rollout.engine import GenerateRequest
 
     use_layout(ParallelLayout())
     model = ModelConfig(**model_fields)

@@ -16,6 +16,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.training import advantages as adv_mod
 from megatron_earl.training.advantages import (
     AdvantageEstimator,
@@ -25,7 +26,7 @@ from megatron_earl.training.advantages import (
     build_estimator,
     register_estimator,
 )
-from megatron_earl.training.losses import PolicyLossConfig, policy_loss
+from megatron_earl.training.losses import policy_loss
 
 ATOL = 1e-6
 ALL = [

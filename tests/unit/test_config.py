@@ -13,11 +13,11 @@ from megatron_earl.config import (
     config_to_tree,
     dump_config,
     load_config,
-    run_problems,
     save_config,
-    validate_run,
 )
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.config.vocab import Phase
+from megatron_earl.orchestration.validate import run_problems, validate_run
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -25,14 +25,14 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_defaults_without_a_file():
     cfg = load_config()
     assert cfg == RunConfig()
-    assert cfg.layout("train") == ParallelLayout()
+    assert phase_layout(cfg.layouts, Phase.TRAIN) == ParallelLayout()
 
 
 def test_demo_config_loads_and_fits_two_ranks():
     cfg = load_config(CONFIGS / "demo_cpu.yaml")
-    assert cfg.layout("rollout") == ParallelLayout(dp=2)
-    assert cfg.layout("train") == ParallelLayout(tp=2)
-    assert cfg.layout("rollout") != cfg.layout("train")
+    assert phase_layout(cfg.layouts, Phase.ROLLOUT) == ParallelLayout(dp=2)
+    assert phase_layout(cfg.layouts, Phase.TRAIN) == ParallelLayout(tp=2)
+    assert phase_layout(cfg.layouts, Phase.ROLLOUT) != phase_layout(cfg.layouts, Phase.TRAIN)
     assert cfg.env.spec() == {"name": "arithmetic", "kwargs": {"difficulty": 2}}
     validate_run(cfg, world_size=2)
 
@@ -65,7 +65,7 @@ def test_dotted_overrides_are_typed():
 
 
 def test_train_config_is_an_optim_config():
-    from megatron_earl.training.setup import OptimConfig
+    from megatron_earl.config.optim import OptimConfig
 
     cfg = load_config(None, ["train.lr=0.5", "train.weight_decay=0.1"])
     assert isinstance(cfg.train, OptimConfig)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_earl.config import ConfigError, load_config
+from megatron_earl.orchestration.validate import validate_run
 from megatron_earl.training.losses import (
     PolicyLoss,
     PolicyLossConfig,
@@ -89,13 +90,12 @@ def test_a_new_loss_is_one_registered_class(monkeypatch):
 
 def test_unknown_loss_fails_at_start_up_listing_the_names():
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=["train.loss.loss_type=ppo_typo"])
+        validate_run(load_config(overrides=["train.loss.loss_type=ppo_typo"]), world_size=2)
     message = str(err.value)
     assert "ppo_typo" in message
     for name in ("dual_clip", "gspo", "ppo"):
         assert repr(name) in message
-    config = PolicyLossConfig()
-    object.__setattr__(config, "loss_type", "nope")  # a config that skipped validation
+    config = PolicyLossConfig(loss_type="nope")  # built without the start-up check
     with pytest.raises(
         ValueError, match=r"loss_type='nope'; valid: \('dual_clip', 'gspo', 'ppo'\)"
     ):

@@ -8,13 +8,15 @@ import shlex
 
 import pytest
 
-from megatron_earl.config import ConfigError, load_config, save_config, validate_run
+from megatron_earl.config import ConfigError, load_config, save_config
 from megatron_earl.config.megatron_args import (
     add_earl_args,
     build_parser,
     config_from_megatron_args,
 )
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.config.vocab import Phase
+from megatron_earl.orchestration.validate import validate_run
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 
 # The argument arrays of a typical Megatron-LM Qwen2.5-7B recipe (model, parallelism, optimizer,
 # checkpoints, data and logging), as a bash script would expand them.
@@ -63,9 +65,9 @@ def test_qwen25_7b_recipe_maps_onto_run_config(tmp_path):
     assert m.add_qkv_bias and not m.qk_layernorm and not m.tie_embeddings
     assert m.params_dtype == "bfloat16" and m.recompute_granularity == "full"
     assert m.attention_dropout == 0.0 and m.hidden_dropout == 0.0
-    assert cfg.layout("train") == ParallelLayout(tp=4, cp=2, pp=2, dp=2)
-    assert cfg.layout("experience") == cfg.layout("train")
-    assert cfg.layout("rollout") == ParallelLayout(tp=2, dp=16)
+    assert phase_layout(cfg.layouts, Phase.TRAIN) == ParallelLayout(tp=4, cp=2, pp=2, dp=2)
+    assert phase_layout(cfg.layouts, Phase.EXPERIENCE) == phase_layout(cfg.layouts, Phase.TRAIN)
+    assert phase_layout(cfg.layouts, Phase.ROLLOUT) == ParallelLayout(tp=2, dp=16)
     t = cfg.train
     assert (t.lr, t.min_lr, t.weight_decay, t.adam_beta2, t.clip_grad) == (1e-6, 1e-7, 0.1, 0.98, 1)
     assert t.use_distributed_optimizer and t.loss.kl_coef == 0.001
@@ -103,8 +105,12 @@ def test_yaml_supplies_what_megatron_args_do_not(tmp_path):
     )
     cfg = config_from_megatron_args(args, world_size=2)
     assert cfg.env.name == "guessing" and cfg.steps == 3
-    assert cfg.layout("rollout") == ParallelLayout(dp=2)
-    assert cfg.layout("train") == ParallelLayout(tp=2) == cfg.layout("experience")
+    assert phase_layout(cfg.layouts, Phase.ROLLOUT) == ParallelLayout(dp=2)
+    assert (
+        phase_layout(cfg.layouts, Phase.TRAIN)
+        == ParallelLayout(tp=2)
+        == phase_layout(cfg.layouts, Phase.EXPERIENCE)
+    )
     assert cfg.model.ffn_hidden_size == 128  # Megatron-LM's SwiGLU default: 4h * 2/3, to 64
     assert cfg.model.num_query_groups is None  # no --group-query-attention: MHA
     assert cfg.model.hidden_dropout == 0.1  # Megatron-LM's default
@@ -151,7 +157,9 @@ def test_world_size_from_environment(monkeypatch):
         "--disable-bias-linear --normalization RMSNorm --position-embedding-type rope "
         "--seq-length 128 --make-vocab-size-divisible-by 64"
     )
-    assert config_from_megatron_args(args).layout("train") == ParallelLayout(dp=4)
+    assert phase_layout(config_from_megatron_args(args).layouts, Phase.TRAIN) == ParallelLayout(
+        dp=4
+    )
 
 
 def test_equal_layouts_spelled_differently_do_not_conflict(tmp_path):

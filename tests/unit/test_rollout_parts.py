@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.models.hf_mapping import (
     full_megatron_to_hf,
     global_shapes,
@@ -14,7 +15,6 @@ from megatron_earl.models.hf_mapping import (
     hf_to_megatron,
     qkv_rows,
 )
-from megatron_earl.rollout.engine import SamplingParams
 from megatron_earl.rollout.kv_cache import decode_mask, plan_admit, plan_compaction, prefill_mask
 from megatron_earl.rollout.sampling import filter_logits, logprob_mismatch, sample_tokens
 from megatron_earl.rollout.weight_sync import (

@@ -22,7 +22,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.sglang_client import SGLANG_PINNED, ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import serialize_named_tensors
 

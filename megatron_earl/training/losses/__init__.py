@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.training.losses import dual_clip, gspo, ppo_clip  # noqa: F401  (register)
 from megatron_earl.training.losses.base import PolicyLoss, Surrogate, SurrogateInputs
 from megatron_earl.training.losses.common import (
@@ -35,7 +36,6 @@ from megatron_earl.training.losses.common import (
     kl_reward_penalty,
     local_normaliser,
 )
-from megatron_earl.training.losses.config import PolicyLossConfig
 from megatron_earl.training.losses.registry import available_losses, build_loss, register_loss
 
 __all__ = [

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.training.losses.common import (
     LOG_RATIO_CLAMP,
     SampleIndex,
@@ -26,7 +27,6 @@ from megatron_earl.training.losses.common import (
     kl_estimate,
     masked_mean,
 )
-from megatron_earl.training.losses.config import PolicyLossConfig
 
 
 @dataclass(frozen=True)

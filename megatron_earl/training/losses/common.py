@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from megatron_earl.config.loss import AGGREGATIONS, KL_ESTIMATORS
+
 LOG_RATIO_CLAMP = 20.0
 """|log ratio| is clamped to this before exp() so exp never overflows (exp(20) ~ 4.9e8)."""
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from megatron_earl.config.loss import PolicyLossConfig
     from megatron_earl.training.losses.base import PolicyLoss
-    from megatron_earl.training.losses.config import PolicyLossConfig
 
 _REGISTRY: dict[str, type[PolicyLoss]] = {}
 

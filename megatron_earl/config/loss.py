@@ -1,11 +1,15 @@
-"""The policy loss's settings: which registered loss (``loss_type``) and its coefficients."""
+"""``PolicyLossConfig``: which policy loss the train step computes and its coefficients
+(``training.losses``: a registry of named losses; the maths in docs/rl_losses.md). The run config
+holds it under ``train.loss``. ``loss_type`` names a registered loss: the registry lives with the
+losses, so the name is checked at start-up (``orchestration.validate``) and by ``build_loss``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_earl.training.losses.common import AGGREGATIONS, KL_ESTIMATORS
-from megatron_earl.training.losses.registry import available_losses
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)
@@ -13,9 +17,9 @@ class PolicyLossConfig:
     """Which policy loss to compute and its coefficients."""
 
     loss_type: str = "ppo"
-    """Name of a registered loss (``available_losses()``): "ppo" (token-level ratio pi/pi_old,
-    clipped), "dual_clip" (ppo plus the dual-clip bound) or "gspo" (sequence-level,
-    length-normalised ratio)."""
+    """Name of a registered loss (``training.losses.available_losses()``): "ppo" (token-level
+    ratio pi/pi_old, clipped), "dual_clip" (ppo plus the dual-clip bound) or "gspo"
+    (sequence-level, length-normalised ratio)."""
     clip_eps_low: float = 0.2
     """Ratio is clipped below at 1 - clip_eps_low (GSPO paper: 3e-4)."""
     clip_eps_high: float = 0.2
@@ -40,8 +44,6 @@ class PolicyLossConfig:
     """Raise on NaN/inf inputs at trainable positions (one device sync per call)."""
 
     def __post_init__(self) -> None:
-        if self.loss_type not in available_losses():
-            raise ValueError(f"loss_type={self.loss_type!r}; valid: {available_losses()}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={self.aggregation!r}; valid: {AGGREGATIONS}")
         if self.kl_estimator not in KL_ESTIMATORS:

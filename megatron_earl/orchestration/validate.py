@@ -1,16 +1,24 @@
-"""Start-up validation of a ``RunConfig`` against the job: pure, run before any process group.
+"""Start-up validation of a ``RunConfig`` against the job and the components: pure, run before any
+process group.
 
     cfg = load_config(path, overrides)      # unknown keys, wrong types, per-section values
     validate_run(cfg, world_size=4)         # layouts vs world size and model, paths, env, ...
 
+``config/`` is a leaf and cannot see the components, so every check that needs one lives here:
+layouts (``ParallelLayout``), the registries of environments and advantage estimators, and the
+tokenizer.
+
 ``validate_run`` takes the world size as an argument (the launcher reads it from ``WORLD_SIZE``
 before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming every problem:
 
-- each phase's layout must multiply to the world size and fit the model (heads, query groups, FFN,
-  padded vocab divisible by tp; layers by pp x vpp); the nearest valid layout is suggested;
+- each phase's layout must be a valid ``ParallelLayout``, multiply to the world size and fit the
+  model (heads, query groups, FFN, padded vocab divisible by tp; layers by pp x vpp); the nearest
+  valid layout is suggested;
 - every data-parallel rank of the experience and train layouts needs at least one sample;
 - ``checkpoint.load`` and a local ``tokenizer`` directory must exist;
 - the environment must be registered (or a dotted path that imports);
+- the advantage estimator must be registered and accept ``train.advantage_kwargs``;
+- the policy loss (``train.loss.loss_type``) must be registered;
 - the demo tokenizer's vocabulary must fit ``model.vocab_size``;
 - group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``;
 - a KL term (``train.loss.kl_coef > 0``) keeps the reference policy in the fixed experience
@@ -27,8 +35,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_earl.config.run import PHASES, ConfigError, RunConfig
-from megatron_earl.parallel.layout import nearest_layout
+from megatron_earl.config.run import ConfigError, RunConfig
+from megatron_earl.config.vocab import Phase
+from megatron_earl.envs import ENVS
+from megatron_earl.parallel.layout import LayoutError, nearest_layout, phase_layout
+from megatron_earl.tokenizer.demo import DemoTokenizer
+from megatron_earl.training.advantages import build_estimator
+from megatron_earl.training.losses import available_losses
 
 GROUP_BASELINES = ("grpo", "rloo")
 
@@ -38,14 +51,19 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
     if world_size < 1:
         return [f"world size ({world_size}) must be >= 1"]
     problems = []
-    for phase in PHASES:
-        layout = config.layout(phase)
+    layouts = {}
+    for phase in Phase:
+        try:
+            layouts[phase] = layout = phase_layout(config.layouts, phase)
+        except LayoutError as err:
+            problems.append(f"layouts.{phase} {config.layouts.of(phase)!r}: {err}")
+            continue
         found = layout.problems(world_size, config.model)
         if found:
             near = nearest_layout(layout, world_size, config.model)
             hint = f"; nearest valid: '{near}'" if near else "; no layout fits"
             problems.append(f"layouts.{phase} '{layout}': " + "; ".join(found) + hint)
-        elif phase != "rollout" and layout.dp > config.batch.samples_per_step:
+        elif phase != Phase.ROLLOUT and layout.dp > config.batch.samples_per_step:
             problems.append(
                 f"layouts.{phase} '{layout}' has dp={layout.dp} but a step has only "
                 f"{config.batch.samples_per_step} samples (batch.prompts_per_step x "
@@ -56,6 +74,11 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
         problems.append(f"checkpoint.load: checkpoint path {load!r} does not exist")
     problems.extend(_tokenizer_problems(config))
     problems.extend(_env_problems(config))
+    problems.extend(_advantage_problems(config))
+    if config.train.loss.loss_type not in available_losses():
+        problems.append(
+            f"train.loss: loss_type={config.train.loss.loss_type!r}; valid: {available_losses()}"
+        )
     if config.train.advantage in GROUP_BASELINES and config.batch.samples_per_prompt < 2:
         problems.append(
             f"train.advantage={config.train.advantage!r} uses a group baseline: "
@@ -89,8 +112,6 @@ def validate_run(config: RunConfig, world_size: int) -> None:
 
 def _tokenizer_problems(config: RunConfig) -> list[str]:
     if config.tokenizer == "demo":
-        from megatron_earl.tokenizer.demo import DemoTokenizer
-
         vocab = DemoTokenizer().vocab_size
         if config.model.vocab_size < vocab:
             return [
@@ -104,10 +125,16 @@ def _tokenizer_problems(config: RunConfig) -> list[str]:
 
 
 def _env_problems(config: RunConfig) -> list[str]:
-    from megatron_earl.envs import ENVS
-
     try:
         ENVS.resolve(config.env.name)
     except (KeyError, ImportError) as err:
         return [f"env.name: {err.args[0] if err.args else err}"]
+    return []
+
+
+def _advantage_problems(config: RunConfig) -> list[str]:
+    try:
+        build_estimator(config.train.advantage, **config.train.advantage_kwargs)
+    except (ValueError, TypeError) as err:
+        return [f"train: advantage {config.train.advantage!r}: {err}"]
     return []

@@ -1,0 +1,54 @@
+"""The words the code uses everywhere, defined once: the phases of an RL step and the rollout
+engine kinds. Use the members (``Phase.TRAIN``), never the bare strings: a typo then fails at
+import, not at step 300.
+
+    from megatron_earl.config.vocab import Phase
+    for phase in Phase:                       # rollout, experience, train (in step order)
+        ...
+    Phase("train") is Phase.TRAIN             # parse a name; an unknown one lists the valid names
+
+Members are ``enum.StrEnum``: each equals its string, so YAML/JSON round trips, dict lookups with
+either spelling and metric keys (``f"time/{phase}"``) keep working; ``repr`` is the plain string
+so messages read ``('rollout', 'experience', 'train')``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Vocabulary(StrEnum):
+    """A closed set of names; parsing an unknown name raises ``ValueError`` listing valid ones."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def _missing_(cls, value: object) -> Vocabulary:
+        raise ValueError(f"unknown {cls.__name__} {value!r}; valid: {', '.join(cls)}")
+
+
+class Phase(Vocabulary):
+    """A phase of one RL step; each has its own parallel layout."""
+
+    ROLLOUT = "rollout"
+    """Multi-turn generation of trajectories."""
+    EXPERIENCE = "experience"
+    """Forward-only old/ref log-probs, rewards, advantages."""
+    TRAIN = "train"
+    """Policy loss, backward, optimizer step."""
+
+
+class EngineKind(Vocabulary):
+    """Which rollout engine generates the trajectories."""
+
+    EMBEDDED = "embedded"
+    """The Megatron model itself, in the rollout layout, in-process."""
+    SGLANG = "sglang"
+    """External SGLang servers driven over SGLang's native HTTP API."""
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+"""The phases of a step, in order."""
+ENGINE_KINDS: tuple[EngineKind, ...] = tuple(EngineKind)
+"""Every rollout engine kind."""
