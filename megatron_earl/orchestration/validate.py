@@ -90,7 +90,7 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
 
 def _reference_problems(config: RunConfig) -> list[str]:
     kl_coef = config.train.loss.kl_coef
-    if kl_coef > 0 and config.selector.enabled and "experience" in config.selector.phases:
+    if kl_coef > 0 and config.selector.enabled and Phase.EXPERIENCE in config.selector.phases:
         return [
             f"train.loss.kl_coef={kl_coef} keeps a frozen reference policy in the fixed "
             f"experience layout, but selector.phases {list(config.selector.phases)} lets the "

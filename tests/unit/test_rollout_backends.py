@@ -11,6 +11,7 @@ import pytest
 
 from megatron_earl.cli.train import checked_config
 from megatron_earl.config import ConfigError, load_config
+from megatron_earl.config.vocab import Phase
 from megatron_earl.orchestration.engines import (
     RolloutBackend,
     available_rollout_backends,
@@ -20,6 +21,7 @@ from megatron_earl.orchestration.engines import (
 )
 from megatron_earl.orchestration.engines.embedded import EmbeddedBackend
 from megatron_earl.orchestration.engines.sglang import SGLangBackend
+from megatron_earl.parallel.layout import phase_layout
 
 DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
 URLS = "rollout.engine_urls=[http://a:30000]"
@@ -59,7 +61,7 @@ def test_a_kind_registers_once_and_implements_the_whole_interface():
 
 def test_policy_layouts_of_each_kind():
     config = load_config(DEMO)
-    phases = {p: config.layout(p) for p in ("rollout", "experience", "train")}
+    phases = {p: phase_layout(config.layouts, p) for p in Phase}
     assert EmbeddedBackend.policy_layouts(phases) == phases
     assert SGLangBackend.policy_layouts(phases) == {
         "experience": phases["experience"],

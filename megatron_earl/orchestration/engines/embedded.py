@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from megatron.core import parallel_state
 
 from megatron_earl.config.run import RunConfig
+from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.orchestration.engines.base import (
     Rollout,
     RolloutBackend,
     register_rollout_backend,
 )
 from megatron_earl.orchestration.rollout import PromptSet
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig, RolloutBatch
 from megatron_earl.rollout.agent.trajectory import Trajectory
@@ -45,16 +46,16 @@ from megatron_earl.training.schedule import unwrap_chunk
 class EmbeddedBackend(RolloutBackend):
     """Embedded engines over the policy's copies in the rollout layouts (module docstring)."""
 
-    name = "embedded"
+    name = EngineKind.EMBEDDED
 
     def __init__(self, config, policy, tokenizer) -> None:
         super().__init__(config, policy, tokenizer)
         self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
-        self.switch(config.layout("rollout"))
+        self.switch(phase_layout(config.layouts, Phase.ROLLOUT))
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
-        rollout = config.layout("rollout")
+        rollout = phase_layout(config.layouts, Phase.ROLLOUT)
         if rollout.pp > 1 or rollout.cp > 1:
             return [
                 f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "

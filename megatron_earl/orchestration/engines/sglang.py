@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.run import RunConfig
+from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.orchestration.engines.base import (
     Rollout,
@@ -77,7 +78,7 @@ def gather_full_weights(
 class SGLangBackend(RolloutBackend):
     """The run's SGLang engines, as seen from every trainer rank (module docstring)."""
 
-    name = "sglang"
+    name = EngineKind.SGLANG
 
     def __init__(self, config, policy, tokenizer) -> None:
         super().__init__(config, policy, tokenizer)
@@ -88,7 +89,7 @@ class SGLangBackend(RolloutBackend):
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
         problems = []
-        if config.selector.enabled and "rollout" in config.selector.phases:
+        if config.selector.enabled and Phase.ROLLOUT in config.selector.phases:
             problems.append(
                 f"selector.phases {list(config.selector.phases)} selects the rollout layout, "
                 f"which needs rollout.engine=embedded (got {config.rollout.engine!r}); select "
@@ -105,7 +106,7 @@ class SGLangBackend(RolloutBackend):
     @classmethod
     def policy_layouts(cls, layouts: dict[str, ParallelLayout]) -> dict[str, ParallelLayout]:
         """Every phase's but the rollout's: the engines hold their own weights."""
-        return {phase: layout for phase, layout in layouts.items() if phase != "rollout"}
+        return {phase: layout for phase, layout in layouts.items() if phase != Phase.ROLLOUT}
 
     def switch(self, layout: ParallelLayout) -> None:
         """The engines serve every layout alike; the weights are read from the master copy,
