@@ -136,7 +136,7 @@ def _save_reference(loop: RLLoop, config: RunConfig) -> None:
     """Save the frozen reference weights (any layout loads them). Every rank calls."""
     with loop.reference.in_layout():
         ckpt.save_checkpoint(
-            ckpt.CheckpointConfig(save_dir=str(reference_dir(config)), keep_last=1),
+            CheckpointConfig(dir=str(reference_dir(config)), keep_last=1),
             0,
             loop.reference.chunks,
             weight_version=loop.policy.version,
