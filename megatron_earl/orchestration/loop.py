@@ -423,20 +423,29 @@ def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[
             vec[7 + i] += len(t.prompt_ids) + turn.end
             vec[7 + k + i] += 1
     longest = torch.tensor([max((len(t.token_ids) for t in trajs), default=0)], dtype=torch.float64)
-    mismatch = torch.zeros(2, dtype=torch.float64)
+    # reward sum of squares; |old - rollout log-prob| and advantage sum, sum of squares over the
+    # trainable tokens; trainable tokens
+    sums = torch.zeros(5, dtype=torch.float64)
+    sums[0] = sum(t.reward**2 for t in trajs)
     if batch.num_samples and "old_logprobs" in batch.token_fields:
         mask = batch.token_fields["loss_mask"] > 0
         diff = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
-        mismatch += torch.tensor(
-            [float(diff[mask].abs().sum()), float(mask.sum())], dtype=torch.float64
+        adv = batch.token_fields["advantages"][mask].double()
+        sums[1:] += torch.stack(
+            [diff[mask].abs().double().sum(), adv.sum(), adv.square().sum(), mask.sum().double()]
         )
     dist.all_reduce(vec)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(mismatch)
+    dist.all_reduce(sums)
     n = max(float(vec[0]), 1.0)
+    tokens = max(float(sums[4]), 1.0)
+    reward_mean, adv_mean = float(vec[1]) / n, float(sums[2]) / tokens
     out = {
         "rollout/trajectories": float(vec[0]),
-        "reward/mean": float(vec[1]) / n,
+        "reward/mean": reward_mean,
+        "reward/std": max(float(sums[0]) / n - reward_mean**2, 0.0) ** 0.5,
+        "adv/mean": adv_mean,
+        "adv/std": max(float(sums[3]) / tokens - adv_mean**2, 0.0) ** 0.5,
         "success_rate": float(vec[2]) / n,
         "response_len/mean": float(vec[3]) / n,
         "context_len/mean": float(vec[4]) / n,
@@ -444,7 +453,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[
         "rollout/failed": float(vec[5]),
         "rollout/turns_mean": float(vec[6]) / n,
         "rollout/tokens": float(vec[4]),
-        "rollout/logprob_mismatch": float(mismatch[0]) / max(float(mismatch[1]), 1.0),
+        "rollout/logprob_mismatch": float(sums[1]) / tokens,
     }
     for i in range(k):
         if vec[7 + k + i] > 0:

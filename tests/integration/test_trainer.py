@@ -24,11 +24,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.metrics_doc import check_documented
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "steps=4",
     "sft.steps=3",
     "eval.num_prompts=4",
+    "eval.interval=2",
     "batch.prompts_per_step=4",
     "batch.samples_per_prompt=4",
     "checkpoint.interval=2",
@@ -83,6 +86,13 @@ def full_run(tmp_path_factory) -> Path:
     result = _run(ROOT / "configs" / "demo_cpu.yaml", [*TINY, f"output_dir={out}", "name=full"])
     assert result.returncode == 0, result.stderr[-3000:]
     return out / "full"
+
+
+def test_every_metric_is_documented_and_every_documented_metric_is_emitted(full_run):
+    records = _metrics(full_run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"eval/success_rate", "eval/reward"} <= set(records[1]) & set(records[3])
+    check_documented(records, {"eval"})
 
 
 def test_sigkill_mid_step_resumes_to_identical_metrics(full_run, tmp_path):

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from megatron_earl.parallel.layout import ParallelLayout
+from tests.integration.metrics_doc import check_documented
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -113,6 +114,7 @@ def test_train_layout_moves_before_the_budget_is_hit_and_resumes_with_its_state(
     _check_step(last, 8.0)
     assert last["selector/train/reason"] != "initial"
     assert last["selector/experience/reason"] != "initial"
+    check_documented(records, {"selector"})
 
 
 def test_train_phase_out_of_budget_reruns_the_same_batch_in_the_next_layout(tmp_path):

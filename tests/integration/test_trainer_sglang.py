@@ -17,6 +17,7 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.testing.distributed import free_port
+from tests.integration.metrics_doc import check_documented
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [
@@ -111,5 +112,6 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(servers, tmp_pat
         assert record["rollout/trajectories"] == 16
         assert record["rollout/failed"] == 0
         assert record["layout/train"] == "tp2cp1pp1dp1"
+    check_documented(records, set())
     # Pushed before the rollout of step 2: the weights after one optimizer step (version 1).
     assert [_version(p.url) for p in servers] == [1, 1]
