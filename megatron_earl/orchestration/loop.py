@@ -20,10 +20,10 @@ Per-phase timings, layouts, rewards, lengths and losses go to the metrics log ev
 With ``selector.enabled`` the layouts of ``selector.phases`` (experience and train by default,
 rollout optionally) are chosen per step from the all-gathered sequence lengths
 (``orchestration.selection``, after start-up profiling: ``orchestration.profiling``): the policy
-copy and the embedded engine of a layout are built the first time it is chosen and cached; a new
-train layout moves the master copy and its Adam state there (``Policy.move_master``); an
-out-of-budget phase is re-run on the same data in the next layout (the train phase continues
-with the mini-batches it had not applied).
+copy of a layout (and the backend's engine there) is built the first time it is chosen and
+cached; a new train layout moves the master copy and its Adam state there
+(``Policy.move_master``); an out-of-budget phase is re-run on the same data in the next layout
+(the train phase continues with the mini-batches it had not applied).
 
 Which ranks call: every rank of the world (``run`` under torchrun / srun).
 """
