@@ -1,5 +1,6 @@
 """Pre-flight check of a run config, for launch scripts: load, apply overrides, validate against
-the world size, print one line (or the one error) and exit, before any process is started.
+the world size (every check ``megatron-earl train`` makes: ``cli.train.check_run``), print one
+line (or the one error) and exit, before any process is started.
 
     python -m megatron_earl.cli.check --world-size 16 --config configs/qwen2.5-7b_grpo.yaml \
         train.lr=1e-6 rollout.max_turns=8
@@ -13,10 +14,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from megatron_earl.cli.train import check_run
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.run import ConfigError
 from megatron_earl.config.vocab import Phase
-from megatron_earl.orchestration.validate import validate_run
 from megatron_earl.parallel.layout import phase_layout
 
 
@@ -28,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        validate_run(cfg, args.world_size)
+        check_run(cfg, args.world_size)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -47,21 +47,28 @@ def resolve_config(argv: list[str], world_size: int) -> RunConfig:
 
 
 def checked_config(argv: list[str], world_size: int) -> RunConfig:
-    """``resolve_config`` validated for ``world_size`` ranks (``validate_run``, then what the
-    rollout engine kind needs, ``rollout_backend_problems``, and the selector's budget,
-    ``selector_problems``): raises one ``ConfigError``. Pure; run before any process group, by
-    ``megatron-earl train`` and again by every rank here."""
+    """``resolve_config`` validated for ``world_size`` ranks (``check_run``): raises one
+    ``ConfigError``. Pure; run before any process group, by ``megatron-earl train`` and again by
+    every rank here."""
+    config = resolve_config(argv, world_size)
+    check_run(config, world_size)
+    return config
+
+
+def check_run(config: RunConfig, world_size: int) -> None:
+    """Every start-up check of ``config`` on ``world_size`` ranks: ``validate_run``, then what the
+    rollout engine kind needs (``rollout_backend_problems``) and the selector's budget
+    (``selector_problems``). Raises one ``ConfigError``. Pure (also the launch scripts'
+    pre-flight, ``cli.check``)."""
     from megatron_earl.config.run import ConfigError
     from megatron_earl.orchestration.engines import rollout_backend_problems
     from megatron_earl.orchestration.selection import selector_problems
     from megatron_earl.orchestration.validate import validate_run
 
-    config = resolve_config(argv, world_size)
     validate_run(config, world_size)
     problems = rollout_backend_problems(config) + selector_problems(config, world_size)
     if problems:
         raise ConfigError("\n  ".join(problems))
-    return config
 
 
 def main(argv: list[str] | None = None) -> int:

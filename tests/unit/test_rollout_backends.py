@@ -24,6 +24,7 @@ from megatron_earl.orchestration.engines.sglang import SGLangBackend
 from megatron_earl.parallel.layout import phase_layout
 
 DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
+ROOT = Path(__file__).resolve().parents[2]
 URLS = "rollout.engine_urls=[http://a:30000]"
 
 
@@ -105,3 +106,17 @@ def test_sglang_engines_need_urls_and_a_fixed_rollout_layout():
         "rollout.engine=embedded (got 'sglang'); select 'experience' only with SGLang engines"
     ]
     checked_config(["--config", DEMO, "rollout.engine=sglang", URLS], 2)
+
+
+def test_launch_scripts_pre_flight_makes_the_engine_checks(capsys):
+    """``cli.check`` (what train_local.sh and the sbatch scripts run before srun) makes every check
+    ``megatron-earl train`` makes, the engine kind's included."""
+    from megatron_earl.cli.check import main as pre_flight
+
+    demo = ["--world-size", "2", "--config", str(ROOT / "configs" / "demo_cpu.yaml")]
+    assert pre_flight([*demo, "rollout.engine=sglang"]) == 2
+    assert "rollout.engine=sglang needs rollout.engine_urls" in capsys.readouterr().err
+    assert pre_flight([*demo, "layouts.rollout=pp2"]) == 2
+    assert "the embedded engine generates with tp and dp only" in capsys.readouterr().err
+    assert pre_flight(demo) == 0
+    assert "config ok" in capsys.readouterr().out
