@@ -160,10 +160,6 @@ def apply() -> bool:
     return True
 
 
-def is_applied() -> bool:
-    return _APPLIED
-
-
 def when_applied() -> contextlib.AbstractContextManager:
     """``cuda_to_cpu()`` when this patch is applied (no CUDA), else a no-op context, for call sites
     that run CUDA-hard-coded Megatron code outside the wrapped functions."""

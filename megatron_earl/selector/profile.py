@@ -34,6 +34,7 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.config.vocab import Phase
+from megatron_earl.parallel.cp import cp_padded_length
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import MemoryBudget, state_bytes
 from megatron_earl.selector.throughput import ThroughputTable
@@ -187,7 +188,7 @@ class PhaseRunner:
         RL loop): ``token_budget``, or the rank's share of the longest sequence if larger."""
         cp = self.layout.cp
         longest = max(int(s["tokens"].numel()) for s in samples)
-        own = math.ceil(longest / (2 * cp)) * 2 if cp > 1 else longest
+        own = cp_padded_length(longest, cp) // cp
         return max(self.token_budget, own)
 
     def run(self, phase: str, samples: Sequence[dict]) -> PhaseResult:

@@ -4,6 +4,7 @@ log-probs are computed in the experience phase (for the KL term). No grads, no o
     ref = ReferencePolicy(model_config, ReferenceConfig(layout=ParallelLayout(dp=4)))
     ref.load_from(shard_pieces(policy_chunks))   # taken while the policy layout was current
     ref_logprobs = ref.logprobs(samples)          # switches to ref's layout and back
+    ref_logprobs = ref.micro_batch_logprobs(whole)  # the loop's path: dispatched packed batches
 
 In the RL loop (``orchestration.loop``, ``train.loss.kl_coef > 0``) the reference lives in the
 experience layout and holds the *initial* policy: the weights the first RL step starts from (after

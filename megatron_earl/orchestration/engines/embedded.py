@@ -33,13 +33,13 @@ from megatron_earl.orchestration.engines.base import (
     register_rollout_backend,
 )
 from megatron_earl.orchestration.rollout import PromptSet
+from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig, RolloutBatch
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
 from megatron_earl.tokenizer.base import ChatTokenizer
-from megatron_earl.training.schedule import unwrap_chunk
 
 
 @register_rollout_backend

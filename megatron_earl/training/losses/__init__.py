@@ -7,14 +7,13 @@ stays exact across micro-batches).
     loss, metrics = policy_loss(config, logprobs, advantages, loss_mask, ...)   # the same
 
 Pure torch, no process groups: the train step calls the loss on the last pipeline stage with
-per-token log-probs of the sampled tokens. A new loss is one module here: a ``PolicyLoss``
-subclass with a ``name`` and a ``surrogate``, decorated with ``@register_loss`` and imported
-below. The maths, bad input, the micro-batch normaliser contract and how to add a loss:
-``docs/rl_losses.md``.
+per-token log-probs of the sampled tokens. A new loss is one module here: a ``PolicyLoss`` subclass
+with a ``name`` and a ``surrogate``, decorated with ``@register_loss`` and imported below (its
+settings type, ``PolicyLossConfig``, is ``config.loss``'s). The maths, bad input, the micro-batch
+normaliser contract and how to add a loss: ``docs/rl_losses.md``.
 
-Modules: ``common`` (sample index, checks, KL estimators, aggregation), ``config``
-(``PolicyLossConfig``), ``registry``, ``base`` (the interface and the shared shell), one module
-per loss.
+Modules: ``common`` (sample index, checks, KL estimators, aggregation), ``registry``, ``base`` (the
+interface and the shared shell), one module per loss.
 """
 
 from __future__ import annotations

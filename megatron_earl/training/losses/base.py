@@ -86,6 +86,18 @@ def dual_clip(
     return torch.where(advantages < 0, torch.minimum(pg, bound), pg), applied
 
 
+def clipped_pg(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig, c: float | None
+) -> Surrogate:
+    """The clipped surrogate of ``ratio`` (``clipped_surrogate``), dual-clipped at ``c`` when
+    ``c`` is not None: what every built-in loss returns once it has its ratio."""
+    pg = clipped_surrogate(ratio, advantages, config)
+    if c is None:
+        return Surrogate(pg, ratio)
+    pg, applied = dual_clip(pg, advantages, c)
+    return Surrogate(pg, ratio, applied)
+
+
 class PolicyLoss(ABC):
     """A named policy loss. Subclasses set ``name`` and implement ``surrogate``; register them
     with ``@register_loss``. Instances are built once per train step (``build_loss``)."""

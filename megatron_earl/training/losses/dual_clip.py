@@ -11,9 +11,8 @@ from megatron_earl.training.losses.base import (
     PolicyLoss,
     Surrogate,
     SurrogateInputs,
+    clipped_pg,
     clipped_ratio,
-    clipped_surrogate,
-    dual_clip,
 )
 from megatron_earl.training.losses.registry import register_loss
 
@@ -29,7 +28,4 @@ class DualClipPPO(PolicyLoss):
 
     def surrogate(self, inputs: SurrogateInputs) -> Surrogate:
         c = self.config.dual_clip_c if self.config.dual_clip_c is not None else DEFAULT_DUAL_CLIP_C
-        ratio = clipped_ratio(inputs.log_ratio)
-        pg = clipped_surrogate(ratio, inputs.advantages, self.config)
-        pg, applied = dual_clip(pg, inputs.advantages, c)
-        return Surrogate(pg, ratio, applied)
+        return clipped_pg(clipped_ratio(inputs.log_ratio), inputs.advantages, self.config, c)

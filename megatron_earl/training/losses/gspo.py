@@ -12,9 +12,8 @@ from megatron_earl.training.losses.base import (
     PolicyLoss,
     Surrogate,
     SurrogateInputs,
+    clipped_pg,
     clipped_ratio,
-    clipped_surrogate,
-    dual_clip,
 )
 from megatron_earl.training.losses.registry import register_loss
 
@@ -32,8 +31,4 @@ class GSPO(PolicyLoss):
         mean_log_ratio = inputs.sample_log_ratio_sums / inputs.sample_token_counts.clamp(min=1)
         seq_log_ratio = inputs.samples.gather(mean_log_ratio, logp)
         ratio = clipped_ratio(logp - logp.detach() + seq_log_ratio)
-        pg = clipped_surrogate(ratio, inputs.advantages, self.config)
-        if self.config.dual_clip_c is None:
-            return Surrogate(pg, ratio)
-        pg, applied = dual_clip(pg, inputs.advantages, self.config.dual_clip_c)
-        return Surrogate(pg, ratio, applied)
+        return clipped_pg(ratio, inputs.advantages, self.config, self.config.dual_clip_c)

@@ -10,9 +10,8 @@ from megatron_earl.training.losses.base import (
     PolicyLoss,
     Surrogate,
     SurrogateInputs,
+    clipped_pg,
     clipped_ratio,
-    clipped_surrogate,
-    dual_clip,
 )
 from megatron_earl.training.losses.registry import register_loss
 
@@ -25,8 +24,4 @@ class PPOClip(PolicyLoss):
 
     def surrogate(self, inputs: SurrogateInputs) -> Surrogate:
         ratio = clipped_ratio(inputs.log_ratio)
-        pg = clipped_surrogate(ratio, inputs.advantages, self.config)
-        if self.config.dual_clip_c is None:
-            return Surrogate(pg, ratio)
-        pg, applied = dual_clip(pg, inputs.advantages, self.config.dual_clip_c)
-        return Surrogate(pg, ratio, applied)
+        return clipped_pg(ratio, inputs.advantages, self.config, self.config.dual_clip_c)
