@@ -143,8 +143,10 @@ class RLLoop:
 
     def freeze_reference(self) -> None:
         """Copy the policy's current weights into the reference policy (point-to-point reshard
-        from the master copy into the experience layout). Called once, before the first RL
-        step; a no-op without a reference. Every rank calls."""
+        from the master copy into the experience layout); a no-op without a reference.
+        ``orchestration.run`` calls it once before the first evaluation (then saves the
+        reference); an ``RLLoop`` driven directly gets it at its first experience phase.
+        Every rank calls."""
         if self.reference is not None:
             self.reference.load_from(self.policy.master_pieces)
 
