@@ -1,7 +1,13 @@
-"""Process start-up: the version guard, Megatron-Core patches (``patches/``), torch.distributed,
-seeding.
+"""Process start-up: the version guard, Megatron-Core patches (``patches/``), the device policy,
+torch.distributed, seeding.
 
 Every entry point calls ``initialize()`` once per process before touching megatron-core.
+
+The device policy (``policy()``) is the one answer to "where does this tensor live": the compute
+device (``cuda:LOCAL_RANK`` on GPUs, the emulated device under ``MEGATRON_EARL_EMULATE_DEVICE=1``,
+the CPU otherwise), the backend of the groups that move device tensors (NCCL on GPUs) and of the
+groups that move host metadata (gloo). Data crosses between host and device only through
+``to_device`` / ``to_host``, at the boundaries listed in docs/devices.md.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,12 +24,87 @@ import torch.distributed as dist
 from megatron_earl import patches
 from megatron_earl.compat.version import check_megatron_core
 
+EMULATE_ENV = "MEGATRON_EARL_EMULATE_DEVICE"
+"""Set to 1 to compute on the emulated device (``megatron_earl.testing.emulated_device``)."""
+
+
+@dataclass(frozen=True)
+class DevicePolicy:
+    """Where this process computes and which backends move its tensors."""
+
+    device: torch.device
+    """The compute device: model, loss, dispatch, reshard and engine tensors live here."""
+    device_backend: str
+    """Backend of the groups that move device tensors ("nccl" on GPUs, else "gloo")."""
+    host_backend: str = "gloo"
+    """Backend of the groups that move host metadata (lengths, ids, plans, flags)."""
+    emulated: bool = False
+    """True under the device-faithful emulation tier (gloo underneath, device groups tagged)."""
+
+    @property
+    def separate_host_groups(self) -> bool:
+        """Whether host metadata needs its own groups beside the device groups (any non-CPU
+        device: NCCL cannot move host tensors)."""
+        return self.device.type != "cpu"
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host staging buffers are pinned (CUDA only)."""
+        return self.device.type == "cuda"
+
+
+_POLICY: DevicePolicy | None = None
+
+
+def emulating() -> bool:
+    """Whether this process runs on the emulated device (``MEGATRON_EARL_EMULATE_DEVICE=1``)."""
+    return os.environ.get(EMULATE_ENV, "0") == "1"
+
+
+def policy() -> DevicePolicy:
+    """This process's device policy (fixed by ``initialize``; before it, read from the machine)."""
+    if _POLICY is not None:
+        return _POLICY
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if emulating():
+        from megatron_earl.testing import emulated_device
+
+        return DevicePolicy(emulated_device.device(local_rank), "gloo", emulated=True)
+    if torch.cuda.is_available():
+        return DevicePolicy(torch.device("cuda", local_rank), "nccl")
+    return DevicePolicy(torch.device("cpu"), "gloo")
+
 
 def device() -> torch.device:
-    """The device this process computes on: its local CUDA device, or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device this process computes on (``policy().device``)."""
+    return policy().device
+
+
+def to_device(tensor: torch.Tensor) -> torch.Tensor:
+    """Host -> device at a documented boundary (docs/devices.md): pinned, non-blocking on CUDA.
+    A tensor already on the compute device is returned as is."""
+    target = device()
+    if tensor.device == target:
+        return tensor
+    if policy().pin_memory and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(target, non_blocking=policy().pin_memory)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Device -> host at a documented boundary (docs/devices.md). Synchronous: the caller reads
+    the values next (tokens to the environment, checkpoint I/O)."""
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+
+
+def check_device_available(local_rank: int, count: int, kind: str) -> None:
+    """Refuse, before any process group exists, a rank whose local device does not exist."""
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} needs {kind} device {local_rank}, but this node has {count} "
+            f"{kind} device(s) (valid LOCAL_RANK: 0..{count - 1}); start at most {count} "
+            "processes per node (--nproc / --ntasks-per-node)"
+        )
 
 
 def initialize(timeout_s: float = 300.0) -> None:
@@ -40,12 +122,20 @@ def initialize(timeout_s: float = 300.0) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global _POLICY
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if emulating():
+        from megatron_earl.testing import emulated_device
+
+        emulated_device.install()
+        check_device_available(local_rank, emulated_device.device_count(), "emulated")
+    elif torch.cuda.is_available():
+        check_device_available(local_rank, torch.cuda.device_count(), "CUDA")
+        torch.cuda.set_device(local_rank)
+    _POLICY = policy()
+    dist.init_process_group(
+        backend=_POLICY.device_backend, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def seed(value: int) -> None:
