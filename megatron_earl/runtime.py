@@ -97,6 +97,34 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
 
 
+def module_to_device(module: torch.nn.Module) -> torch.nn.Module:
+    """Move every parameter and buffer of ``module`` that is not on the compute device there,
+    keeping Megatron's attributes on the parameters (``tensor_model_parallel``, ``shared`` ...).
+
+    Megatron builds most weights in place but some modules on the host (``torch.nn.RMSNorm`` of
+    the local spec); Megatron's own trainer calls ``.cuda()`` after building, and so does this.
+    On CUDA ``Module.cuda`` keeps the parameter objects; elsewhere (the emulated device) a moved
+    parameter is a new object that gets the old one's attributes. Tied parameters stay tied.
+    """
+    target = device()
+    if target.type == "cuda":
+        return module.cuda(target)
+    moved: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is None or param.device == target:
+                continue
+            if id(param) not in moved:
+                new = torch.nn.Parameter(param.data.to(target), requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                moved[id(param)] = new
+            sub._parameters[name] = moved[id(param)]
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != target:
+                sub._buffers[name] = buffer.to(target)
+    return module
+
+
 def check_device_available(local_rank: int, count: int, kind: str) -> None:
     """Refuse, before any process group exists, a rank whose local device does not exist."""
     if local_rank >= count:
@@ -133,6 +161,10 @@ def initialize(timeout_s: float = 300.0) -> None:
         check_device_available(local_rank, torch.cuda.device_count(), "CUDA")
         torch.cuda.set_device(local_rank)
     _POLICY = policy()
+    if _POLICY.emulated:
+        from megatron_earl.patches import cpu_redirect
+
+        cpu_redirect.set_target(_POLICY.device)
     dist.init_process_group(
         backend=_POLICY.device_backend, timeout=datetime.timedelta(seconds=timeout_s)
     )

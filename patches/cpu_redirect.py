@@ -85,22 +85,39 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+_FROM_DATA = frozenset({"tensor", "as_tensor"})
+_TARGET: list[torch.device] = [torch.device("cpu")]
+"""Where CUDA requests go: the CPU, or the emulated device under the emulation tier."""
+
+
+def set_target(device: torch.device) -> None:
+    """Redirect CUDA requests to ``device`` (``runtime.initialize`` sets the compute device)."""
+    _TARGET[0] = torch.device(device)
+
+
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device requests to CPU for every torch function called inside the mode."""
+    """Rewrites CUDA device requests to the target (the CPU, or the emulated device) for every
+    torch function called inside the mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        target = _TARGET[0]
         if func is torch.Tensor.cuda:
-            return args[0]
+            return args[0].to(target)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Megatron checks ``param.type() == 'torch.cuda.FloatTensor'``.
-            return func(*args).replace("torch.", "torch.cuda.", 1)
+            host_name = torch.empty(0, dtype=args[0].dtype).type()
+            return host_name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs["device"] = "cpu"
+            if getattr(func, "__name__", "") in _FROM_DATA and target.type != "cpu":
+                # Built on the host and copied: the emulated device cannot build from data.
+                kwargs["device"] = "cpu"
+                return func(*args, **kwargs).to(target)
+            kwargs["device"] = target
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
+            args = (args[0], target, *args[2:])
         return func(*args, **kwargs)
 
 
@@ -121,7 +138,8 @@ def cuda_to_cpu() -> Iterator[None]:
     saved = {
         name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "empty_cache")
     }
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    target = "cpu" if _TARGET[0].type == "cpu" else _TARGET[0]
+    torch.cuda.current_device = lambda: target  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
     _REDIRECT_DEPTH.value = 1

@@ -176,8 +176,12 @@ def build_transformer_config(
     cp: int = 1,
     vpp: int | None = None,
     use_cpu_initialization: bool | None = None,
+    batch_p2p_comm: bool | None = None,
 ) -> TransformerConfig:
-    """The one function that builds Megatron's ``TransformerConfig`` for this project."""
+    """The one function that builds Megatron's ``TransformerConfig`` for this project.
+
+    ``use_cpu_initialization`` and ``batch_p2p_comm`` default to what this machine has (CUDA or
+    not); ``models.gpt.build_model`` passes the device policy's answers."""
     from megatron.core.transformer import TransformerConfig
 
     model.validate_for_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
@@ -223,6 +227,6 @@ def build_transformer_config(
         # Gloo pairs batched p2p ops in the wrong order when the previous and next pipeline
         # stages are the same rank (interleaved PP=2): silently wrong gradients. Unbatched p2p is
         # correct on every backend.
-        batch_p2p_comm=not on_cpu,
+        batch_p2p_comm=not on_cpu if batch_p2p_comm is None else batch_p2p_comm,
         deallocate_pipeline_outputs=True,
     )

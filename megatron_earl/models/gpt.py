@@ -15,8 +15,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_earl import runtime
 from megatron_earl.compat.optional import has_transformer_engine
 from megatron_earl.config.model import ModelConfig, ModelConfigError, build_transformer_config
+from megatron_earl.patches import cpu_redirect
 
 
 def resolve_attention_backend(model: ModelConfig) -> str:
@@ -67,13 +69,25 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
-    config = build_transformer_config(model, tp=tp, pp=pp, cp=cp, vpp=vpp)
+    device_policy = runtime.policy()
+    # Weights are initialised where they live: on the CPU with Megatron's host initialisation;
+    # on a device in place, as on CUDA (under the emulation tier Megatron's CUDA requests are
+    # redirected to the emulated device, so it runs the same code path as on GPUs).
+    config = build_transformer_config(
+        model,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        vpp=vpp,
+        use_cpu_initialization=device_policy.device.type == "cpu",
+        batch_p2p_comm=device_policy.device_backend == "nccl",
+    )
     spec = layer_spec(model, cp=cp)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunks.append(
-            GPTModel(
+            _build_chunk(
                 config=config,
                 transformer_layer_spec=spec,
                 vocab_size=model.padded_vocab_size,
@@ -92,3 +106,8 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
             )
         )
     return chunks
+
+
+def _build_chunk(**kwargs) -> GPTModel:
+    with cpu_redirect.when_applied():  # no-op on GPUs; CUDA -> compute device elsewhere
+        return runtime.module_to_device(GPTModel(**kwargs))

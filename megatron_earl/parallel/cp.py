@@ -102,7 +102,13 @@ def packed_cp_token_index(
     ``cu_seqlens_padded`` are the global cumulative padded lengths; every sequence length must be a
     multiple of ``2 * cp``. Local sequence ``i`` then spans ``cu[i] // cp`` to ``cu[i + 1] // cp``.
     """
-    bounds = [int(x) for x in cu_seqlens_padded]
+    # One device -> host read of the boundaries (not one per element).
+    raw = (
+        cu_seqlens_padded.tolist()
+        if isinstance(cu_seqlens_padded, torch.Tensor)
+        else cu_seqlens_padded
+    )
+    bounds = [int(x) for x in raw]
     pieces = []
     for i, (start, end) in enumerate(itertools.pairwise(bounds)):
         check_cp_length(end - start, cp, what=f"padded length of packed sequence {i}")
@@ -139,6 +145,7 @@ def split_batch_for_cp(
                 f"packed batch has {seq_len} tokens but cu_seqlens_padded ends at {total}"
             )
         index = packed_cp_token_index(cu_seqlens_padded, cp, cp_rank)
+    index = index.to(tokens.device)  # built on the host from ints; follows the data
     out: dict[str, object] = {}
     for key, value in batch.items():
         if key == "attention_mask" and isinstance(value, torch.Tensor):
@@ -173,5 +180,5 @@ def merge_cp_shards(
     shape[token_dim] = total
     out = shards[0].new_empty(shape)
     for idx, shard in zip(index, shards, strict=True):
-        out.index_copy_(token_dim, idx, shard)
+        out.index_copy_(token_dim, idx.to(out.device), shard)
     return out

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_earl import runtime
 from megatron_earl.dispatch.plan import balance_micro_batches
 from megatron_earl.parallel.cp import cp_padded_length, merge_cp_shards, split_batch_for_cp
 
@@ -141,6 +142,8 @@ def thd_micro_batch(
     if not lengths:
         raise MicroBatchError("a micro-batch needs at least one sample")
     padded = [cp_padded_length(n, cp) for n in lengths]
+    # The layout of the packed row is computed on the host from Python ints and moved to the
+    # compute device once (boundary "packing metadata", docs/devices.md).
     cu = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32)
     cu_real = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     slots = torch.arange(len(lengths))
@@ -151,14 +154,17 @@ def thd_micro_batch(
         real = torch.arange(int(cu_real[-1])) + torch.repeat_interleave(
             starts - cu_real[:-1].long(), torch.tensor(list(lengths))
         )
+        real = runtime.to_device(real)
+    position_ids = torch.arange(int(cu[-1])) - starts[seq_ids]
     out: dict[str, object] = {}
     for name, t in fields.items():
-        t = t.long() if name in INT_FIELDS else t.float()
+        t = runtime.to_device(t.long() if name in INT_FIELDS else t.float())
         if real is not None:
             t = t.new_zeros(int(cu[-1])).index_copy_(0, real, t)
         out[name] = t.unsqueeze(0)
-    out["seq_ids"] = seq_ids.unsqueeze(0)
-    out["position_ids"] = (torch.arange(int(cu[-1])) - starts[seq_ids]).unsqueeze(0)
+    out["seq_ids"] = runtime.to_device(seq_ids).unsqueeze(0)
+    out["position_ids"] = runtime.to_device(position_ids).unsqueeze(0)
+    cu, cu_real = runtime.to_device(cu), runtime.to_device(cu_real)
     out["packed_seq_params"] = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_real,
@@ -168,6 +174,7 @@ def thd_micro_batch(
         max_seqlen_q=max(padded),
         max_seqlen_kv=max(padded),
     )
+    # sample_index stays on the host: it is read by Python (scatter of results by sample).
     index = range(len(lengths)) if sample_index is None else sample_index
     out["sample_index"] = torch.tensor(list(index), dtype=torch.long)
     return out

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_earl import runtime
 from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.training.logprobs import (
     DEFAULT_CHUNK_SIZE,
@@ -141,7 +142,7 @@ def nonfinite_slots(micro_batch: dict[str, Any]) -> torch.Tensor:
         if key not in MB_KEYS and t.is_floating_point():
             bad |= trainable & ~torch.isfinite(t)
     slots = len(micro_batch["sample_index"])
-    hits = torch.zeros(slots, dtype=torch.long)
+    hits = torch.zeros(slots, dtype=torch.long, device=mask.device)
     return hits.index_add_(0, micro_batch["seq_ids"].reshape(-1), bad.reshape(-1).long()) > 0
 
 
@@ -157,7 +158,7 @@ def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
         raise ValueError(f"kl_coef={config.loss.kl_coef} needs a ref_logprobs field")
     if config.loss.tis_cap is not None and "rollout_logprobs" not in names:
         raise ValueError(f"tis_cap={config.loss.tis_cap} needs a rollout_logprobs field")
-    flags = [nonfinite_slots(mb) for mb in whole]
+    flags = [runtime.to_host(nonfinite_slots(mb)) for mb in whole]  # read by Python
     bad = sorted(int(i) for mb, f in zip(whole, flags) for i in mb["sample_index"][f])
     if bad and config.on_nonfinite == "raise":
         raise ValueError(
@@ -167,7 +168,8 @@ def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
     out = []
     for mb, f in zip(whole, flags):
         if bool(f.any()):  # drop: nothing of the sample trains, and its NaNs never reach arithmetic
-            mb = {**mb, "loss_mask": mb["loss_mask"].masked_fill(f[mb["seq_ids"]], 0.0)}
+            drop = runtime.to_device(f)[mb["seq_ids"]]
+            mb = {**mb, "loss_mask": mb["loss_mask"].masked_fill(drop, 0.0)}
         out.append(mb)
     return out, len(bad)
 
@@ -313,7 +315,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     for mb in whole:
         ids = mb["seq_ids"]
         counts[0] += float(local_normaliser(mb["loss_mask"], config.loss.aggregation, ids))
-        per_sample = torch.zeros(len(mb["sample_index"])).index_add(
+        per_sample = torch.zeros(len(mb["sample_index"]), device=ids.device).index_add(
             0, ids.reshape(-1), (mb["loss_mask"] != 0).float().reshape(-1)
         )
         counts[1] += len(per_sample)
