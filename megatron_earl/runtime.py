@@ -137,7 +137,8 @@ def check_device_available(local_rank: int, count: int, kind: str) -> None:
 
 def initialize(timeout_s: float = 300.0) -> None:
     """Check megatron-core, apply every patch (``patches.apply_all``: the CPU ones only when there
-    is no CUDA), and join the process group.
+    is no CUDA), and join the process group (on a device policy also the host world group:
+    ``parallel.groups.init_host_world``).
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a
     process started without it runs as a world of one. Every process of the job must call it.
@@ -168,6 +169,9 @@ def initialize(timeout_s: float = 300.0) -> None:
     dist.init_process_group(
         backend=_POLICY.device_backend, timeout=datetime.timedelta(seconds=timeout_s)
     )
+    from megatron_earl.parallel import groups
+
+    groups.init_host_world()  # the world's gloo twin for host metadata (device policies only)
 
 
 def seed(value: int) -> None:

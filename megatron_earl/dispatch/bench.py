@@ -28,6 +28,7 @@ from megatron_earl.dispatch.netmodel import NetworkModel
 from megatron_earl.dispatch.plan import Destination, PlanConfig, SourceMeta, plan_dispatch
 from megatron_earl.dispatch.reference import agentic_lengths, agentic_schema, make_batches
 from megatron_earl.dispatch.route import RouteConfig
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 
 
@@ -102,7 +103,7 @@ def _bench_body(opts: dict) -> dict | None:
     for a, b in zip(local.micro_batches, central.micro_batches):
         assert all(tensors_equal(a.fields[k], b.fields[k]) for k in a.fields), "variants differ"
     gathered = [None] * world
-    dist.all_gather_object(gathered, times)
+    dist.all_gather_object(gathered, times, group=host_group())
     if rank != 0:
         return None
     med = {

@@ -11,6 +11,12 @@ plan: nothing but data travels. Transport ``"p2p"`` (default) posts one ``batch_
 per stage with only the non-empty peers; ``"all_to_all"`` uses ``all_to_all_single`` with uneven
 splits. Both work on gloo (CPU) and NCCL.
 
+Groups: the metadata all-gather (``plan_for``, and ``reverse.py``'s result specs) runs over the
+host twin of ``group`` (``parallel.groups.host_group``: pickled objects, gloo); the payload over
+``group`` itself, a device group, with buffers on the batch's device. Before the first batched p2p
+on a group, ``parallel.groups.prepare_p2p`` runs one all-reduce over it (NCCL needs the first
+batched p2p on a communicator to involve all its ranks).
+
 Receivers pad CP chunks locally (``FieldSpec.pad_value``): padding never goes on the wire.
 """
 
@@ -35,6 +41,7 @@ from megatron_earl.dispatch.plan import (
     plan_dispatch,
 )
 from megatron_earl.dispatch.route import Piece, Transfer
+from megatron_earl.parallel.groups import host_group, prepare_p2p
 
 TRANSPORTS = ("p2p", "all_to_all")
 
@@ -130,7 +137,8 @@ def plan_for(
     """All-gather every rank's sample metadata and compute the (identical) plan.
 
     Which ranks call: every rank of ``group`` (default: the world), with the same destination and
-    config. Mismatched schemas, destinations or configs raise the same error on every rank."""
+    config; the all-gather runs on ``group``'s host twin. Mismatched schemas, destinations or
+    configs raise the same error on every rank."""
     config = config or PlanConfig()
     meta = SourceMeta(tuple(batch.sample_ids), tuple(batch.lengths), tuple(batch.group_ids))
     gathered = _all_gather((meta, batch.schema, repr(destination), repr(config)), group)
@@ -154,8 +162,10 @@ def _short(v: object) -> str:
 
 
 def _all_gather(obj: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's ``obj`` (small metadata), over the host twin of device group ``group``.
+    Which ranks call: every rank of ``group``."""
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj, group=host_group(group))
     return out
 
 
@@ -171,10 +181,13 @@ def run_stages(
 ) -> None:
     """Execute ``stages`` in order, adding what this rank receives to ``store``.
 
-    Which ranks call: every rank of ``group`` with the same stages (p2p: ranks with nothing to send
-    or receive return at once; all_to_all: every rank takes part in every stage)."""
+    Which ranks call: every rank of ``group`` (a device group) with the same stages (p2p: ranks
+    with nothing to send or receive post nothing, after ``prepare_p2p``; all_to_all: every rank
+    takes part in every stage)."""
     if transport not in TRANSPORTS:
         raise DispatchError(f"transport={transport!r}; valid: {TRANSPORTS}")
+    if transport == "p2p":
+        prepare_p2p(group)
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
     specs = {s.name: s for s in schema}
@@ -257,8 +270,10 @@ def exchange_p2p(
     sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup | None
 ) -> None:
     """Send ``sends[peer]`` to and receive into ``recvs[peer]`` from each peer (ranks of
-    ``group``) with one ``batch_isend_irecv``; waits for all. Point to point: each rank calls it
-    with its own peers; every message must be matched by the peer's call (same size)."""
+    ``group``, a device group) with one ``batch_isend_irecv``; waits for all. Point to point:
+    each rank calls it with its own peers; every message must be matched by the peer's call (same
+    size). Every rank of ``group`` must have called ``parallel.groups.prepare_p2p(group)`` first
+    (``run_stages`` and ``weight_exec.execute_plan`` do)."""
 
     def peer(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)

@@ -57,6 +57,7 @@ from torch import nn
 
 from megatron_earl.config.run import CheckpointConfig
 from megatron_earl.parallel.ddp import unwrap_chunk
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.patches import checkpoint_results_queue, cpu_redirect
 
 COMMON_KEY = "megatron_earl"
@@ -342,7 +343,7 @@ def save_checkpoint(
         save_dir.mkdir(parents=True, exist_ok=True)
         clean_incomplete(save_dir)  # interrupted earlier saves (one save runs at a time)
         tmp.mkdir()
-    dist.barrier()
+    dist.barrier(group=host_group())  # file-system order only: the host world group
     layout = _layout()
     info = {
         "step": step,
@@ -377,7 +378,7 @@ def save_checkpoint(
         (tmp / "run_metadata.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
         _publish(tmp, final, save_dir)
         _apply_retention(save_dir, config.keep_last, config.keep_every, step)
-    dist.barrier()
+    dist.barrier(group=host_group())
     return final
 
 

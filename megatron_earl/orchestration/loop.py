@@ -57,6 +57,7 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
@@ -389,8 +390,9 @@ class RLLoop:
         stats = torch.tensor(
             [len(trajs), sum(t.reward >= 1.0 for t in trajs if t.ok), sum(t.reward for t in trajs)],
             dtype=torch.float64,
+            device="cpu",
         )
-        dist.all_reduce(stats)
+        dist.all_reduce(stats, group=host_group())
         use_layout(self.policy.train_layout)
         n = max(float(stats[0]), 1.0)
         return {
@@ -410,9 +412,11 @@ def every_stage(layout: ParallelLayout, phase: str, fields: tuple[str, ...]) -> 
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[str, float]:
-    """Step-level rollout statistics summed over the rollout sources (every rank calls)."""
+    """Step-level rollout statistics summed over the rollout sources (every rank calls; three
+    all-reduces of host tensors on the host world group; the batch's token statistics come to the
+    host first)."""
     k = max_turns
-    vec = torch.zeros(7 + 2 * k, dtype=torch.float64)
+    vec = torch.zeros(7 + 2 * k, dtype=torch.float64, device="cpu")
     for t in trajs:
         vec[0] += 1
         vec[1] += t.reward
@@ -424,21 +428,22 @@ def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[
         for i, turn in enumerate(t.turns[:k]):
             vec[7 + i] += len(t.prompt_ids) + turn.end
             vec[7 + k + i] += 1
-    longest = torch.tensor([max((len(t.token_ids) for t in trajs), default=0)], dtype=torch.float64)
+    longest = torch.tensor(
+        [max((len(t.token_ids) for t in trajs), default=0)], dtype=torch.float64, device="cpu"
+    )
     # reward sum of squares; |old - rollout log-prob| and advantage sum, sum of squares over the
     # trainable tokens; trainable tokens
-    sums = torch.zeros(5, dtype=torch.float64)
+    sums = torch.zeros(5, dtype=torch.float64, device="cpu")
     sums[0] = sum(t.reward**2 for t in trajs)
     if batch.num_samples and "old_logprobs" in batch.token_fields:
         mask = batch.token_fields["loss_mask"] > 0
         diff = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
         adv = batch.token_fields["advantages"][mask].double()
-        sums[1:] += torch.stack(
-            [diff[mask].abs().double().sum(), adv.sum(), adv.square().sum(), mask.sum().double()]
-        )
-    dist.all_reduce(vec)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(sums)
+        local = [diff[mask].abs().double().sum(), adv.sum(), adv.square().sum()]
+        sums[1:] += runtime.to_host(torch.stack([*local, mask.sum().double()]))
+    dist.all_reduce(vec, group=host_group())
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=host_group())
+    dist.all_reduce(sums, group=host_group())
     n = max(float(vec[0]), 1.0)
     tokens = max(float(sums[4]), 1.0)
     reward_mean, adv_mean = float(vec[1]) / n, float(sums[2]) / tokens

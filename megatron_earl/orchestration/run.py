@@ -32,6 +32,7 @@ from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.orchestration.metrics import MetricsLogger
 from megatron_earl.orchestration.progress import ProgressBar
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.tokenizer import build_tokenizer
 
@@ -62,7 +63,7 @@ def train(config: RunConfig) -> dict[str, Any]:
     if source is not None:
         if rank0:
             ckpt.clean_incomplete(config.checkpoint_dir)
-        dist.barrier()
+        dist.barrier(group=host_group())
         state = ckpt.load_checkpoint(source, policy.ddp_chunks, policy.optimizer)
         loop.step = int(state.data_state.get("step", state.step))
         policy.version = state.weight_version

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import Phase
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import BudgetExceeded, MemoryBudget
 from megatron_earl.selector.calibrate import CalibrationPoint, fit
@@ -139,9 +140,9 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
 
 def gathered_lengths(local: Sequence[int]) -> list[int]:
     """Every rank's sequence lengths, concatenated in rank order (small metadata). Collective
-    (world)."""
+    (world; on the host world group)."""
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, [int(n) for n in local])
+    dist.all_gather_object(out, [int(n) for n in local], group=host_group())
     return [n for part in out for n in part]
 
 
@@ -344,8 +345,8 @@ class PhaseSelection:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             result = fn()
-            peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cpu")
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=host_group())
             return result, float(peak[0])
         if phase == Phase.ROLLOUT:  # the engine computes in a worker thread: not measured on CPU
             return fn(), math.nan

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 
 
@@ -51,7 +52,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _timed(fn) -> tuple[float, Any]:
-    """(seconds, result) of ``fn()`` between two world barriers. Every rank calls it."""
+    """(seconds, result) of ``fn()`` between two world barriers (device world: on NCCL they
+    also wait for queued device work). Every rank calls it."""
     import torch.distributed as dist
 
     dist.barrier()
@@ -71,9 +73,9 @@ def _allgather_all(pieces, bucket_bytes: int):
     world = dist.get_world_size()
     mine = torch.cat([p.local.detach().reshape(-1).view(torch.uint8) for p in pieces])
     sizes = [None] * world
-    dist.all_gather_object(sizes, mine.numel())
+    dist.all_gather_object(sizes, mine.numel(), group=host_group())
     longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=mine.device)
     padded[: mine.numel()] = mine
     step = max(1, bucket_bytes // world)
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.redistribute.geometry import ShardPiece
 from megatron_earl.redistribute.weight_exec import ReshardStats, reshard_weights
 
@@ -159,12 +160,11 @@ def _state_pieces(
 def _common_step(optimizer: Any) -> torch.Tensor:
     """The ``step`` every parameter of ``optimizer`` shares, agreed over the world (a rank that
     holds no parameter state learns it too; steps that differ raise on every rank). Every rank
-    of the world calls (one all-reduce)."""
+    of the world calls (one all-reduce of host metadata on the host world group)."""
     steps = [float(state["step"]) for _, state in _master_tensors(optimizer).values() if state]
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     bounds = [max(steps), -min(steps)] if steps else [-math.inf, -math.inf]
-    agreed = torch.tensor(bounds, dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    agreed = torch.tensor(bounds, dtype=torch.float64, device="cpu")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=host_group())
     high, low = float(agreed[0]), -float(agreed[1])
     if high != low:
         raise ValueError(

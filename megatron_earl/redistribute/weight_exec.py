@@ -12,9 +12,16 @@ outgoing message into one byte buffer per peer, exchanges all messages of the ro
 parameters. A message that is a single contiguous box on one side skips the buffer on that side
 (sent from / received into the parameter). Per round a rank allocates at most its send and
 receive buffers of that round (<= ``bucket_bytes``), so no rank ever materialises more of the model
-than the destination layout gives it. Gloo on CPU, NCCL on GPU: buffers live on the parameters'
-device. The traffic uses the default (world) group, so it does not depend on either layout's
-process groups.
+than the destination layout gives it. The traffic uses the default (world) group, so it does not
+depend on either layout's process groups.
+
+Groups and devices: the metadata all-gather runs on the host twin of ``group``
+(``parallel.groups.host_group``, gloo); the messages go over ``group`` itself (a device group:
+NCCL on GPUs) in buffers on the compute device (``runtime.device()``), after
+``parallel.groups.prepare_p2p``. Pieces on another device than the compute device -- rank 0's
+whole host tensors for a push to remote SGLang engines (``orchestration.engines.sglang``) -- are
+never sent from or received into directly: they are staged through device buffers (a documented
+host/device boundary; at most ``bucket_bytes`` of device memory per round).
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_earl import runtime
 from megatron_earl.dispatch.execute import exchange_p2p
+from megatron_earl.parallel.groups import host_group, prepare_p2p
 from megatron_earl.redistribute.geometry import ShardPiece, region_shape, region_slices
 from megatron_earl.redistribute.weight_plan import (
     PieceMeta,
@@ -73,11 +82,12 @@ def gather_plan(
     """All-gather every rank's piece metadata once and plan the reshard (cached per metadata).
 
     Collective: every rank of ``group`` (default: world) calls it, with its own pieces (possibly
-    none). The returned plan is identical on every rank.
+    none); the all-gather runs on ``group``'s host twin. The returned plan is identical on every
+    rank.
     """
     gathered: list = [None] * dist.get_world_size(group)
     mine = (tuple(piece_metas(src_pieces)), tuple(piece_metas(dst_pieces)))
-    dist.all_gather_object(gathered, mine, group=group)
+    dist.all_gather_object(gathered, mine, group=host_group(group))
     return _cached_plan(tuple(g[0] for g in gathered), tuple(g[1] for g in gathered), bucket_bytes)
 
 
@@ -97,14 +107,17 @@ def execute_plan(
 ) -> ReshardStats:
     """Run this rank's part of ``plan``: local copies, then the rounds of messages.
 
-    Point to point: every rank of ``group`` (default: world) calls it with the same plan and the
-    pieces the plan was made from; a rank only talks to the peers the plan pairs it with.
+    Point to point: every rank of ``group`` (default: world; a device group) calls it with the
+    same plan and the pieces the plan was made from; a rank only talks to the peers the plan
+    pairs it with (after ``prepare_p2p(group)``, which every rank runs).
     """
     rank = dist.get_rank(group)
     if plan.world_size != dist.get_world_size(group):
         raise ValueError(
             f"plan for {plan.world_size} ranks executed on a group of {dist.get_world_size(group)}"
         )
+    prepare_p2p(group)
+    device = runtime.device()
     start = time.perf_counter()
     src_views = [p.region_view() for p in src_pieces]
     dst_views = [p.region_view() for p in dst_pieces]
@@ -131,9 +144,9 @@ def execute_plan(
         unpack = []
         round_bytes = 0
         for peer, ts in sends.items():
-            buf = _direct(ts, src_views, "src")
+            buf = _direct(ts, src_views, "src", device)
             if buf is None:
-                buf = _buffer(ts, src_views[ts[0].src_index].device)
+                buf = _buffer(ts, device)
                 round_bytes += buf.numel()
                 for t in ts:
                     _slot(buf, t, src_views[t.src_index].dtype).copy_(
@@ -142,9 +155,9 @@ def execute_plan(
             sent += sum(t.nbytes for t in ts)
             send_bufs[peer] = buf
         for peer, ts in recvs.items():
-            buf = _direct(ts, dst_views, "dst")
+            buf = _direct(ts, dst_views, "dst", device)
             if buf is None:
-                buf = _buffer(ts, dst_views[ts[0].dst_index].device)
+                buf = _buffer(ts, device)
                 round_bytes += buf.numel()
                 unpack.append((buf, ts))
             received += sum(t.nbytes for t in ts)
@@ -193,16 +206,20 @@ def _buffer(ts: list[WeightTransfer], device: torch.device) -> torch.Tensor:
     return torch.empty(last.offset + last.nbytes, dtype=torch.uint8, device=device)
 
 
-def _direct(ts: list[WeightTransfer], views: list[torch.Tensor], side: str) -> torch.Tensor | None:
+def _direct(
+    ts: list[WeightTransfer], views: list[torch.Tensor], side: str, device: torch.device
+) -> torch.Tensor | None:
     """The parameter memory itself as the message, when the message is one transfer whose box is
-    contiguous on this side (no staging copy, no buffer); else None. Each side decides alone: the
-    message bytes are the same either way."""
+    contiguous on this side and lives on ``device`` (no staging copy, no buffer); else None. Each
+    side decides alone: the message bytes are the same either way."""
     if len(ts) != 1:
         return None
     t = ts[0]
     index, region = (t.src_index, t.src_region) if side == "src" else (t.dst_index, t.dst_region)
     box = views[index][region_slices(region)]
-    return box.reshape(-1).view(torch.uint8) if box.is_contiguous() else None
+    if not box.is_contiguous() or box.device != device:
+        return None
+    return box.reshape(-1).view(torch.uint8)
 
 
 def _slot(buf: torch.Tensor, t: WeightTransfer, dtype: torch.dtype) -> torch.Tensor:

@@ -37,6 +37,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -333,9 +334,11 @@ class EmbeddedEngine:
         return self._execute(step)
 
     def _broadcast(self, step: Step | None) -> Step:
-        """Scheduler sends, peers receive (every rank of the TP group calls it)."""
+        """Scheduler sends, peers receive (every rank of the TP group calls it, on its host twin:
+        a step is host metadata -- token ids, lengths, slot moves; a "load" step's tensors are the
+        host tensors ``load_state_dict`` was given, e.g. weights that arrived over HTTP)."""
         box = [step]
-        dist.broadcast_object_list(box, src=self._src, group=self._tp_group)
+        dist.broadcast_object_list(box, src=self._src, group=host_group(self._tp_group))
         return box[0]
 
     # ------------------------------------------------------------------ scheduling

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_earl.parallel.ddp import unwrap_chunk
+from megatron_earl.parallel.groups import host_group
 
 
 class BudgetExceeded(torch.OutOfMemoryError):
@@ -138,10 +139,10 @@ class MemoryBudget:
 
     def agreed_peak(self, group: dist.ProcessGroup | None = None) -> int:
         """The measured peak, max over ``group`` (default: the world), without enforcing the
-        limit. Which ranks call: every rank of ``group``."""
-        peak = torch.tensor([float(self.measured_peak())], dtype=torch.float64)
+        limit. Which ranks call: every rank of ``group`` (one all-reduce on its host twin)."""
+        peak = torch.tensor([float(self.measured_peak())], dtype=torch.float64, device="cpu")
         if dist.is_initialized():
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=host_group(group))
         return int(peak.item())
 
     def checkpoint(self, group: dist.ProcessGroup | None = None) -> int:

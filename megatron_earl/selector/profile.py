@@ -35,6 +35,7 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.cp import cp_padded_length
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.budget import MemoryBudget, state_bytes
 from megatron_earl.selector.throughput import ThroughputTable
@@ -75,9 +76,10 @@ class BusyClock:
             self.busy[name] = self.wall[name] - (runqueue_wait_s() - waited)
 
     def min_busy(self) -> dict[str, float]:
-        """Busy time per block, min over the world's ranks. Every rank calls, same blocks."""
-        busy = torch.tensor(list(self.busy.values()), dtype=torch.float64)
-        torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MIN)
+        """Busy time per block, min over the world's ranks. Every rank calls, same blocks (one
+        all-reduce on the host world group)."""
+        busy = torch.tensor(list(self.busy.values()), dtype=torch.float64, device="cpu")
+        torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MIN, group=host_group())
         return {k: float(v) for k, v in zip(self.busy, busy, strict=True)}
 
 
@@ -207,7 +209,7 @@ class PhaseRunner:
         mine = samples[dp_rank::dp]
         max_tokens = self.micro_batch_tokens(samples)
         static = state_bytes(self.ddp, self.optimizer)
-        torch.distributed.barrier()
+        torch.distributed.barrier()  # device world: on NCCL it also waits for queued device work
         start, waited = time.perf_counter(), runqueue_wait_s()
         with self.budget.track(static_bytes=static) as measured:
             if phase == Phase.TRAIN:
@@ -227,10 +229,12 @@ class PhaseRunner:
                 raise ValueError(f"phase {phase!r}: PhaseRunner runs 'train' or 'experience'")
         wall, waited = time.perf_counter() - start, runqueue_wait_s() - waited
         mine = torch.tensor(
-            [float(measured.peak_bytes), float(static), wall, wall - waited], dtype=torch.float64
+            [float(measured.peak_bytes), float(static), wall, wall - waited],
+            dtype=torch.float64,
+            device="cpu",
         )
         gathered = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(gathered, mine)
+        torch.distributed.all_gather(gathered, mine, group=host_group())
         top = max(gathered, key=lambda t: float(t[0]))
         return PhaseResult(
             layout=str(self.layout),

@@ -51,6 +51,7 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.loss import PolicyLossConfig
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.training.logprobs import (
     DEFAULT_CHUNK_SIZE,
     head_logprobs,
@@ -113,13 +114,13 @@ class RLStepConfig:
 def agree(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank; if it raised ``ValueError`` on any rank, raise it on all ranks.
 
-    Which ranks call: every rank of the world (one all-gather of a short message)."""
+    Which ranks call: every rank of the world (one all-gather of a short message, host group)."""
     try:
         value, error = fn(), None
     except ValueError as err:
         value, error = None, f"{type(err).__name__}: {err}"
     errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=host_group())
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
@@ -227,11 +228,11 @@ def _last_chunk(chunks: Sequence[nn.Module]) -> nn.Module | None:
 def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Full-batch metrics from the last stage's per-micro-batch metrics, on every rank.
 
-    Which ranks call: every rank of the world (two all-reduces; only TP rank 0 of the last stage
-    contributes, so TP replicas are not double counted)."""
+    Which ranks call: every rank of the world (two all-reduces of host metrics on the host world
+    group; only TP rank 0 of the last stage contributes, so TP replicas are not double counted)."""
     contributes = bool(per_mb) and parallel_state.get_tensor_model_parallel_rank() == 0
-    sums = torch.zeros(len(ADDITIVE) + len(TOKEN_MEANS) + 1, dtype=torch.float64)
-    extremes = torch.full((2,), float("-inf"), dtype=torch.float64)
+    sums = torch.zeros(len(ADDITIVE) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device="cpu")
+    extremes = torch.full((2,), float("-inf"), dtype=torch.float64, device="cpu")
     if contributes:
         for m in per_mb:
             n = float(m["num_tokens"])
@@ -242,8 +243,8 @@ def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
                 extremes = torch.maximum(
                     extremes, torch.tensor([float(m["ratio_max"]), -float(m["ratio_min"])])
                 )
-    dist.all_reduce(sums)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sums, group=host_group())
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=host_group())
     tokens = float(sums[-1])
     out = {k: float(v) for k, v in zip(ADDITIVE, sums[: len(ADDITIVE)].tolist())}
     for k, v in zip(TOKEN_MEANS, sums[len(ADDITIVE) : -1].tolist()):
@@ -256,7 +257,7 @@ def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def _grads_finite(ddp_chunks: Sequence[nn.Module]) -> bool:
-    """Which ranks call: every rank of the world (one all-reduce)."""
+    """Which ranks call: every rank of the world (one all-reduce of a host flag, host group)."""
     flags = [
         torch.isfinite(p.main_grad).all()
         for chunk in ddp_chunks
@@ -264,8 +265,8 @@ def _grads_finite(ddp_chunks: Sequence[nn.Module]) -> bool:
         if p.requires_grad and getattr(p, "main_grad", None) is not None
     ]
     local_ok = bool(torch.stack(flags).all()) if flags else True  # one device sync, not one each
-    ok = torch.tensor([1.0 if local_ok else 0.0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    ok = torch.tensor([1.0 if local_ok else 0.0], device="cpu")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=host_group())
     return bool(ok.item() == 1.0)
 
 
@@ -310,8 +311,9 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     whole, num_bad = agree(prepare)
 
-    # Global normaliser and counts from the whole (pre-CP-split) micro-batches, summed over DP.
-    counts = torch.zeros(5, dtype=torch.float64)
+    # Global normaliser and counts from the whole (pre-CP-split) micro-batches, summed over DP
+    # (host metadata: the host twin of the DP group).
+    counts = torch.zeros(5, dtype=torch.float64, device="cpu")
     for mb in whole:
         ids = mb["seq_ids"]
         counts[0] += float(local_normaliser(mb["loss_mask"], config.loss.aggregation, ids))
@@ -323,9 +325,9 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
         counts[4] += float(mb["packed_seq_params"].cu_seqlens_q[-1])
     counts[3] = num_bad
     dp_group = parallel_state.get_data_parallel_group()
-    num_mb_max = torch.tensor([float(len(whole))])
-    dist.all_reduce(counts, group=dp_group)
-    dist.all_reduce(num_mb_max, op=dist.ReduceOp.MAX)
+    num_mb_max = torch.tensor([float(len(whole))], device="cpu")
+    dist.all_reduce(counts, group=host_group(dp_group))
+    dist.all_reduce(num_mb_max, op=dist.ReduceOp.MAX, group=host_group())
     normaliser = counts[0].float()
 
     micro_batches = [split_micro_batch(mb, cp, cp_rank) for mb in whole]

@@ -119,3 +119,73 @@ def test_bad_input_raises_same_error_on_every_rank():
     assert "3 groups cannot fill dp=4" in errors["empty_dp"], errors
     assert "ranks disagree on the batch schema" in errors["schema"], errors
     assert "= 8 ranks, but 4 ranks dispatch" in errors["layout"], errors
+
+
+def _body_host_groups() -> dict:
+    """One dispatch and its reverse with separate host groups forced (as on GPUs): the metadata
+    all-gathers run on the host world, the payload on the (device) world group after one
+    warm-up all-reduce; the result is the reference's, bitwise."""
+    from megatron_earl.parallel.groups import forced_host_groups, host_group
+
+    rank = dist.get_rank()
+    schema = agentic_schema()
+    lengths = agentic_lengths(12, max_len=512, seed=3, min_len=1)
+    owners = [list(range(r, 12, WORLD)) for r in range(WORLD)]
+    samples, batches = make_batches(schema, lengths, owners, seed=5, group_size=2)
+    batch = batches[rank]
+    seen: dict[str, list] = {"object": [], "p2p": [], "all_reduce": []}
+    real = (dist.all_gather_object, dist.batch_isend_irecv, dist.all_reduce)
+
+    def gather_object(out, obj, group=None):
+        seen["object"].append(group)
+        return real[0](out, obj, group=group)
+
+    def batch_p2p(ops):
+        seen["p2p"].extend(op.group for op in ops)
+        return real[1](ops)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen["all_reduce"].append(group)
+        return real[2](tensor, op=op, group=group, async_op=async_op)
+
+    ok = True
+    with forced_host_groups() as cache:
+        world = host_group()
+        dist.all_gather_object, dist.batch_isend_irecv, dist.all_reduce = (
+            gather_object,
+            batch_p2p,
+            all_reduce,
+        )
+        try:
+            plan = plan_for(batch, Destination(ParallelLayout(tp=2, dp=2)))
+            for _ in range(2):
+                local = execute(plan, batch)
+            token = [s.name for s in schema if s.per_token]
+            back = return_results(plan, local, token, [s.name for s in schema if not s.per_token])
+        finally:
+            dist.all_gather_object, dist.batch_isend_irecv, dist.all_reduce = real
+        want = expected_local(plan, samples, rank)
+        ok &= len(local.micro_batches) == len(want)
+        for exp, got in zip(want, local.micro_batches):
+            ok &= exp.keys() == got.fields.keys()
+            ok &= all(tensors_equal(exp[k], got.fields[k]) for k in exp)
+        for sid in back.sample_ids:
+            ok &= all(tensors_equal(back.sample(sid)[k], v) for k, v in batch.sample(sid).items())
+        warmups = cache.stats.p2p_warmups
+    return {
+        "ok": ok,
+        "objects_on_host_world": bool(seen["object"]) and all(g is world for g in seen["object"]),
+        "num_p2p_ops": len(seen["p2p"]),
+        "p2p_on_device_world": all(g in (None, dist.GroupMember.WORLD) for g in seen["p2p"]),
+        "all_reduces": [g is None for g in seen["all_reduce"]],
+        "warmups": warmups,
+    }
+
+
+def test_host_groups_carry_metadata_and_device_groups_data():
+    results = run_distributed(_body_host_groups, WORLD, timeout_s=120)
+    for res in results:
+        assert res["ok"] and res["objects_on_host_world"] and res["p2p_on_device_world"], res
+        # one warm-up all-reduce over the world before its first batched p2p, then none
+        assert res["warmups"] == 1 and res["all_reduces"] == [True], res
+    assert any(r["num_p2p_ops"] for r in results)

@@ -250,3 +250,70 @@ def test_destroy_layouts_destroys_exactly_the_cached_groups():
             assert res["after"][key] <= res["baseline"][key], (key, res)
         assert "destroyed outside the cache" in res["error"]
         assert "destroy_layouts()" in res["error"]
+
+
+def _host_twins_cycle():
+    """With separate host groups forced on the gloo world (as on GPUs / the emulation tier):
+    every Megatron group has its host twin, Megatron's gloo groups are those twins, A -> B -> A
+    creates nothing after the first cycle, and destroy_layouts() destroys the twins too."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_earl.parallel.groups import forced_host_groups, host_group
+    from megatron_earl.parallel.state import destroy_layouts, use_layout
+
+    before = _resources()
+    a, b = ParallelLayout(tp=2), ParallelLayout(dp=2)
+    out: dict = {"problems": []}
+    with forced_host_groups() as cache:
+        entered = _resources()
+        world = host_group()
+        for i, layout in enumerate([a, b, a, b, a]):
+            use_layout(layout)
+            for getter in _GETTERS:
+                group = getattr(ps, getter)()
+                twin = host_group(group)
+                ranks = dist.get_process_group_ranks(group)
+                if twin is group or dist.get_process_group_ranks(twin) != ranks:
+                    out["problems"].append(f"{layout} {getter}: twin {twin} of {group}")
+                if twin not in dist.distributed_c10d._world.pg_map:
+                    out["problems"].append(f"{layout} {getter}: twin not live")
+                if len(ranks) == dist.get_world_size() and twin is not world:
+                    out["problems"].append(f"{layout} {getter}: twin is not the host world")
+            for cp in (False, True):
+                gloo = ps.get_data_parallel_group_gloo(with_context_parallel=cp)
+                if gloo is not host_group(ps.get_data_parallel_group(with_context_parallel=cp)):
+                    out["problems"].append(f"{layout}: Megatron's dp gloo group is not the twin")
+            if i == 1:
+                first_cycle = (_resources(), cache.stats.created)
+        out["last"] = (_resources(), cache.stats.created)
+        out["first_cycle"] = first_cycle
+        keys = cache.keys()
+        out["device_sets"] = sorted({k[0] for k in keys if k[1] == "device"})
+        out["host_sets"] = sorted({k[0] for k in keys if k[1] == "host"})
+        out["roles"] = sorted({k[1] for k in keys})
+        out["keys"] = keys
+        destroy_layouts()
+        out["destroyed"] = _resources()
+    out.update(before=before, entered=entered, after=_resources())
+    return out
+
+
+def test_host_twins_are_created_reused_and_destroyed():
+    results = run_distributed(_host_twins_cycle, 2, timeout_s=120)
+    for rank, res in enumerate(results):
+        assert not res["problems"], (rank, res["problems"])
+        assert res["keys"] == results[0]["keys"], "group cache keys differ across ranks"
+        assert res["roles"] == ["device", "host"]
+        # one twin per device rank set (the world's is the host world), nothing else
+        assert res["host_sets"] == sorted({*res["device_sets"], (0, 1)})
+        assert res["device_sets"] == [(0,), (0, 1), (1,)]
+        # A -> B -> A -> B -> A: nothing created after the first visit of B
+        (first, created_first), (last, created_last) = res["first_cycle"], res["last"]
+        assert created_last == created_first
+        for key in ("process_groups", "group_count", "threads", "os_threads"):
+            assert last[key] == first[key], (rank, key, first, last)
+        # the host world on entry; every twin and device group gone after destroy_layouts()
+        assert res["entered"]["process_groups"] == res["before"]["process_groups"] + 1
+        assert res["destroyed"]["process_groups"] == res["entered"]["process_groups"]
+        assert res["after"]["process_groups"] == res["before"]["process_groups"]

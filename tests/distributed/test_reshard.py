@@ -168,3 +168,22 @@ def test_large_bucket_moves_in_one_round(bucket):
     _verify(results, bucket)
     for _, _, _, there, back, _ in results[0]:
         assert there.num_rounds <= 1 and back.num_rounds <= 1
+
+
+def _round_trips_host_groups(bucket: int):
+    """``_round_trips`` with separate host groups forced (as on GPUs): bitwise all the same; the
+    world is warmed up once for batched p2p; every group is destroyed at the end."""
+    from megatron_earl.parallel.groups import forced_host_groups
+    from megatron_earl.parallel.state import destroy_layouts
+
+    with forced_host_groups() as cache:
+        out = _round_trips(MODELS[:1], LAYOUTS_2[:3], bucket)
+        warmups = cache.stats.p2p_warmups
+        destroy_layouts()
+    return out, warmups
+
+
+def test_round_trips_with_host_groups():
+    results = run_distributed(_round_trips_host_groups, 2, args=(BUCKET_BYTES,), timeout_s=180)
+    assert _verify([r for r, _ in results], BUCKET_BYTES) == 2 * 3
+    assert [w for _, w in results] == [1, 1]

@@ -38,6 +38,7 @@ from megatron_earl.orchestration.engines.base import (
     register_rollout_backend,
 )
 from megatron_earl.orchestration.rollout import PromptSet
+from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.redistribute.geometry import ShardPiece
@@ -52,13 +53,18 @@ from megatron_earl.rollout.weight_sync import hf_named_tensors, push_weights
 def gather_full_weights(
     master_pieces: list[ShardPiece], model: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor] | None:
-    """Whole global tensors on rank 0 (None elsewhere), resharded point to point from the
-    master pieces. Collective over the world."""
+    """Whole global tensors on rank 0's host (None elsewhere), resharded point to point from the
+    master pieces. Collective over the world.
+
+    Host/device boundary: the tensors leave over HTTP (``push_weights`` serialises host tensors),
+    so rank 0 holds the model once in host memory, not on its GPU; the reshard moves the master
+    pieces (device tensors) over the device world group and stages them into these host tensors
+    through device buffers of at most the bucket size (``weight_exec``)."""
     full: dict[str, torch.Tensor] = {}
     pieces: list[ShardPiece] = []
     if dist.get_rank() == 0:
         for key, shape in global_shapes(model).items():
-            full[key] = torch.empty(shape, dtype=dtype)
+            full[key] = torch.empty(shape, dtype=dtype, device="cpu")
             pieces.append(
                 ShardPiece(
                     key=key,
@@ -134,7 +140,7 @@ class SGLangBackend(RolloutBackend):
         stats = {}
         if full is not None:
             stats = asyncio.run(self._push(full, version))
-        dist.barrier()
+        dist.barrier(group=host_group())
         self.version = version
         return {"weight_push_s": time.perf_counter() - start, **stats}
 
