@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.oom_agreement import agreement_point
 from megatron_earl.selector.budget import BudgetExceeded, MemoryBudget
 from megatron_earl.selector.calibrate import CalibrationPoint, fit
 from megatron_earl.selector.decide import (
@@ -339,11 +340,13 @@ class PhaseSelection:
     ) -> tuple[Any, float]:
         """Run ``fn`` and return its result and the peak (max over ranks; nan where not
         measured). CPU: past the budget every rank raises ``BudgetExceeded`` (the train phase
-        checks before its optimizer step, ``guard``; at its end the peak is only read).
+        checks before its optimizer step, ``guard``; at its end the peak is only read). Before
+        the peak's all-reduce, an OOM agreement point (``parallel.oom_agreement``).
         Collective (world)."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             result = fn()
+            agreement_point()  # an OOM on another rank in the phase: raise here, in step
             peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             return result, float(peak[0])
@@ -356,5 +359,6 @@ class PhaseSelection:
         finally:
             self._enforcing = False
         if enforce and phase != Phase.TRAIN:
-            return result, float(self.budget.checkpoint())
+            return result, float(self.budget.checkpoint())  # an OOM agreement point first
+        agreement_point()
         return result, float(self.budget.agreed_peak())
