@@ -16,7 +16,8 @@ re-runs the *same* data in the next candidate, so no sample is lost. The peak is
   the phase's memory model counts); the experience phase is checked at its end, the train phase
   before its optimizer step (``guard``), agreed over ranks: past ``selector.budget_mb`` every rank
   raises ``BudgetExceeded`` and the phase is retried;
-- GPU: ``torch.cuda.max_memory_allocated`` (the allocator itself raises the OOM).
+- GPU: ``torch.cuda.max_memory_allocated`` (the allocator itself raises the OOM, on one rank:
+  agreed over the ranks by ``run_phase_with_recovery``, see ``parallel/oom_agreement.py``).
 
 Every measured run (start-up profiling, ``profile``, and live steps, OOM runs included) becomes a
 ``CalibrationPoint`` and the memory model is re-fitted (``calibrate.fit`` per phase and per
