@@ -59,6 +59,7 @@ from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengt
 from megatron_earl.orchestration.sft import warm_start
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
+from megatron_earl.parallel.oom_agreement import agreement_point
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
@@ -224,6 +225,7 @@ class RLLoop:
                 for mb, values in zip(local.micro_batches, ref, strict=True):
                     mb.fields["ref_logprobs"] = values
             names.append("ref_logprobs")
+        agreement_point()  # an OOM on another rank in the forward passes: raise before the return
         back = return_results(plan, local, names)
         for name in names:
             batch = with_token_field(batch, name, back.token_fields.get(name, torch.empty(0)))

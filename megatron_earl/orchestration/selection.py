@@ -16,7 +16,8 @@ re-runs the *same* data in the next candidate, so no sample is lost. The peak is
   the phase's memory model counts); the experience phase is checked at its end, the train phase
   before its optimizer step (``guard``), agreed over ranks: past ``selector.budget_mb`` every rank
   raises ``BudgetExceeded`` and the phase is retried;
-- GPU: ``torch.cuda.max_memory_allocated`` (the allocator itself raises the OOM).
+- GPU: ``torch.cuda.max_memory_allocated`` (the allocator itself raises the OOM, on one rank:
+  agreed over the ranks by ``run_phase_with_recovery``, see ``parallel/oom_agreement.py``).
 
 Every measured run (start-up profiling, ``profile``, and live steps, OOM runs included) becomes a
 ``CalibrationPoint`` and the memory model is re-fitted (``calibrate.fit`` per phase and per
@@ -46,6 +47,7 @@ from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.oom_agreement import agreement_point
 from megatron_earl.selector.budget import BudgetExceeded, MemoryBudget
 from megatron_earl.selector.calibrate import CalibrationPoint, fit
 from megatron_earl.selector.decide import (
@@ -340,11 +342,13 @@ class PhaseSelection:
     ) -> tuple[Any, float]:
         """Run ``fn`` and return its result and the peak (max over ranks; nan where not
         measured). CPU: past the budget every rank raises ``BudgetExceeded`` (the train phase
-        checks before its optimizer step, ``guard``; at its end the peak is only read).
+        checks before its optimizer step, ``guard``; at its end the peak is only read). Before
+        the peak's all-reduce, an OOM agreement point (``parallel.oom_agreement``).
         Collective (world)."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             result = fn()
+            agreement_point()  # an OOM on another rank in the phase: raise here, in step
             peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cpu")
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=host_group())
             return result, float(peak[0])
@@ -357,5 +361,6 @@ class PhaseSelection:
         finally:
             self._enforcing = False
         if enforce and phase != Phase.TRAIN:
-            return result, float(self.budget.checkpoint())
+            return result, float(self.budget.checkpoint())  # an OOM agreement point first
+        agreement_point()
         return result, float(self.budget.agreed_peak())

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.groups import host_group
+from megatron_earl.parallel.oom_agreement import agreement_point
 
 
 class BudgetExceeded(torch.OutOfMemoryError):
@@ -147,9 +148,13 @@ class MemoryBudget:
 
     def checkpoint(self, group: dist.ProcessGroup | None = None) -> int:
         """All-reduce (MAX) the measured peak; past the limit, ``BudgetExceeded`` on every rank.
+        First an OOM agreement point (``parallel.oom_agreement``: under the selector's recovery,
+        ``PeerOutOfMemory`` on every rank when another rank ran out of memory).
 
-        Which ranks call: every rank of ``group`` (default: the world). Returns the largest peak.
+        Which ranks call: every rank of ``group`` (default: the world) and of the agreement's
+        group (the world). Returns the largest peak.
         """
+        agreement_point()
         largest = self.agreed_peak(group)
         if largest > self.limit_bytes:
             raise BudgetExceeded(

@@ -10,18 +10,28 @@
 1. asks the selector for the phase's layout (``Selector.decide``: raises ``NoFeasibleLayout``
    before anything runs when no layout is predicted to fit);
 2. switches to it and runs ``phase_fn``;
-3. on ``torch.OutOfMemoryError`` (a CUDA OOM, or the CPU budget's ``BudgetExceeded``) marks that
-   (phase, layout, length bucket) infeasible (``Selector.mark_infeasible``: never chosen again at
-   that length or longer), takes the fastest remaining candidate predicted to fit that was not
-   tried in this call, and re-runs ``phase_fn`` on the *same* ``data`` object: no sample is lost
-   or truncated;
+3. on ``torch.OutOfMemoryError`` (a CUDA OOM, or the CPU budget's ``BudgetExceeded``) on *any*
+   rank, every rank agrees on it (``parallel.oom_agreement``: one small all-reduce of a 0/1 flag
+   at the phase's agreement points and after its body, so a rank that ran out alone does not
+   leave the others in the phase's next collective), marks that (phase, layout, length bucket)
+   infeasible (``Selector.mark_infeasible``: never chosen again at that length or longer), takes
+   the fastest remaining candidate predicted to fit that was not tried in this call, and re-runs
+   ``phase_fn`` on the *same* ``data`` object: no sample is lost or truncated;
 4. every candidate is tried at most once per call, so it always ends: when none is left it raises
    ``PhaseOutOfMemory`` naming the smallest layout and the memory it needs.
 
-The phase must leave no partial effect when it raises an OOM (the train phase checks the budget
-before ``optimizer.step``, ``MemoryBudget.guard_optimizer``), and every rank must see the OOM (a
-CPU budget checkpoint is agreed over the world; a CUDA OOM on one rank is not, so keep the
-safety margin that makes it rare). Which ranks call: every rank of the world, with the same
+Every rank picks the same next layout: the choice depends only on (phase, layout, the longest
+length, ``lengths``, the layouts tried), the same on every rank. The OOM's message is not agreed
+(the failing rank's own error; "another rank ran out of memory" on the others) and is only
+logged and reported; a peak enters ``RecoveryReport.oom_peaks`` (and the exhausted message) only
+from ``BudgetExceeded``, whose peak is agreed over the world or predicted from the same inputs.
+
+The phase must leave no partial effect when it raises an OOM: the train phase's agreement point
+comes before its gradient reduction and optimizer step (and the CPU budget's check before
+``optimizer.step``, ``MemoryBudget.guard_optimizer``), so an agreed OOM applies no update on any
+rank, and the next attempt zeroes the gradients before its forward. Which OOMs are agreed and
+which are not (a rank that runs out while its peers wait for it in a TP all-reduce, for example):
+``parallel/oom_agreement.py``. Which ranks call: every rank of the world, with the same
 ``lengths`` (decisions are deterministic).
 """
 
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +47,7 @@ from typing import Any
 import torch
 
 from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.oom_agreement import PeerOutOfMemory, agree_oom, oom_attempt
 from megatron_earl.selector.decide import Decision, Selector
 from megatron_earl.selector.memory import per_rank
 
@@ -84,23 +96,43 @@ def run_phase_with_recovery(
     while True:
         tried.append(layout)
         switch(layout)
+        result, err = _attempt(phase_fn, data, layout)
+        if err is None:
+            report.attempts.append((str(layout), "ok"))
+            return result, report
+        gc.collect()
+        report.attempts.append((str(layout), f"OOM: {err}"))
+        if getattr(err, "peak_bytes", None) is not None:  # BudgetExceeded: agreed or predicted
+            report.oom_peaks[str(layout)] = err.peak_bytes
+        selector.mark_infeasible(phase, layout, decision.stats.max)
+        logger.warning("selector OOM step %d phase %s layout %s: %s", step, phase, layout, err)
+        remaining = selector.next_candidates(decision, lengths, tried)
+        if not remaining:
+            raise PhaseOutOfMemory(_exhausted(selector, decision, lengths, report)) from err
+        layout = remaining[0]
+        selector.current[phase] = layout
+
+
+def _attempt(
+    phase_fn: Callable[[Any, ParallelLayout], Any], data: Any, layout: ParallelLayout
+) -> tuple[Any, torch.OutOfMemoryError | None]:
+    """(result, None), or (None, the OOM) when any rank ran out of memory, on every rank.
+
+    Exactly one agreement per rank ends the attempt: after the body, at the failing rank's OOM,
+    or at the agreement point where a healthy rank learnt of it (``PeerOutOfMemory``).
+    Collective (``oom_agreement.agreement_group()``)."""
+    with oom_attempt():
         try:
             result = phase_fn(data, layout)
         except torch.OutOfMemoryError as err:
-            gc.collect()
-            report.attempts.append((str(layout), f"OOM: {err}"))
-            if getattr(err, "peak_bytes", None) is not None:
-                report.oom_peaks[str(layout)] = err.peak_bytes
-            selector.mark_infeasible(phase, layout, decision.stats.max)
-            logger.warning("selector OOM step %d phase %s layout %s: %s", step, phase, layout, err)
-            remaining = selector.next_candidates(decision, lengths, tried)
-            if not remaining:
-                raise PhaseOutOfMemory(_exhausted(selector, decision, lengths, report)) from err
-            layout = remaining[0]
-            selector.current[phase] = layout
-            continue
-        report.attempts.append((str(layout), "ok"))
-        return result, report
+            # the frames the OOM unwound hold the attempt's tensors: free them before the next
+            traceback.clear_frames(err.__traceback__)
+            if not isinstance(err, PeerOutOfMemory):  # a peer's OOM was agreed where it was raised
+                agree_oom(True)
+            return None, err
+        if agree_oom(False):
+            return None, PeerOutOfMemory("another rank ran out of memory after this phase's body")
+        return result, None
 
 
 def _exhausted(

@@ -12,6 +12,7 @@ from torch import nn
 
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.parallel.ddp import unwrap_chunk
+from megatron_earl.parallel.oom_agreement import agreement_point
 
 
 def wrap_ddp(model_chunks: list[nn.Module], optim: OptimConfig) -> list[nn.Module]:
@@ -58,11 +59,18 @@ def build_optimizer(ddp_chunks: list[nn.Module], optim: OptimConfig):
 
 def wire_schedule_hooks(ddp_chunks: list[nn.Module], optimizer=None) -> None:
     """Point the chunks' config at DDP's no-sync/finalize hooks (DP and embedding-group grad
-    reduction) and the optimizer's loss scale, as Megatron-LM's training loop does."""
+    reduction) and the optimizer's loss scale, as Megatron-LM's training loop does. The finalize
+    hook first passes an OOM agreement point (``parallel.oom_agreement``): under the selector's
+    OOM recovery, an OOM on another rank during the forward/backward raises here on every rank,
+    before any gradient is reduced or applied."""
     from megatron.core.distributed import finalize_model_grads
 
+    def agreed_finalize_model_grads(*args, **kwargs):
+        agreement_point()
+        return finalize_model_grads(*args, **kwargs)
+
     config = unwrap_chunk(ddp_chunks[0]).config
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = agreed_finalize_model_grads
     config.no_sync_func = [c.no_sync for c in ddp_chunks]
     if len(ddp_chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]

@@ -1,7 +1,8 @@
 """The selector on 2 real gloo processes: the memory model's predicted peak is within 15% of the
 measured peak (project accounting, ``MemoryBudget.track``) on dp2 and tp2, and an OOM in the
 train phase re-runs the same samples in the next layout with no update applied by the failed
-attempt (this rank's parameters equal a run that went straight to that layout, fp32, 1e-6)."""
+attempt (this rank's parameters equal a run that went straight to that layout, fp32, 1e-6) —
+also when the OOM is a CUDA-like one raised on one rank only (agreed over the ranks)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,114 @@ def test_oom_recovery_reruns_the_same_data_in_the_next_layout():
         loss, expected = out["loss"]
         assert abs(loss - expected) <= TOL_WEIGHTS
         assert out["weight_diff"] <= TOL_WEIGHTS, out["weight_diff"]
+
+
+def _oom_on_one_rank():
+    """A CUDA-like OOM raised on rank 1 only, allocating an activation in the forward of the
+    train phase (then of the experience phase) in dp2; rank 0 runs on into its own compute."""
+    import traceback
+
+    import torch
+
+    from megatron_earl.parallel.ddp import unwrap_chunk
+    from megatron_earl.parallel.oom_agreement import PeerOutOfMemory
+    from megatron_earl.selector.decide import Selector, SelectorConfig
+    from megatron_earl.selector.memory import MemoryModel, MemorySettings
+    from megatron_earl.selector.oom import run_phase_with_recovery
+    from megatron_earl.selector.profile import PhaseRunner, synthetic_samples
+    from megatron_earl.selector.throughput import HardwareSpec, Roofline, ThroughputTable
+
+    rank = torch.distributed.get_rank()
+    lengths = [1024, 768]
+    samples = synthetic_samples(lengths, MODEL.vocab_size, seed=3)
+    out = {"data_id": id(samples)}
+    runner = PhaseRunner(MODEL, token_budget=256)  # no CPU budget: only the injected OOM
+    runner.switch(DP2)  # the weights every path starts from
+    for phase_name in ("train", "experience"):
+        memory = MemoryModel(MODEL, MemorySettings.cpu())
+        table = ThroughputTable(Roofline(MODEL, HardwareSpec.cpu()))
+        for layout, speed in ((DP2, 4.0), (TP2, 3.0), (ParallelLayout(pp=2), 2.0)):
+            table.record(phase_name, layout, 1024, tokens=speed, seconds=1.0)
+        config = SelectorConfig(budget_bytes=1024 * MiB, token_budget=256)
+        selector = Selector(MODEL, 2, config, memory, table)
+        seen, agreed_in = [], []
+
+        def out_of_memory(module, args, seen=seen):
+            if rank == 1 and runner.layout == DP2 and len(seen) == 1:
+                raise torch.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)"
+                )
+
+        def phase(data, layout, seen=seen, agreed_in=agreed_in, phase_name=phase_name):
+            seen.append((str(layout), id(data)))
+            mlp = unwrap_chunk(runner.chunks[0]).decoder.layers[0].mlp
+            hook = mlp.register_forward_pre_hook(out_of_memory)
+            try:
+                return runner.run(phase_name, data)
+            except PeerOutOfMemory as err:  # where this rank learnt of the other's OOM
+                agreed_in.extend(f.name for f in traceback.extract_tb(err.__traceback__))
+                raise
+            finally:
+                hook.remove()
+
+        result, report = run_phase_with_recovery(
+            phase,
+            samples,
+            selector=selector,
+            phase=phase_name,
+            lengths=lengths,
+            switch=runner.switch,
+        )
+        out[phase_name] = {
+            "attempts": report.attempts,
+            "layout": str(report.layout),
+            "seen": seen,
+            "agreed_in": agreed_in,
+            "metrics": result.metrics,
+            "infeasible": selector.is_infeasible(phase_name, DP2, 1024),
+        }
+        if phase_name == "train":
+            recovered = [p.detach().clone() for c in runner.chunks for p in c.parameters()]
+            straight = PhaseRunner(MODEL, token_budget=256)
+            straight.switch(DP2)
+            straight.switch(TP2)
+            expected = straight.run("train", samples)
+            reference = [p.detach() for c in straight.chunks for p in c.parameters()]
+            out["weight_diff"] = max(
+                float((a - b).abs().max()) for a, b in zip(recovered, reference, strict=True)
+            )
+            out["expected_loss"] = expected.metrics["loss"]
+            del straight
+    return out
+
+
+def test_cuda_oom_on_one_rank_is_agreed_and_every_rank_recovers_in_the_same_layout():
+    results = run_distributed(_oom_on_one_rank, 2, timeout_s=300)  # a hang fails here
+    for rank, out in enumerate(results):
+        for phase in ("train", "experience"):
+            run = out[phase]
+            assert [a[0] for a in run["attempts"]] == [str(DP2), str(TP2)], (rank, run)
+            assert run["layout"] == str(TP2) and run["infeasible"]
+            first = run["attempts"][0][1]
+            if rank == 1:  # its own error
+                assert "CUDA out of memory" in first and "injected on rank 1" in first
+            else:  # learnt at an agreement point (before the DP gradient reduction in train)
+                assert first.startswith("OOM: another rank ran out of memory"), first
+            assert run["attempts"][1][1] == "ok"
+            assert {i for _, i in run["seen"]} == {out["data_id"]}  # the same batch object
+    # rank 0 ran its dp2 forward/backward on and met rank 1 at the agreement point before the
+    # DP gradient reduction (train), at the end-of-phase budget check (experience)
+    assert "agreed_finalize_model_grads" in results[0]["train"]["agreed_in"]
+    assert "checkpoint" in results[0]["experience"]["agreed_in"]
+    assert results[1]["train"]["agreed_in"] == results[1]["experience"]["agreed_in"] == []
+    for out in results:
+        train = out["train"]["metrics"]
+        assert train["num_samples"] == 2.0  # every sample, once, in tp2
+        assert abs(train["loss"] - out["expected_loss"]) <= TOL_WEIGHTS
+        # no rank stepped in dp2: the weights equal a run that went straight to tp2
+        assert out["weight_diff"] <= TOL_WEIGHTS, out["weight_diff"]
+    layouts = {(out["train"]["layout"], out["experience"]["layout"]) for out in results}
+    assert layouts == {(str(TP2), str(TP2))}  # every rank in the same next layout
 
 
 def _profile():
