@@ -192,7 +192,9 @@ class ModelConfig:
             raise ModelConfigError("model does not fit the parallel layout: " + "; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain values (vocabulary members as their strings): YAML/JSON safe."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return out | {"transformer_impl": self.transformer_impl.value}
 
 
 def build_transformer_config(
