@@ -104,7 +104,11 @@ def transformer_impl_problems(
             f"{model.transformer_impl.value!r} resolves to 'local' here (transformer_engine "
             f"importable: {te_importable}, CUDA: {cuda}, embedded engine: {embedded_engine}), "
             "whose context-parallel attention always all-gathers K/V; unset model.cp_comm_type, "
-            'or install Transformer Engine (pip install -e ".[te]") on a CUDA machine'
+            + (
+                "or use rollout.engine=sglang (the embedded engine generates with local)"
+                if embedded_engine
+                else 'or install Transformer Engine (pip install -e ".[te]") on a CUDA machine'
+            )
         )
     return problems
 

@@ -81,7 +81,7 @@ def test_cp_comm_type_is_a_te_only_option(te, cuda, embedded):
 
 def test_cp_comm_type_with_the_embedded_engine_and_auto_is_refused():
     (msg,) = _problems(ModelConfig(cp_comm_type="p2p"), embedded=True)
-    assert "embedded engine: True" in msg
+    assert "embedded engine: True" in msg and "rollout.engine=sglang" in msg
 
 
 @pytest.mark.parametrize(
