@@ -33,7 +33,8 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5.3,<0.6"],
-        "apex": ["apex"],
+        # No [apex] extra: PyPI's "apex" is an unrelated package; NVIDIA Apex is built from source
+        # (README "On GPUs"), and Megatron-Core uses it when importable.
         # Qwen3 needs transformers >= 4.51; safetensors for HF <-> Megatron conversion.
         "hf": ["transformers>=4.51", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.7"],

@@ -57,16 +57,21 @@ def checked_config(argv: list[str], world_size: int) -> RunConfig:
 
 def check_run(config: RunConfig, world_size: int) -> None:
     """Every start-up check of ``config`` on ``world_size`` ranks: ``validate_run``, then what the
-    rollout engine kind needs (``rollout_backend_problems``) and the selector's budget
-    (``selector_problems``). Raises one ``ConfigError``. Pure (also the launch scripts'
+    rollout engine kind needs (``rollout_backend_problems``), the selector's budget
+    (``selector_problems``) and what the machine must provide (``machine_problems``: Transformer
+    Engine, CUDA). Raises one ``ConfigError``. No process group (also the launch scripts'
     pre-flight, ``cli.check``)."""
     from megatron_earl.config.run import ConfigError
     from megatron_earl.orchestration.engines import rollout_backend_problems
     from megatron_earl.orchestration.selection import selector_problems
-    from megatron_earl.orchestration.validate import validate_run
+    from megatron_earl.orchestration.validate import machine_problems, validate_run
 
     validate_run(config, world_size)
-    problems = rollout_backend_problems(config) + selector_problems(config, world_size)
+    problems = (
+        rollout_backend_problems(config)
+        + selector_problems(config, world_size)
+        + machine_problems(config)
+    )
     if problems:
         raise ConfigError("\n  ".join(problems))
 

@@ -1,4 +1,8 @@
-"""Detection of optional packages: used when present, never required."""
+"""Detection of optional packages: used when present, never required.
+
+NVIDIA Apex is not detected here: Megatron-Core itself uses its fused Adam and multi-tensor kernels
+when ``apex`` is importable (and falls back to torch's otherwise); it is built from source, see
+README "On GPUs". (PyPI's ``apex`` is an unrelated package.)"""
 
 from __future__ import annotations
 
@@ -17,10 +21,6 @@ def has_package(name: str) -> bool:
 
 def has_transformer_engine() -> bool:
     return has_package("transformer_engine")
-
-
-def has_apex() -> bool:
-    return has_package("apex")
 
 
 def has_sglang() -> bool:

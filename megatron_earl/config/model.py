@@ -15,10 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_earl.config.vocab import TransformerImpl
+
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("sdpa", "local")
+"""Core attention of the local spec: the project's SDPAttention, Megatron's DotProductAttention."""
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""Transformer Engine's context-parallel communication schemes (Megatron's ``cp_comm_type``)."""
 
 
 class ModelConfigError(ValueError):
@@ -69,8 +75,15 @@ class ModelConfig:
     """None, "full" or "selective" activation recompute."""
     recompute_num_layers: int = 1
     """Layers per recompute block when recompute_granularity == "full" (uniform method)."""
-    attention_backend: str = "auto"
-    """Core attention: "auto" (TE when importable, else SDPA), "sdpa", "local" or "te"."""
+    transformer_impl: TransformerImpl = TransformerImpl.AUTO
+    """Layer implementation: "auto" (Transformer Engine when importable on CUDA, unless the rollout
+    engine is the embedded one; else local), "local" or "transformer_engine"."""
+    attention_backend: str = "sdpa"
+    """Core attention of the local implementation: "sdpa" (SDPAttention) or "local" (Megatron's
+    DotProductAttention, no packed sequences or CP); Transformer Engine brings its own."""
+    cp_comm_type: str | None = None
+    """Transformer Engine's context-parallel communication when cp > 1: "p2p", "all_gather", "a2a"
+    or "a2a+p2p"; None = "p2p". Needs Transformer Engine (the local CP attention all-gathers)."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -104,10 +117,24 @@ class ModelConfig:
                 f"recompute_granularity {self.recompute_granularity!r} is not one of "
                 "None, 'full', 'selective'"
             )
-        if self.attention_backend not in ("auto", "sdpa", "local", "te"):
+        try:
+            object.__setattr__(self, "transformer_impl", TransformerImpl(self.transformer_impl))
+        except ValueError as err:
+            raise ModelConfigError(f"transformer_impl: {err}") from None
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            hint = (
+                "; Transformer Engine is chosen by model.transformer_impl"
+                if self.attention_backend in ("auto", "te")
+                else ""
+            )
             raise ModelConfigError(
                 f"attention_backend {self.attention_backend!r} is not one of "
-                "'auto', 'sdpa', 'local', 'te'"
+                f"{', '.join(map(repr, ATTENTION_BACKENDS))}{hint}"
+            )
+        if self.cp_comm_type is not None and self.cp_comm_type not in CP_COMM_TYPES:
+            raise ModelConfigError(
+                f"cp_comm_type {self.cp_comm_type!r} is not one of None, "
+                f"{', '.join(map(repr, CP_COMM_TYPES))}"
             )
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -165,7 +192,9 @@ class ModelConfig:
             raise ModelConfigError("model does not fit the parallel layout: " + "; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain values (vocabulary members as their strings): YAML/JSON safe."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return out | {"transformer_impl": self.transformer_impl.value}
 
 
 def build_transformer_config(
@@ -212,6 +241,7 @@ def build_transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        cp_comm_type=model.cp_comm_type or "p2p",
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=False,
         params_dtype=dtype,

@@ -1,6 +1,6 @@
-"""The words the code uses everywhere, defined once: the phases of an RL step and the rollout
-engine kinds. Use the members (``Phase.TRAIN``), never the bare strings: a typo then fails at
-import, not at step 300.
+"""The words the code uses everywhere, defined once: the phases of an RL step, the rollout
+engine kinds and the transformer-layer implementations. Use the members (``Phase.TRAIN``), never
+the bare strings: a typo then fails at import, not at step 300.
 
     from megatron_earl.config.vocab import Phase
     for phase in Phase:                       # rollout, experience, train (in step order)
@@ -46,6 +46,18 @@ class EngineKind(Vocabulary):
     """The Megatron model itself, in the rollout layout, in-process."""
     SGLANG = "sglang"
     """External SGLang servers driven over SGLang's native HTTP API."""
+
+
+class TransformerImpl(Vocabulary):
+    """Which implementation of Megatron-Core's transformer layers a model is built with
+    (Megatron-LM's ``--transformer-impl``, plus "auto")."""
+
+    AUTO = "auto"
+    """Transformer Engine when it is importable and the compute device is CUDA, else local."""
+    LOCAL = "local"
+    """Megatron-Core's local spec with the project's SDPA core attention (runs anywhere)."""
+    TRANSFORMER_ENGINE = "transformer_engine"
+    """Megatron-Core's Transformer Engine spec (TE attention and linears; CUDA and TE required)."""
 
 
 PHASES: tuple[Phase, ...] = tuple(Phase)

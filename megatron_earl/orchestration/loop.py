@@ -40,10 +40,11 @@ import torch.distributed as dist
 
 from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
-from megatron_earl.config.vocab import Phase
+from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
+from megatron_earl.models.gpt import pin_transformer_impl
 from megatron_earl.orchestration.engines import Rollout, rollout_backend_class
 from megatron_earl.orchestration.policy import Policy
 from megatron_earl.orchestration.rollout import PromptSet, group_index
@@ -78,6 +79,10 @@ class RLLoop:
     the step."""
 
     def __init__(self, config: RunConfig, tokenizer) -> None:
+        embedded = config.rollout.engine == EngineKind.EMBEDDED
+        config = dataclasses.replace(
+            config, model=pin_transformer_impl(config.model, embedded_engine=embedded)
+        )
         self.config = config
         self.tokenizer = tokenizer
         self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}

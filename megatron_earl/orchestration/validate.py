@@ -28,7 +28,11 @@ What the rollout engine kind needs (the embedded engine: a tp/dp rollout layout;
 ``rollout.engine_urls``, no selected rollout layout) is checked by each kind's
 ``RolloutBackend.problems`` (``orchestration.engines.rollout_backend_problems``), and whether the
 selector's memory budget admits any layout by ``orchestration.selection.selector_problems``: the
-launchers call both next (``cli.train.checked_config``; this layer imports neither).
+launchers call both next (``cli.train.checked_config``; this layer imports neither). They then call
+``machine_problems``, the one check here that reads the machine rather than the config: what the
+model needs that is absent (Transformer Engine and CUDA for ``model.transformer_impl=
+transformer_engine``; TE-only options such as ``model.cp_comm_type``); ``validate_run`` does not
+call it, so a GPU config validates on a CPU machine.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_earl.config.run import ConfigError, RunConfig
-from megatron_earl.config.vocab import Phase
+from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.envs import ENVS
+from megatron_earl.models.gpt import machine_facts, transformer_impl_problems
 from megatron_earl.parallel.layout import LayoutError, nearest_layout, phase_layout
 from megatron_earl.tokenizer.demo import DemoTokenizer
 from megatron_earl.training.advantages import build_estimator
@@ -98,6 +103,17 @@ def _reference_problems(config: RunConfig) -> list[str]:
             "selector.phases, set selector.enabled=false, or set train.loss.kl_coef=0"
         ]
     return []
+
+
+def machine_problems(config: RunConfig) -> list[str]:
+    """What ``config.model`` needs that this machine lacks (Transformer Engine, CUDA); each
+    problem names the option and the package. Reads the machine (TE importable, the device
+    policy); no process group."""
+    return transformer_impl_problems(
+        config.model,
+        embedded_engine=config.rollout.engine == EngineKind.EMBEDDED,
+        **machine_facts(),
+    )
 
 
 def validate_run(config: RunConfig, world_size: int) -> None:

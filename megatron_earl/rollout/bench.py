@@ -43,13 +43,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _bench(args: argparse.Namespace, model: ModelConfig) -> dict[int, dict[str, float]] | None:
     from megatron_earl import runtime
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.models.gpt import build_model
+    from megatron_earl.models.gpt import build_model, pin_transformer_impl
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
     from megatron_earl.rollout.engine import GenerateRequest
 
     initialize_layout(ParallelLayout(tp=args.tp))
     runtime.seed(0)
+    model = pin_transformer_impl(model, embedded_engine=True)
     chunks = build_model(model)
     batches = [int(b) for b in args.batches.split(",")]
     max_seq = args.prompt_len + args.new_tokens

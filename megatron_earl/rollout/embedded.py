@@ -37,6 +37,8 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import TransformerImpl
+from megatron_earl.models.gpt import machine_transformer_impl
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.rollout.engine import (
     EngineError,
@@ -134,6 +136,14 @@ class EmbeddedEngine:
             raise ValueError(
                 f"the embedded engine needs one model chunk with pp == 1 and cp == 1, got "
                 f"{len(model_chunks)} chunks, pp={pp}, cp={cp}; use a rollout layout of tp/dp only"
+            )
+        if machine_transformer_impl(model_config) == TransformerImpl.TRANSFORMER_ENGINE:
+            raise ValueError(
+                "the embedded engine needs the local implementation (its slot KV cache needs an "
+                "explicit attention mask, which Megatron's TE attention drops), but "
+                f"model.transformer_impl={model_config.transformer_impl!r} builds Transformer "
+                "Engine layers here; set it to local, or pin auto with "
+                "models.gpt.pin_transformer_impl(model, embedded_engine=True) before build_model"
             )
         self.model_chunks = list(model_chunks)
         self.model = self.model_chunks[0]

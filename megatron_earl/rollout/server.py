@@ -419,7 +419,7 @@ class Server:
 def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]:
     """World of one, TP1: build the model (checkpoint or seeded weights) and the engine."""
     from megatron_earl import runtime
-    from megatron_earl.models.gpt import build_model
+    from megatron_earl.models.gpt import build_model, pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import load_full_state_dict
@@ -429,6 +429,7 @@ def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]
         with open(args.model_config) as f:
             model_config = ModelConfig(**json.load(f))
     runtime.initialize()
+    model_config = pin_transformer_impl(model_config, embedded_engine=True)
     initialize_layout(ParallelLayout())
     runtime.seed(args.seed)
     chunks = build_model(model_config)

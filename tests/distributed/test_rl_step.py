@@ -89,13 +89,13 @@ def _setup(layout: ParallelLayout, weights, model: ModelConfig = MODEL, lr: floa
     return chunks, ddp, optimizer, weights
 
 
-def _train(layout: ParallelLayout, weights, steps: int):
+def _train(layout: ParallelLayout, weights, steps: int, model: ModelConfig = MODEL):
     from megatron.core import parallel_state
 
     from megatron_earl.redistribute.geometry import full_state_dict, shard_pieces
     from megatron_earl.training.rl_step import rl_train_step
 
-    chunks, ddp, optimizer, weights = _setup(layout, weights)
+    chunks, ddp, optimizer, weights = _setup(layout, weights, model)
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = _samples()[dp_rank :: layout.dp]
     metrics = [rl_train_step(ddp, optimizer, mine, _config()) for _ in range(steps)]

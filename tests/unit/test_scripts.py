@@ -287,13 +287,105 @@ def test_disaggregated_bad_settings(fake_slurm, env, fragment):
 
 
 def test_scripts_are_executable_bash():
-    for name in ("train_local.sh", "torchrun_node.sh", "slurm_colocated.sbatch"):
+    for name in ("train_local.sh", "torchrun_node.sh", "slurm_colocated.sbatch", "gpu_smoke.sh"):
         path = SCRIPTS / name
         assert os.access(path, os.X_OK), name
         assert path.read_text().startswith("#!/usr/bin/env bash\n"), name
         subprocess.run(["bash", "-n", str(path)], check=True)
     subprocess.run(["bash", "-n", str(SCRIPTS / "slurm_disaggregated.sbatch")], check=True)
     if shutil.which("shellcheck"):  # lint when available (not required in CI)
-        names = ("train_local.sh", "torchrun_node.sh", "slurm_colocated.sbatch")
+        names = ("train_local.sh", "torchrun_node.sh", "slurm_colocated.sbatch", "gpu_smoke.sh")
         paths = [str(SCRIPTS / n) for n in (*names, "slurm_disaggregated.sbatch")]
         subprocess.run(["shellcheck", "-s", "bash", *paths], check=True)
+
+
+_FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+[[ "$1" == --list-gpus ]] || exit 0
+for (( i = 0; i < ${FAKE_GPUS:-0}; i++ )); do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done
+"""
+_FAKE_PYTHON = """#!/usr/bin/env bash
+"$FAKE_PYTHON" -c 'import json, os, sys
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"tool": "python", "argv": sys.argv[1:]}) + "\\n")' "$@"
+[[ "$1" == -m && "$2" == pytest ]] && exit "${FAKE_PYTEST_RC:-0}"
+exit 0
+"""
+
+
+def _gpu_smoke(tmp_path, *args: str, smi: bool = True, **env: str):
+    """scripts/gpu_smoke.sh with a fake nvidia-smi (FAKE_GPUS devices) and a recording python."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fakes = {"python": _FAKE_PYTHON, **({"nvidia-smi": _FAKE_NVIDIA_SMI} if smi else {})}
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    # without smi: drop every PATH entry holding a real nvidia-smi
+    dirs = [
+        d for d in os.environ["PATH"].split(os.pathsep) if smi or not Path(d, "nvidia-smi").exists()
+    ]
+    full_env = {k: v for k, v in os.environ.items() if k not in ("NGPUS", "EARL_SKIP_INSTALL")}
+    full_env.update(
+        PATH=os.pathsep.join([str(bin_dir), *dirs]),
+        FAKE_LOG=str(log),
+        FAKE_PYTHON=sys.executable,
+        PYTHON=str(bin_dir / "python"),
+        **env,
+    )
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_smoke.sh", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc, [c["argv"] for c in map(json.loads, log.read_text().splitlines())]
+
+
+def test_gpu_smoke_installs_runs_the_gpu_tier_and_the_demo(tmp_path):
+    proc, calls = _gpu_smoke(tmp_path, "train.lr=1e-4", FAKE_GPUS="2")
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu_smoke.sh: OK on 2 GPU(s)" in proc.stdout
+    install, cuda_check, pytest_call, demo = calls
+    assert install == ["-m", "pip", "install", "-e", ".[te,dev]"]
+    assert cuda_check == ["-", "2"]
+    assert pytest_call == ["-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu"]
+    assert demo[:7] == ["-m", "megatron_earl.cli.main", "train", "--nproc", "2", "--config",
+                        "configs/demo_cpu.yaml"]  # fmt: skip
+    assert "steps=3" in demo and demo[-1] == "train.lr=1e-4"
+    assert not any(a.startswith("layouts.") for a in demo)  # the demo's own 2-rank layouts
+
+
+def test_gpu_smoke_lays_the_demo_out_for_n_gpus(tmp_path):
+    proc, calls = _gpu_smoke(tmp_path, FAKE_GPUS="4", EARL_SKIP_INSTALL="1")
+    assert proc.returncode == 0, proc.stderr
+    assert calls[0] == ["-", "4"]  # no pip install
+    demo = calls[-1]
+    assert demo[4] == "4" and "layouts.train=tp1cp1pp1dp4" in demo
+
+
+@pytest.mark.parametrize(
+    "env,fragment",
+    [
+        ({"FAKE_GPUS": "0"}, "NGPUS=0 but nvidia-smi lists 0 GPU(s)"),
+        ({"FAKE_GPUS": "2", "NGPUS": "4"}, "NGPUS=4 but nvidia-smi lists 2 GPU(s); valid: 1..2"),
+    ],
+)
+def test_gpu_smoke_refuses_missing_gpus_before_installing(tmp_path, env, fragment):
+    proc, calls = _gpu_smoke(tmp_path, **env)
+    assert proc.returncode == 2 and fragment in proc.stderr
+    assert calls == []
+
+
+def test_gpu_smoke_needs_nvidia_smi(tmp_path):
+    proc, calls = _gpu_smoke(tmp_path, smi=False)
+    assert proc.returncode == 2 and "nvidia-smi not found" in proc.stderr and calls == []
+
+
+def test_gpu_smoke_fails_when_the_gpu_tests_fail(tmp_path):
+    proc, calls = _gpu_smoke(tmp_path, FAKE_GPUS="1", FAKE_PYTEST_RC="1")
+    assert proc.returncode == 1
+    assert calls[-1][:2] == ["-m", "pytest"]  # the demo does not start
