@@ -69,10 +69,21 @@ def policy() -> DevicePolicy:
     if emulating():
         from megatron_earl.testing import emulated_device
 
+        emulated_device.install()  # idempotent: the whole process emulates
         return DevicePolicy(emulated_device.device(local_rank), "gloo", emulated=True)
     if torch.cuda.is_available():
         return DevicePolicy(torch.device("cuda", local_rank), "nccl")
     return DevicePolicy(torch.device("cpu"), "gloo")
+
+
+def describe_policy() -> str:
+    """One line for logs: where this process computes and which backends move its tensors."""
+    p = policy()
+    device_groups = f"{p.device_backend} (tagged as NCCL)" if p.emulated else p.device_backend
+    kind = "emulated device" if p.emulated else p.device.type
+    return f"{p.device} ({kind}); device groups {device_groups}, host groups {p.host_backend}" + (
+        "" if p.separate_host_groups else " (shared)"
+    )
 
 
 def device() -> torch.device:

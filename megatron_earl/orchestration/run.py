@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_earl import runtime
 from megatron_earl.config.run import CheckpointConfig, RunConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.convert.families import family_for_model
@@ -52,6 +53,8 @@ def _resume_source(config: RunConfig) -> str | None:
 def train(config: RunConfig) -> dict[str, Any]:
     """Run ``config`` to ``config.steps``; returns the before/after evaluation summary."""
     rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"device: {runtime.describe_policy()}", flush=True)
     tokenizer = build_tokenizer(config.tokenizer)
     loop = RLLoop(config, tokenizer)
     use_layout(loop.layouts[Phase.TRAIN])

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_earl import runtime
 from megatron_earl.dispatch import Batch, PlanConfig
 from megatron_earl.dispatch.execute import MicroBatch
 from megatron_earl.parallel.layout import ParallelLayout
@@ -57,8 +58,8 @@ def schema_batch(extra_token_fields: Sequence[str] = ()) -> Batch:
     return Batch(
         [],
         [],
-        {n: torch.empty(0, dtype=d) for n, d in names.items()},
-        {n: torch.empty(0, dtype=d) for n, d in SAMPLE_FIELDS.items()},
+        {n: torch.empty(0, dtype=d, device=runtime.device()) for n, d in names.items()},
+        {n: torch.empty(0, dtype=d, device=runtime.device()) for n, d in SAMPLE_FIELDS.items()},
     )
 
 
@@ -100,14 +101,18 @@ def trajectories_to_batch(
         )
     )
     packed["advantages"] = out.advantages[0].float()
+    per_sample = {
+        "reward": torch.tensor(rewards, dtype=torch.float32),
+        "policy_version": torch.tensor(versions, dtype=torch.int64),
+    }
+    # Boundary "rollout results -> dispatcher" (docs/devices.md): built on the host from the
+    # trajectories' token lists, moved to the compute device once; the dispatcher moves device
+    # tensors from here on.
     return Batch(
         range(first_sample_id, first_sample_id + len(samples)),
         lengths,
-        packed,
-        {
-            "reward": torch.tensor(rewards, dtype=torch.float32),
-            "policy_version": torch.tensor(versions, dtype=torch.int64),
-        },
+        {n: runtime.to_device(t) for n, t in packed.items()},
+        {n: runtime.to_device(t) for n, t in per_sample.items()},
         group_ids=groups,
     )
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_earl import runtime
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.groups import host_group
@@ -118,7 +119,7 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
             "set it to false or drop train from selector.phases"
         )
     try:
-        selectors = build_selectors(config, world_size, torch.cuda.is_available())
+        selectors = build_selectors(config, world_size, runtime.policy().device.type == "cuda")
     except ValueError as err:
         return [f"selector: {err}"]
     shortest = [1] * config.batch.samples_per_step
@@ -154,7 +155,7 @@ class PhaseSelection:
 
     def __init__(self, config: RunConfig, world_size: int) -> None:
         self.config = config
-        self.cuda = torch.cuda.is_available()
+        self.cuda = runtime.policy().device.type == "cuda"
         self.selectors = build_selectors(config, world_size, self.cuda)
         limit = int(config.selector.budget_mb * MiB)
         self.budget = None if self.cuda else MemoryBudget(limit)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
@@ -154,7 +155,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "param_bytes": num_params * model.torch_dtype.itemsize,
         "dtype": args.dtype,
         "bucket_bytes": bucket,
-        "backend": "nccl" if torch.cuda.is_available() else "gloo",
+        "backend": runtime.policy().device_backend,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // args.nproc),
         "repeats": args.repeats,
     }

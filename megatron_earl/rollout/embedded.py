@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import TransformerImpl
 from megatron_earl.models.gpt import machine_transformer_impl
@@ -394,8 +395,10 @@ class EmbeddedEngine:
 
     def _accept(self, logits: list[torch.Tensor], entries: list[_Request]) -> None:
         params = [e.request.sampling for e in entries]
+        # Sampling runs on the host with each request's own seeded CPU generator (reproducible
+        # whatever the device): the step's logits cross once (boundary "engine logits").
         tokens, logprobs = sample_tokens(
-            torch.stack(logits),
+            runtime.to_host(torch.stack(logits)),
             self.model_config.vocab_size,
             params,
             [e.generator for e in entries],
@@ -479,6 +482,9 @@ class EmbeddedEngine:
             tokens = torch.tensor(step.tokens, dtype=torch.long)[:, None]
             positions = torch.tensor(step.lengths, dtype=torch.long)[:, None]
             mask = decode_mask(step.cursor, list(step.lengths))
+        # The step's tokens, positions and mask are built on the host from Python ints and moved
+        # to the compute device once (boundary "engine step inputs", docs/devices.md).
+        tokens, positions, mask = (runtime.to_device(t) for t in (tokens, positions, mask))
         # Megatron's inference path gathers the vocab-parallel logits over TP: [n, 1, V].
         logits = self.model(
             tokens, positions, mask, inference_context=cache, runtime_gather_output=True

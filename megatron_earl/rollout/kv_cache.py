@@ -76,8 +76,13 @@ class SlotCache(StaticInferenceContext):
         for attn in layers:
             shape = (max_seq_len, max_batch_size, attn.num_query_groups_per_partition)
             weight = attn.linear_qkv.weight
-            keys = torch.zeros(*shape, attn.key_hidden_size, dtype=weight.dtype)
-            values = torch.zeros(*shape, attn.val_hidden_size, dtype=weight.dtype)
+            # On the weights' device (the compute device): the cache is read by every decode step.
+            keys = torch.zeros(
+                *shape, attn.key_hidden_size, dtype=weight.dtype, device=weight.device
+            )
+            values = torch.zeros(
+                *shape, attn.val_hidden_size, dtype=weight.dtype, device=weight.device
+            )
             self.key_value_memory_dict[attn.layer_number] = (keys, values)
 
     def buffers(self) -> list[torch.Tensor]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -84,14 +85,20 @@ def is_emulated(tensor: Any) -> bool:
     return isinstance(tensor, EmuTensor)
 
 
+def _machinery() -> frozenset[str]:
+    from megatron_earl.patches import cpu_redirect
+
+    return frozenset({__file__, cpu_redirect.__file__})
+
+
 def call_site() -> str:
     """Where the current op was called: the innermost frame outside torch and this module, and
     the innermost megatron_earl frame when that is a different one (e.g. inside megatron.core)."""
+    machinery = _machinery()
     frames = [
         f
         for f in traceback.extract_stack()
-        if not f.filename.endswith(("emulated_device.py", "cpu_redirect.py"))
-        and "/torch/" not in f.filename
+        if f.filename not in machinery and "/torch/" not in f.filename
     ]
     if not frames:
         return "unknown"
@@ -104,7 +111,10 @@ def call_site() -> str:
 
 
 def _describe(tensor: torch.Tensor) -> str:
-    return f"host tensor of shape {tuple(tensor.shape)} ({tensor.dtype})"
+    text = f"host tensor of shape {tuple(tensor.shape)} ({tensor.dtype})"
+    if tensor._base is not None:  # a slice of a buffer (a KV cache, a packed batch): name it
+        text += f", a view of a host tensor of shape {tuple(tensor._base.shape)},"
+    return text
 
 
 class EmuTensor(torch.Tensor):
@@ -250,6 +260,12 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             return value
         return EmuTensor(value)
 
+    if torch.is_inference_mode_enabled():
+        # A wrapper made in inference mode is an inference tensor, which autograd's view
+        # tracking then refuses as the view of a normal tensor (CUDA tensors have no such issue):
+        # wrappers are normal tensors (the emulation does not check inference-tensor misuse).
+        with torch.inference_mode(False):
+            return tree_map(wrap, result)
     return tree_map(wrap, result)
 
 
@@ -345,7 +361,10 @@ class _Module:
 _HOST_GROUPS: set[str] = set()
 _GUARDED = (
     "all_reduce",
+    "all_reduce_coalesced",
     "all_gather",
+    "all_gather_single",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "_all_gather_base",
     "reduce_scatter",
@@ -460,6 +479,23 @@ def _passthrough(original: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _passthrough_named(fn_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    return _passthrough(original)
+
+
+def _rebind_captured(replaced: dict[int, Callable[..., Any]]) -> None:
+    """Modules imported before ``install`` may hold a collective under their own name (Megatron's
+    ``mappings.dist_all_gather_func = torch.distributed.all_gather_into_tensor``): point every
+    such module global at the guarded function."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict) or module is dist or module is dist.distributed_c10d:
+            continue
+        for name, value in list(names.items()):
+            if callable(value) and id(value) in replaced:
+                names[name] = replaced[id(value)]
+
+
 def _tagging_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def new_group(*args: Any, **kwargs: Any) -> Any:
@@ -494,14 +530,17 @@ def install() -> None:
         for fn_name in ("tensor", "as_tensor"):
             setattr(torch, fn_name, _host_then_move(getattr(torch, fn_name)))
         c10d = dist.distributed_c10d
-        for fn_name in _GUARDED:
-            guarded = _guard(fn_name, getattr(c10d, fn_name))
-            setattr(c10d, fn_name, guarded)
-            setattr(dist, fn_name, guarded)
-        for fn_name in _OBJECT_COLLECTIVES:
-            wrapped = _passthrough(getattr(c10d, fn_name))
+        replaced: dict[int, Callable[..., Any]] = {}
+        for fn_name in _GUARDED + _OBJECT_COLLECTIVES:
+            if not hasattr(c10d, fn_name):
+                continue
+            original = getattr(c10d, fn_name)
+            wrapped = (_guard if fn_name in _GUARDED else _passthrough_named)(fn_name, original)
+            replaced[id(original)] = wrapped
+            replaced[id(getattr(dist, fn_name, original))] = wrapped
             setattr(c10d, fn_name, wrapped)
             setattr(dist, fn_name, wrapped)
+        _rebind_captured(replaced)
         tagging = _tagging_new_group(c10d.new_group)
         c10d.new_group = tagging
         dist.new_group = tagging
