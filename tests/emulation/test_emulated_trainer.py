@@ -4,7 +4,8 @@ to tp2, experience, training, the reshard back and the weight push to the engine
 path runs on the device and every collective on a group of the right role, or the run fails.
 
 Checked: the run completes and says it ran on the emulated device; the engine's log-probs after
-the first update match the trainer's (so the pushed weights reached the engine).
+the first update match the trainer's (so the pushed weights reached the engine); the final
+checkpoint is written from device tensors.
 """
 
 from __future__ import annotations
@@ -60,3 +61,4 @@ def test_demo_rl_steps_run_on_the_emulated_device(tmp_path):
     # Rollout log-probs (engine, after the step-1 weight push) against the trainer's.
     assert last["rollout/logprob_mismatch"] < 1e-3
     check_documented(records, {"eval"})
+    assert (metrics_file.parent / "checkpoints" / "iter_0000002").is_dir()  # saved from the device
