@@ -8,10 +8,12 @@ block table (``flash_decode_and_prefill``), Triton KV-append kernels and CUDA un
 the static engine batches statically (one shared offset, all requests start together, prompts
 padded to the shortest) and drives generation through a tokenizer. Neither runs on CPU with small
 patches, and the static one cannot add a request to a running batch. This engine is compact: a
-scheduler loop over Megatron's ``GPTModel.forward(..., inference_context=SlotCache)`` (Megatron's
-own static KV-cache path, see ``kv_cache.py``), prefill one request at a time, decode all active
-requests together, new requests admitted between decode steps (continuous batching at request
-granularity).
+scheduler loop over ``BatchedForward`` (the model's own Megatron modules run on packed tokens with
+a row KV cache, ``batched_forward.py`` and ``kv_cache.py``). Each loop iteration is at most two
+forwards: one prefill of every waiting request that fits (free rows, ``max_prefill_tokens``;
+the rest wait, FIFO) and one decode of every running request; sampling is one vectorised draw
+over the step's rows (``sampling.py``). New requests join at the next iteration (continuous
+batching at request granularity); a finished request's row is refilled by the last row.
 
 Ranks: with tp > 1 the TP rank 0 of each TP group is the scheduler (it runs asyncio, owns the
 requests and samples); every step is a small ``Step`` broadcast over the TP group and executed by
@@ -41,6 +43,7 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import TransformerImpl
 from megatron_earl.models.gpt import machine_transformer_impl
 from megatron_earl.parallel.groups import host_group
+from megatron_earl.rollout.batched_forward import Batch, BatchedForward
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -48,13 +51,7 @@ from megatron_earl.rollout.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from megatron_earl.rollout.kv_cache import (
-    SlotCache,
-    decode_mask,
-    plan_admit,
-    plan_compaction,
-    prefill_mask,
-)
+from megatron_earl.rollout.kv_cache import plan_admit, plan_free
 from megatron_earl.rollout.sampling import sample_tokens
 
 T = TypeVar("T")
@@ -69,16 +66,19 @@ class EmbeddedEngineConfig:
     """Capacity and sampling stream of the embedded engine."""
 
     max_batch_size: int = 8
-    """Requests decoded together at most (KV-cache slots)."""
+    """Requests decoded together at most (KV-cache rows; more requests wait, none is refused)."""
     max_seq_len: int = 1024
     """Context limit: prompt + generated tokens of one request (KV-cache length)."""
-    max_prefills_per_step: int = 4
-    """Requests admitted (prefilled) between two decode steps at most."""
+    max_prefills_per_step: int = 64
+    """Requests admitted (prefilled together in one forward) between two decode steps at most."""
+    max_prefill_tokens: int = 8192
+    """Context tokens of one prefill forward at most (a longer context is prefilled alone)."""
     seed: int = 0
     """Seed of the sampling stream of requests that bring no seed of their own."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_seq_len", "max_prefills_per_step"):
+        names = ("max_batch_size", "max_seq_len", "max_prefills_per_step", "max_prefill_tokens")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -88,19 +88,11 @@ class Step:
     """One unit of work every rank of the TP group executes identically."""
 
     kind: str
-    """"prefill", "decode", "load" or "stop"."""
-    cursor: int = 0
-    """Cache cursor after the shift (prefill: the prompt ends here; decode: the new slot)."""
-    shift: int = 0
-    """Time shift applied to the cache first (> 0 right, < 0 left)."""
-    moves: tuple[tuple[int, int], ...] = ()
-    """Slot copies (src, dst) applied before the shift (compaction of finished rows)."""
-    row: int = 0
-    """Prefill: the slot of the new request."""
-    tokens: tuple[int, ...] = ()
-    """Prefill: the context; decode: the last sampled token of each row."""
-    lengths: tuple[int, ...] = ()
-    """Decode: tokens already cached per row."""
+    """"forward", "load" or "stop"."""
+    batch: Batch | None = None
+    """Forward: the sequences and their new tokens (a prefill or a decode)."""
+    moves: tuple[tuple[int, int, int], ...] = ()
+    """Row copies (src, dst, length) applied first: finished rows refilled by the last row."""
     state: dict[str, torch.Tensor] | None = None
     """Load: full (global) tensors keyed like ``geometry.full_state_dict``."""
 
@@ -153,7 +145,9 @@ class EmbeddedEngine:
         self.config = config or EmbeddedEngineConfig()
         self.detokenize = detokenize
         self._version = weight_version
-        self._cache = SlotCache(self.model, self.config.max_batch_size, self.config.max_seq_len)
+        self._forward = BatchedForward(
+            self.model, self.config.max_batch_size, self.config.max_seq_len
+        )
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._tp = parallel_state.get_tensor_model_parallel_world_size()
         self._src = parallel_state.get_tensor_model_parallel_src_rank()
@@ -162,8 +156,8 @@ class EmbeddedEngine:
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request] = []
         self._lengths: list[int] = []
-        self._cursor = 0
-        self._moves: list[tuple[int, int]] = []
+        """Tokens cached per running row."""
+        self._moves: list[tuple[int, int, int]] = []
         self._paused = False
         self._failed: BaseException | None = None
         self._ids = itertools.count()
@@ -183,6 +177,11 @@ class EmbeddedEngine:
     def num_requests(self) -> int:
         """Requests waiting or running (the engine's load)."""
         return len(self._waiting) + len(self._rows)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a KV-cache row (at most ``max_batch_size``; the rest wait)."""
+        return len(self._rows)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Queue a request and wait for its result (scheduler rank, inside ``run_engine``)."""
@@ -250,7 +249,7 @@ class EmbeddedEngine:
         async with self._step_lock:
             if mode == "retract":
                 self._waiting.extendleft(reversed(self._rows))
-                self._rows, self._lengths, self._cursor, self._moves = [], [], 0, []
+                self._rows, self._lengths, self._moves = [], [], []
             await self._settle_aborts()
 
     async def resume(self) -> None:
@@ -365,50 +364,54 @@ class EmbeddedEngine:
                 self._finish(entry, FinishReason(FinishType.ABORT, message=entry.abort_message))
 
     async def _admit(self) -> None:
-        admitted = 0
-        while (
-            self._waiting
-            and len(self._rows) < self.config.max_batch_size
-            and admitted < self.config.max_prefills_per_step
-        ):
-            entry = self._waiting.popleft()
-            context = entry.context
-            shift = plan_admit(self._cursor, len(context), self.config.max_seq_len)
-            cursor = self._cursor + shift
-            step = Step("prefill", cursor, shift, self._take_moves(), len(self._rows), context)
-            logits = await self._run(step)
-            self._cursor = cursor
-            self._rows.append(entry)
-            self._lengths.append(len(context))
-            self._accept([logits[0]], [entry])
-            admitted += 1
+        """Prefill every waiting request that fits, in one forward (FIFO; the rest wait)."""
+        cfg = self.config
+        count = plan_admit(
+            [len(e.request.input_ids) + len(e.output_ids) for e in self._waiting],
+            cfg.max_batch_size - len(self._rows),
+            cfg.max_prefill_tokens,
+            cfg.max_prefills_per_step,
+        )
+        if not count:
+            return
+        entries = [self._waiting.popleft() for _ in range(count)]
+        contexts = [e.context for e in entries]
+        batch = Batch.prefill(len(self._rows), contexts)
+        logits = await self._run(Step("forward", batch, self._take_moves()))
+        self._rows.extend(entries)
+        self._lengths.extend(len(c) for c in contexts)
+        self._accept(logits, entries)
 
     async def _decode(self) -> None:
-        shift = -plan_compaction(self._cursor, self._lengths, self.config.max_seq_len)
-        cursor = self._cursor + shift
-        tokens = tuple(entry.output_ids[-1] for entry in self._rows)
-        step = Step("decode", cursor, shift, self._take_moves(), 0, tokens, tuple(self._lengths))
-        logits = await self._run(step)
-        self._cursor = cursor + 1
+        """Decode one token for every running row, in one forward."""
+        tokens = [entry.output_ids[-1] for entry in self._rows]
+        batch = Batch.decode(self._lengths, tokens)
+        logits = await self._run(Step("forward", batch, self._take_moves()))
         self._lengths = [n + 1 for n in self._lengths]
-        self._accept(list(logits), list(self._rows))
+        self._accept(logits, list(self._rows))
 
-    def _accept(self, logits: list[torch.Tensor], entries: list[_Request]) -> None:
+    def _accept(self, logits: torch.Tensor, entries: list[_Request]) -> None:
+        """Sample one token per entry (logits row i = entries[i]) and retire the finished."""
         params = [e.request.sampling for e in entries]
         # Sampling runs on the host with each request's own seeded CPU generator (reproducible
         # whatever the device): the step's logits cross once (boundary "engine logits").
         tokens, logprobs = sample_tokens(
-            runtime.to_host(torch.stack(logits)),
+            runtime.to_host(logits),
             self.model_config.vocab_size,
             params,
             [e.generator for e in entries],
         )
+        done: list[tuple[_Request, FinishReason]] = []
         for entry, token, logprob in zip(entries, tokens, logprobs):
             entry.output_ids.append(token)
             entry.logprobs.append(logprob)
             reason = self._finish_reason(entry)
             if reason is not None:
-                self._free(self._rows.index(entry))
+                done.append((entry, reason))
+        if done:
+            row_of = {id(e): r for r, e in enumerate(self._rows)}
+            for entry, reason in sorted(done, key=lambda d: -row_of[id(d[0])]):
+                self._free(row_of[id(entry)])
                 self._finish(entry, reason)
 
     def _finish_reason(self, entry: _Request) -> FinishReason | None:
@@ -422,21 +425,24 @@ class EmbeddedEngine:
                     return FinishReason(FinishType.STOP, matched=stop)
         if len(entry.output_ids) >= sampling.max_new_tokens:
             return FinishReason(FinishType.LENGTH, matched=None)
-        if len(entry.context) >= self.config.max_seq_len:
+        if len(entry.request.input_ids) + len(entry.output_ids) >= self.config.max_seq_len:
             return FinishReason(FinishType.LENGTH)
         return None
 
     def _free(self, row: int) -> None:
-        last = len(self._rows) - 1
-        if row != last:
-            self._rows[row], self._lengths[row] = self._rows[last], self._lengths[last]
-            self._moves.append((last, row))
+        """Release ``row``; the last row moves into it (rows stay ``[0, n)``). Rows must be
+        freed in descending order within one step (``_accept``) or one at a time."""
+        move = plan_free(len(self._rows), row)
+        if move is not None:
+            src, dst = move
+            self._rows[dst], self._lengths[dst] = self._rows[src], self._lengths[src]
+            self._moves.append((src, dst, self._lengths[src]))
         self._rows.pop()
         self._lengths.pop()
         if not self._rows:
-            self._cursor, self._moves = 0, []
+            self._moves = []
 
-    def _take_moves(self) -> tuple[tuple[int, int], ...]:
+    def _take_moves(self) -> tuple[tuple[int, int, int], ...]:
         moves, self._moves = tuple(self._moves), []
         return moves
 
@@ -457,9 +463,9 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ execution (all ranks)
 
-    @torch.inference_mode()
     def _execute(self, step: Step) -> torch.Tensor | None:
-        """Run one step on this rank; returns full-vocab last-token logits [n, V] (prefill n=1)."""
+        """Run one step on this rank; a forward returns full-vocab logits [k, V] (fp32) at the
+        last new token of each of its sequences."""
         if step.kind == "load":
             from megatron_earl.redistribute.geometry import load_full_state_dict
 
@@ -467,29 +473,9 @@ class EmbeddedEngine:
             return None
         if step.kind == "stop":
             return None
-        cache = self._cache
-        for src, dst in step.moves:
-            cache.move_row(src, dst)
-        cache.shift(step.shift, step.cursor - step.shift)
-        if step.kind == "prefill":
-            n = len(step.tokens)
-            cache.for_prefill(step.row, step.cursor, n)
-            tokens = torch.tensor([step.tokens], dtype=torch.long)
-            positions = torch.arange(step.cursor - n, step.cursor)[None]
-            mask = prefill_mask(step.cursor, n)
-        else:
-            cache.for_decode(step.cursor)
-            tokens = torch.tensor(step.tokens, dtype=torch.long)[:, None]
-            positions = torch.tensor(step.lengths, dtype=torch.long)[:, None]
-            mask = decode_mask(step.cursor, list(step.lengths))
-        # The step's tokens, positions and mask are built on the host from Python ints and moved
-        # to the compute device once (boundary "engine step inputs", docs/devices.md).
-        tokens, positions, mask = (runtime.to_device(t) for t in (tokens, positions, mask))
-        # Megatron's inference path gathers the vocab-parallel logits over TP: [n, 1, V].
-        logits = self.model(
-            tokens, positions, mask, inference_context=cache, runtime_gather_output=True
-        )
-        return logits[:, -1].float()
+        for src, dst, length in step.moves:
+            self._forward.move_row(src, dst, length)
+        return self._forward(step.batch)
 
 
 def run_engine(

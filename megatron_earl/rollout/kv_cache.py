@@ -1,114 +1,88 @@
-"""The embedded engine's KV cache: Megatron's ``StaticInferenceContext`` with request slots.
+"""The embedded engine's KV cache: one slot (row) per running request, keys stored rotated.
 
-Megatron's static context keeps one KV buffer per layer, ``[max_seq, max_batch, ng/tp, hn]``, and
-a single write offset (``sequence_len_offset``) shared by the whole batch; its attention writes the
-new keys/values at that offset for rows ``[batch_size_offset, batch_size_offset + b)`` and attends
-over ``[0, offset + s)``. Rotary embeddings are applied to queries at ``[offset, offset + s)``
-and to the cached (un-rotated) keys at ``[0, offset + s)`` on every step.
+Per attention layer two buffers ``[max_batch_size, ng, max_seq_len, hn]`` (legend: ng = query
+groups on this TP rank, hn = head dim), allocated on the weights' device (the compute device:
+every step reads them) and bounded for the engine's lifetime: ``max_batch_size`` requests of up
+to ``max_seq_len`` tokens. Row ``r`` holds its request's keys and values at their true positions
+``[0, length_r)``; keys are stored *after* RoPE, so a decode step rotates only the new token's
+key (Megatron's static inference context caches un-rotated keys and rotates the whole cache on
+every step). Rows of running requests are always the contiguous range ``[0, n)``: a finished
+row is refilled by the last row (``plan_free``), so a step reads a view, never a gather.
 
-To batch requests of different lengths that join and leave at any step (continuous batching at
-request granularity), the slots are *right-aligned at a common cursor* ``T``: row ``i`` holds its
-``n_i`` tokens at time positions ``[T - n_i, T)``; the rest of its column is masked out by an
-explicit attention mask (``SDPAttention`` honours it). RoPE scores depend only on the relative
-position of query and key, so a row shifted by ``T - n_i`` computes the same attention as one
-starting at position 0 (up to float rounding of the rotary tables). Keys are cached un-rotated, so
-moving the time axis is a plain copy:
-
-* a prompt longer than ``T`` shifts every row right (``T`` grows to the prompt length);
-* when ``T`` reaches ``max_seq``, rows shift left by the free space of the fullest row;
-* a finished row is replaced by the last active row (column copy), so active rows are always the
-  contiguous range ``[0, n)`` Megatron's static path expects.
-
-The buffers are allocated here (Megatron's lazy allocation asks ``torch.cuda.current_device()``).
-``plan_*`` functions are pure; ``SlotCache`` applies them to the tensors. No communication.
+``plan_*`` functions are pure; ``RowCache`` applies them to the tensors. No communication.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from megatron.core.inference.contexts.static_context import StaticInferenceContext
-from torch import nn
 
 
-def plan_admit(cursor: int, prompt_len: int, max_seq: int) -> int:
-    """Right shift needed before a prompt of ``prompt_len`` tokens can end at the cursor."""
-    if not 1 <= prompt_len <= max_seq:
-        raise ValueError(f"prompt length {prompt_len} must be in [1, max_seq={max_seq}]")
-    return max(0, prompt_len - cursor)
+def plan_free(num_rows: int, row: int) -> tuple[int, int] | None:
+    """The move (src, dst) that keeps rows ``[0, num_rows - 1)`` contiguous when ``row`` is freed
+    (the last row takes its place), or None when ``row`` is the last one."""
+    if not 0 <= row < num_rows:
+        raise ValueError(f"row {row} is not a running row of [0, {num_rows})")
+    last = num_rows - 1
+    return None if row == last else (last, row)
 
 
-def plan_compaction(cursor: int, lengths: list[int], max_seq: int) -> int:
-    """Left shift needed before a decode step so position ``cursor`` exists (0 if it does)."""
-    if cursor < max_seq:
-        return 0
-    longest = max(lengths, default=0)
-    if longest >= max_seq:
-        raise ValueError(f"a row of {longest} tokens cannot grow within max_seq={max_seq}")
-    return cursor - longest
+def plan_admit(
+    waiting_lengths: Sequence[int], free_rows: int, max_prefill_tokens: int, max_requests: int
+) -> int:
+    """How many of the waiting requests (FIFO, context lengths given) one prefill step admits:
+    as many as fit in the free rows, at most ``max_requests``, their contexts summing to at most
+    ``max_prefill_tokens`` -- but always the first one when a row is free (a context longer than
+    the prefill budget is prefilled alone). The rest wait; none is refused."""
+    count = tokens = 0
+    for length in waiting_lengths[: min(free_rows, max_requests)]:
+        if count and tokens + length > max_prefill_tokens:
+            break
+        count, tokens = count + 1, tokens + length
+    return count
 
 
-def prefill_mask(cursor: int, prompt_len: int) -> torch.Tensor:
-    """Megatron-style mask (True = blocked) [1, 1, L, cursor] for a prompt ending at ``cursor``."""
-    start = cursor - prompt_len
-    q_pos = torch.arange(start, cursor)[:, None]
-    k_pos = torch.arange(cursor)[None, :]
-    allowed = (k_pos >= start) & (k_pos <= q_pos)
-    return (~allowed)[None, None]
+class RowCache:
+    """Per-layer key/value buffers with one row per running request (module docstring)."""
 
-
-def decode_mask(cursor: int, lengths: list[int]) -> torch.Tensor:
-    """Mask (True = blocked) [n, 1, 1, cursor + 1] for one new token per row at ``cursor``."""
-    first = cursor - torch.tensor(lengths)[:, None]
-    k_pos = torch.arange(cursor + 1)[None, :]
-    return (k_pos < first)[:, None, None, :]
-
-
-class SlotCache(StaticInferenceContext):
-    """Static inference context whose rows are request slots right-aligned at a cursor."""
-
-    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int) -> None:
-        super().__init__(max_batch_size, max_seq_len)
-        layers = [
-            m for m in model.modules() if hasattr(m, "linear_qkv") and hasattr(m, "layer_number")
-        ]
-        if not layers:
-            raise ValueError("model has no attention layers with a KV cache")
-        for attn in layers:
-            shape = (max_seq_len, max_batch_size, attn.num_query_groups_per_partition)
-            weight = attn.linear_qkv.weight
-            # On the weights' device (the compute device): the cache is read by every decode step.
-            keys = torch.zeros(
-                *shape, attn.key_hidden_size, dtype=weight.dtype, device=weight.device
-            )
-            values = torch.zeros(
-                *shape, attn.val_hidden_size, dtype=weight.dtype, device=weight.device
-            )
-            self.key_value_memory_dict[attn.layer_number] = (keys, values)
+    def __init__(
+        self,
+        num_layers: int,
+        num_groups: int,
+        head_dim: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (max_batch_size, num_groups, max_seq_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
 
     def buffers(self) -> list[torch.Tensor]:
-        return [t for pair in self.key_value_memory_dict.values() for t in pair]
+        return [*self.keys, *self.values]
 
-    def shift(self, delta: int, cursor: int) -> None:
-        """Move positions ``[0, cursor)`` by ``delta`` (> 0 right, < 0 left) for every row."""
-        if delta == 0 or cursor == 0:
-            return
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def write(
+        self, layer: int, rows_T: torch.Tensor, pos_T: torch.Tensor, k_T: torch.Tensor,
+        v_T: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Store the step's new keys/values ``[T, ng, hn]`` of token t at (rows_T[t], pos_T[t])."""
+        self.keys[layer][rows_T, :, pos_T] = k_T
+        self.values[layer][rows_T, :, pos_T] = v_T
+
+    def view(self, layer: int, row0: int, count: int, length: int):
+        """Keys and values ``[count, ng, length, hn]`` of rows ``[row0, row0 + count)``."""
+        rows = slice(row0, row0 + count)
+        return self.keys[layer][rows, :, :length], self.values[layer][rows, :, :length]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into row ``dst`` (every layer)."""
         for buf in self.buffers():
-            if delta > 0:
-                buf[delta : delta + cursor] = buf[:cursor].clone()
-            else:
-                buf[: cursor + delta] = buf[-delta:cursor].clone()
-
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` into slot ``dst`` (every layer, every position)."""
-        for buf in self.buffers():
-            buf[:, dst] = buf[:, src]
-
-    def for_prefill(self, row: int, cursor: int, prompt_len: int) -> None:
-        self.batch_size_offset = row
-        self.sequence_len_offset = cursor - prompt_len
-        self.enable_prefill_mode()
-
-    def for_decode(self, cursor: int) -> None:
-        self.batch_size_offset = 0
-        self.sequence_len_offset = cursor
-        self.enable_decode_mode()
+            buf[dst, :, :length] = buf[src, :, :length]

@@ -1,11 +1,18 @@
-"""Token sampling and rollout log-probs for the embedded engine (pure torch, no communication).
+"""Token sampling and rollout log-probs for the embedded engine, vectorised over the step's rows
+(pure torch, no communication).
 
 Log-probs: ``log_softmax`` of the *raw* logits (before temperature, top-k, top-p) over the whole
 *padded* vocabulary, in fp32: exactly what the training side computes
 (``training.schedule.token_logprobs`` = ``-vocab_parallel_cross_entropy`` over the padded vocab),
 so the rollout/train mismatch of the same weights is ~1e-7 in fp32. The sampling distribution
-itself excludes the padded ids (``>= vocab_size``), applies temperature, then top-k, then top-p.
-Temperature 0 is greedy (argmax over the real vocabulary).
+itself excludes the padded ids (``>= vocab_size``), applies temperature, then top-k, then top-p,
+each row with its own settings. Temperature 0 is greedy (argmax over the real vocabulary).
+
+Sampling is the Gumbel-max draw ``argmax(filtered_logits + Gumbel noise)`` -- an exact sample of
+``softmax(filtered_logits)`` -- with one noise row per request drawn from that request's
+generator (its own seed, or the engine's stream). A seeded request therefore samples the same
+tokens whatever else shares its batch, and the whole batch is one argmax, not a loop of
+``multinomial`` calls.
 
 Legend: n = rows (requests) in the step, V = padded vocabulary, Vr = real vocabulary.
 """
@@ -19,19 +26,36 @@ import torch
 from megatron_earl.config.sampling import SamplingParams
 
 
-def filter_logits(logits_Vr: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of real-vocabulary logits (temperature>0)."""
-    scaled = logits_Vr.float() / params.temperature
-    if 0 < params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+def filter_logits(
+    logits_nVr: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Temperature, then top-k (``top_k < 1`` = off), then top-p, per row; ``temperature > 0``.
+    Filtered-out entries are ``-inf``."""
+    scaled = logits_nVr.float() / temperature[:, None]
+    vocab = scaled.size(-1)
+    k_on, p_on = (top_k >= 1) & (top_k < vocab), top_p < 1.0
+    if not bool(k_on.any()) and not bool(p_on.any()):
+        return scaled
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    ordered = ordered.masked_fill(k_on[:, None] & (rank >= top_k[:, None]), float("-inf"))
+    if bool(p_on.any()):
+        probs = torch.softmax(ordered, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first one always stays).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return scaled
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        ordered = ordered.masked_fill(p_on[:, None] & drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, ordered)
+
+
+def gumbel_noise(
+    num_cols: int, generators: Sequence[torch.Generator], device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Gumbel noise ``[n, num_cols]``, row i drawn from ``generators[i]`` (rows sharing one
+    generator draw in row order)."""
+    rows = torch.empty(len(generators), num_cols)
+    for i, gen in enumerate(generators):
+        rows[i] = torch.rand(num_cols, generator=gen)
+    return -torch.log(-torch.log(rows)).to(device)
 
 
 def sample_tokens(
@@ -43,24 +67,34 @@ def sample_tokens(
     """One token per row and its log-prob under the raw-logit distribution over the padded vocab."""
     if logits_nV.size(-1) < vocab_size:
         raise ValueError(f"logits have {logits_nV.size(-1)} entries < vocab_size {vocab_size}")
-    logprobs_nV = torch.log_softmax(logits_nV.float(), dim=-1)
-    tokens: list[int] = []
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        real = logits_nV[row, :vocab_size]
-        if p.temperature == 0:
-            token = int(torch.argmax(real))
-        else:
-            probs = torch.softmax(filter_logits(real, p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen))
-        tokens.append(token)
-    index = torch.tensor(tokens, dtype=torch.long)[:, None]
-    return tokens, logprobs_nV.gather(1, index)[:, 0].tolist()
+    if not len(params) == len(generators) == logits_nV.size(0):
+        raise ValueError(
+            f"{logits_nV.size(0)} logit rows need as many params and generators, got "
+            f"{len(params)} and {len(generators)}"
+        )
+    logits_nV = logits_nV.float()
+    real = logits_nV[:, :vocab_size]
+    tokens = torch.argmax(real, dim=-1)
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if hot:
+        rows = torch.tensor(hot, dtype=torch.long)
+        settings = torch.tensor(
+            [[params[i].temperature, params[i].top_k, params[i].top_p] for i in hot],
+            dtype=torch.float64,
+        )
+        filtered = filter_logits(
+            real[rows], settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()
+        )
+        noise = gumbel_noise(vocab_size, [generators[i] for i in hot], filtered.device)
+        tokens[rows] = torch.argmax(filtered + noise, dim=-1)
+    logprobs = torch.log_softmax(logits_nV, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), logprobs.tolist()
 
 
 def logprob_mismatch(
     rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor | None = None
 ) -> dict[str, float]:
-    """Rollout/train log-prob mismatch metrics over the (masked) tokens: max and mean |diff|, and
+    """Rollout/train mismatch metrics over the (masked) tokens: max and mean |diff|, and
     the mean importance ratio exp(train - rollout)."""
     diff = (train.float() - rollout.float()).detach()
     if mask is not None:

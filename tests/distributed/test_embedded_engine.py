@@ -146,3 +146,64 @@ def test_greedy_equals_full_recompute_and_logprobs_match_training(reference, lay
         )
     assert again[0].output_ids == again[1].output_ids  # same seed, same tokens
     assert list(top1.output_ids) == expected[1][:8]  # top_k=1 is greedy
+
+
+def _mixed_requests(prompts, stop_id):
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.engine import GenerateRequest
+
+    settings = [
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+        SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop_id,)),
+        SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_new_tokens=10, temperature=1.3, top_k=5, seed=4),
+        SamplingParams(max_new_tokens=14, temperature=0.0),
+        SamplingParams(max_new_tokens=9, temperature=0.6, seed=5),
+    ]
+    return [GenerateRequest(p, s) for p, s in zip(prompts, settings, strict=True)]
+
+
+def _mixed_run(layout, weights, prompts, stop_id):
+    """The same requests one at a time, then all at once through 3 KV rows (the rest wait)."""
+    import asyncio
+
+    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+
+    chunks, _ = _build(layout, weights)
+    config = EmbeddedEngineConfig(max_batch_size=3, max_seq_len=MAX_SEQ, max_prefill_tokens=30)
+    engine = EmbeddedEngine(chunks, MODEL, config)
+    requests = _mixed_requests(prompts, stop_id)
+
+    async def driver(eng):
+        alone = [await eng.generate(r) for r in requests]
+        running: list[int] = []
+        tasks = [asyncio.ensure_future(eng.generate(r)) for r in requests]
+        while not all(t.done() for t in tasks):
+            running.append(eng.num_running)
+            await asyncio.sleep(0)
+        return alone, [t.result() for t in tasks], max(running)
+
+    return run_engine(engine, driver)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2)], ids=str)
+def test_mixed_batch_equals_one_request_at_a_time(reference, layout):
+    """Mixed prompt lengths, stop ids, max_new_tokens and sampling settings in one batch: every
+    request gets exactly what it gets alone (greedy and seeded sampling, token for token); a
+    batch over the KV budget (3 rows for 6 requests) waits, nothing fails."""
+    weights, expected = reference
+    stop_id = expected[1][3]  # request 1 stops at its 4th greedy token
+    out = run_distributed(
+        _mixed_run, layout.tp, args=(layout, weights, _prompts(), stop_id), timeout_s=180
+    )[0]
+    alone, together, max_running = out
+    assert max_running <= 3
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert b.output_ids == a.output_ids, f"request {i}: {b.output_ids} != {a.output_ids}"
+        assert b.finish_reason == a.finish_reason, i
+        torch.testing.assert_close(
+            torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), rtol=0, atol=1e-5
+        )
+    assert list(alone[0].output_ids) == expected[0]  # greedy, alone = full recompute
+    assert alone[1].finish_reason.type.value == "stop" and alone[1].output_ids[-1] == stop_id
+    assert len(alone[1].output_ids) <= 4

@@ -93,11 +93,10 @@ def _emulated_generate(layout: ParallelLayout, weights, plant: bool = False):
     engine = EmbeddedEngine(
         chunks, engine_case.MODEL, EmbeddedEngineConfig(max_batch_size=3, max_seq_len=40)
     )
-    cache = engine._cache.key_value_memory_dict
-    on_device = on_emulated_device(t for pair in cache.values() for t in pair)
+    cache = engine._forward.cache
+    on_device = on_emulated_device(cache.buffers())
     if plant:  # the KV cache of the last layer left on the host
-        last = max(cache)
-        cache[last] = tuple(t.cpu() for t in cache[last])
+        cache.keys[-1], cache.values[-1] = cache.keys[-1].cpu(), cache.values[-1].cpu()
 
     async def driver(eng):
         import asyncio
@@ -137,6 +136,6 @@ def test_planted_host_kv_cache_fails_naming_it(decode_reference):
             env=EMULATED,
         )  # fmt: skip
     message = str(err.value)
-    # The KV cache's shape: [max_seq_len, max_batch_size, query groups, head dim].
-    assert "a view of a host tensor of shape (40, 3, 2, 16)" in message
-    assert "megatron_earl/rollout/embedded.py" in message
+    # The KV cache's shape: [max_batch_size, query groups, max_seq_len, head dim].
+    assert "aten::index_put_ got a host tensor of shape (3, 2, 40, 16)" in message
+    assert "megatron_earl/rollout/kv_cache.py" in message

@@ -1,5 +1,6 @@
-"""Pure parts of the rollout engines: KV-cache slot planning and masks, sampling filters and
-log-probs, HF <-> Megatron name/layout mapping, weight buckets and the portable tensor payload."""
+"""Pure parts of the rollout engines: KV-cache row planning and the row cache, sampling filters,
+the vectorised draw and log-probs, HF <-> Megatron name/layout mapping, weight buckets and the
+portable tensor payload."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megatron_earl.models.hf_mapping import (
     hf_to_megatron,
     qkv_rows,
 )
-from megatron_earl.rollout.kv_cache import decode_mask, plan_admit, plan_compaction, prefill_mask
+from megatron_earl.rollout.kv_cache import RowCache, plan_admit, plan_free
 from megatron_earl.rollout.sampling import filter_logits, logprob_mismatch, sample_tokens
 from megatron_earl.rollout.weight_sync import (
     deserialize_named_tensors,
@@ -26,29 +27,39 @@ from megatron_earl.rollout.weight_sync import (
 
 
 @pytest.mark.parametrize(
-    "cursor,prompt,max_seq,shift", [(0, 5, 10, 5), (7, 5, 10, 0), (3, 10, 10, 7), (9, 9, 10, 0)]
+    "waiting,free,budget,max_requests,admitted",
+    [
+        ([10, 10, 10], 8, 100, 64, 3),  # everything fits
+        ([10, 10, 10], 2, 100, 64, 2),  # rows are the KV budget: the newest wait
+        ([10, 10, 10], 8, 25, 64, 2),  # the prefill token budget
+        ([40, 10], 8, 25, 64, 1),  # a context over the budget is prefilled alone
+        ([10, 10, 10], 8, 100, 1, 1),  # requests per step
+        ([10], 0, 100, 64, 0),  # no free row: nothing is admitted, nothing refused
+        ([], 8, 100, 64, 0),
+    ],
 )
-def test_plan_admit(cursor, prompt, max_seq, shift):
-    assert plan_admit(cursor, prompt, max_seq) == shift
+def test_plan_admit(waiting, free, budget, max_requests, admitted):
+    assert plan_admit(waiting, free, budget, max_requests) == admitted
 
 
-def test_plan_admit_rejects_oversized_prompt():
-    with pytest.raises(ValueError, match="prompt length 11"):
-        plan_admit(0, 11, 10)
+def test_plan_free_keeps_rows_contiguous():
+    assert plan_free(4, 1) == (3, 1)  # the last row refills the hole
+    assert plan_free(4, 3) is None  # the last row just goes
+    with pytest.raises(ValueError, match="row 4 is not a running row"):
+        plan_free(4, 4)
 
 
-def test_plan_compaction():
-    assert plan_compaction(7, [3, 7], 10) == 0
-    assert plan_compaction(10, [3, 7], 10) == 3
-    with pytest.raises(ValueError, match="cannot grow"):
-        plan_compaction(10, [10], 10)
-
-
-def test_masks_are_right_aligned_and_causal():
-    m = prefill_mask(cursor=5, prompt_len=3)[0, 0]  # queries at positions 2, 3, 4
-    assert (~m).int().tolist() == [[0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
-    d = decode_mask(cursor=4, lengths=[4, 1])[:, 0, 0]  # new token at position 4
-    assert (~d).int().tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+def test_row_cache_writes_moves_and_views():
+    cache = RowCache(2, 1, 2, 3, 4, dtype=torch.float32, device=torch.device("cpu"))
+    k = torch.arange(4.0).reshape(2, 1, 2)
+    cache.write(1, torch.tensor([0, 2]), torch.tensor([1, 3]), k, -k)
+    assert cache.keys[1][2, 0, 3].tolist() == [2.0, 3.0]
+    assert cache.values[1][0, 0, 1].tolist() == [0.0, -1.0]
+    cache.move_row(2, 0, 4)
+    keys, values = cache.view(1, 0, 2, 4)
+    assert keys.shape == (2, 1, 4, 2)
+    assert keys[0, 0, 3].tolist() == [2.0, 3.0] and values[0, 0, 3].tolist() == [-2.0, -3.0]
+    assert cache.nbytes() == 2 * 2 * 3 * 1 * 4 * 2 * 4
 
 
 def test_sampling_filters_and_logprobs():
@@ -57,15 +68,43 @@ def test_sampling_filters_and_logprobs():
     tokens, lps = sample_tokens(logits, 3, [greedy], [torch.Generator()])
     assert tokens == [1]  # the padded id never wins
     assert lps[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))  # raw, padded vocab
-    kept = filter_logits(torch.tensor([1.0, 3.0, 2.0]), SamplingParams(top_k=2))
-    assert torch.isinf(kept[0]) and not torch.isinf(kept[1:]).any()
-    nucleus = filter_logits(torch.tensor([0.0, 10.0, 0.0]), SamplingParams(top_p=0.5))
-    assert torch.isinf(nucleus[[0, 2]]).all()
+    rows = torch.tensor([[1.0, 3.0, 2.0], [0.0, 10.0, 0.0], [1.0, 2.0, 3.0]])
+    one = torch.ones(3)
+    kept = filter_logits(rows, one, torch.tensor([2, -1, -1]), torch.tensor([1.0, 0.5, 1.0]))
+    assert torch.isinf(kept[0, 0]) and not torch.isinf(kept[0, 1:]).any()  # top-k 2
+    assert torch.isinf(kept[1, [0, 2]]).all() and kept[1, 1] == 10.0  # top-p 0.5
+    assert torch.equal(kept[2], rows[2])  # row 3 unfiltered
+    hot = filter_logits(rows[2:], torch.tensor([0.5]), torch.tensor([-1]), torch.tensor([1.0]))
+    assert torch.equal(hot[0], rows[2] / 0.5)
     gens = [torch.Generator().manual_seed(0) for _ in range(2)]
-    hot = SamplingParams(temperature=1.0)
+    warm = SamplingParams(temperature=1.0)
     many = torch.tensor([[0.0, 0.0, 0.0, 50.0]] * 2)
-    tokens, _ = sample_tokens(many, 3, [hot, hot], gens)
+    tokens, _ = sample_tokens(many, 3, [warm, warm], gens)
     assert all(t < 3 for t in tokens)
+
+
+def test_sampling_matches_the_distribution_and_is_batch_invariant():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log()[None].repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    stream = torch.Generator().manual_seed(3)
+    tokens, _ = sample_tokens(logits, 4, params, [stream] * 4000)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)  # ~4 sigma at n = 4000
+    # A seeded request draws the same token alone or beside others, greedy or sampled ones.
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    row = torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
+    alone, _ = sample_tokens(row, 8, [seeded], [torch.Generator().manual_seed(11)])
+    batch = torch.cat([torch.randn(2, 8), row])
+    mixed, _ = sample_tokens(
+        batch,
+        8,
+        [SamplingParams(temperature=0.0), SamplingParams(top_k=3), seeded],
+        [stream, stream, torch.Generator().manual_seed(11)],
+    )
+    assert mixed[2] == alone[0]
+    with pytest.raises(ValueError, match="need as many params and generators"):
+        sample_tokens(batch, 8, [seeded], [stream])
 
 
 def test_logprob_mismatch():
