@@ -4,7 +4,7 @@
     megatron-earl train --nproc 2 --config configs/demo_cpu.yaml [key=value ...]   # RL run
     megatron-earl bench dispatch [--json]           # dispatcher: decentralized vs centralized
     megatron-earl bench reshard [--json]            # weight resharding vs all-gather
-    megatron-earl bench engine                      # embedded-engine decode tokens/s
+    megatron-earl bench engine                      # embedded engine vs HF generate, tokens/s
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k

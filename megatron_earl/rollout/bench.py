@@ -1,119 +1,305 @@
-"""Benchmark: embedded-engine decode throughput (tokens/s) at several batch sizes.
+"""Benchmark: the embedded engine's prefill and decode tokens/s next to Hugging Face
+``transformers`` ``generate`` on the same model, weights, prompts and batch.
 
-    python scripts/bench_engine.py                       # batch 1, 8, 32 on this machine
-    python scripts/bench_engine.py --tp 2 --batches 1,8 --layers 4 --hidden 256
+    megatron-earl bench engine                          # demo model, batch 64, prompt 32, 48 new
+    megatron-earl bench engine --batches 1,8,32,64 --repeats 2        # a batch sweep
+    megatron-earl bench engine --tp 2                   # ours on 2 TP processes, HF still on 1
+    megatron-earl bench engine model.num_layers=8 model.hidden_size=256   # another model shape
+    python scripts/bench_engine.py --json               # one machine-readable line
 
-For each batch size B, B concurrent greedy requests (``--prompt-len`` random prompt tokens,
-``--new-tokens`` generated each, no stop) go to one engine with ``max_batch_size >= B``. Printed per
-B: wall time, generated tokens, end-to-end tokens/s, and decode tokens/s = (B x (new - 1)) /
-(time after the last prefill), i.e. excluding the prefill of the prompts. Best of ``--repeats``.
-Runs on ``--tp`` local processes through ``run_distributed`` (gloo on CPU).
+Model: the ``model:`` section of ``--config`` (default ``configs/demo_cpu.yaml``, the demo model:
+4 layers, hidden 128, FFN 256, 4 heads / 2 KV groups, vocabulary 320 padded to 384, untied, fp32)
+plus dotted overrides. Megatron initialises it (seed ``--seed``) in one process; the same state is
+loaded into our ranks and converted with the project's converter into a ``transformers`` model
+(fp32, CPU, eval, SDPA attention; ``rollout/bench_hf.py``). Before timing, the two models' logits
+of one prompt must agree within ``bench_hf.LOGITS_TOL`` (else the run stops), and the greedy tokens
+of both engines are compared (reported as a count: an fp32 near-tie may flip one).
+
+Timing, per batch size B and per sampling mode (greedy; temperature 1 with no top-k/top-p, which
+is what RL does): every request has a fresh random prompt of ``--prompt-len`` tokens (no prefix
+cache hits), no stop token, and generates exactly the asked number of tokens (HF:
+``min_new_tokens = max_new_tokens``, ``eos_token_id=None``). A *prefill run* generates 1 token, a
+*full run* ``--new-tokens`` N; the two engines alternate (ours, HF, ours, HF, ...) on the same
+prompts for ``--repeats`` rounds, and the median times give
+
+    prefill tok/s = B x prompt_len / prefill time
+    decode tok/s  = B x (N - 1) / (full time - prefill time)
+
+Ours runs on ``--tp`` processes (gloo, ``torch`` threads = cores / tp each); HF runs in one process
+(TP rank 0, threads = all cores, while the other ranks wait). Performance figures belong to a quiet
+machine; on a shared one they only show the method works.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
+import json
 import os
-import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.parallel.layout import ParallelLayout
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+SAMPLING_MODES = ("greedy", "sampled")
+"""Greedy (temperature 0) and plain temperature-1 sampling."""
+ENGINES = ("embedded", "hf")
+"""Ours and ``transformers`` ``generate``."""
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    """What ``bench engine`` measures."""
+
+    model: ModelConfig
+    """The model (default: the demo model of configs/demo_cpu.yaml)."""
+    batches: tuple[int, ...] = (64,)
+    """Batch sizes (concurrent requests) to measure, in order."""
+    prompt_len: int = 32
+    """Prompt tokens of every request."""
+    new_tokens: int = 48
+    """Tokens every request generates (the demo's per-turn limit)."""
+    repeats: int = 3
+    """Interleaved rounds per batch size and sampling mode; medians are reported."""
+    tp: int = 1
+    """Tensor-parallel processes of our engine (HF always runs in one process)."""
+    agree_tokens: int = 8
+    """First greedy tokens per request compared between the two engines."""
+    seed: int = 0
+    """Seed of the weights, the prompts and our engine's sampling stream."""
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batches must be a non-empty list of sizes >= 1, got {self.batches}")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (decode = N - 1), got {self.new_tokens}")
+        small = {
+            k: getattr(self, k)
+            for k in ("prompt_len", "repeats", "tp", "agree_tokens")
+            if getattr(self, k) < 1
+        }
+        if small:
+            raise ValueError(f"these values must be >= 1: {small}")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How closely the HF model reproduces ours (checked once, before timing)."""
+
+    logits_max_diff: float
+    """Max |logit difference| of the two models on one prompt (unpadded vocabulary)."""
+    logits_tol: float
+    """Allowed ``logits_max_diff``; the run stops above it."""
+    logits_max_abs: float
+    """Max |logit| on that prompt (the scale of the difference)."""
+    first_logprob_max_diff: float
+    """Max |difference| of log p(first greedy token), our engine's vs HF's, over the batch."""
+    greedy_tokens_agree: int
+    """Greedy tokens equal in both engines, per request up to its first difference."""
+    greedy_tokens_compared: int
+    """Tokens compared: requests x ``agree_tokens``."""
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """Median figures of one engine at one batch size and sampling mode."""
+
+    batch: int
+    """Concurrent requests."""
+    sampling: str
+    """One of ``SAMPLING_MODES``."""
+    engine: str
+    """One of ``ENGINES``."""
+    prefill_s: float
+    """Median wall time of a prefill run (1 new token per request)."""
+    full_s: float
+    """Median wall time of a full run (``new_tokens`` per request)."""
+    prefill_tok_s: float
+    """batch x prompt_len / prefill_s."""
+    decode_tok_s: float
+    """batch x (new_tokens - 1) / (full_s - prefill_s)."""
+
+
+@dataclass(frozen=True)
+class EngineBenchResult:
+    """Settings, agreement and one row per (batch, sampling, engine)."""
+
+    settings: dict[str, Any]
+    """Model, shapes, processes and threads of both engines, library versions."""
+    agreement: Agreement
+    rows: tuple[BenchRow, ...]
+
+    def row(self, batch: int, sampling: str, engine: str) -> BenchRow:
+        return next(
+            r for r in self.rows if (r.batch, r.sampling, r.engine) == (batch, sampling, engine)
+        )
+
+
+def demo_model(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = None):
+    """The ``model:`` section of a run config file, with ``model.*`` dotted overrides."""
+    from megatron_earl.config.loader import load_config
+
+    return load_config(config, overrides or []).model
+
+
+def _initial_state(cfg: EngineBenchConfig, prompt: torch.Tensor):
+    """One process (TP1): the seeded Megatron weights as a full state dict and the logits
+    comparison with their HF conversion. World of one; no collective."""
+    from megatron_earl import runtime
+    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.parallel.layout import ParallelLayout
+    from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.redistribute.geometry import full_state_dict
+    from megatron_earl.rollout import bench_hf
+
+    initialize_layout(ParallelLayout())
+    runtime.seed(cfg.seed)
+    model = pin_transformer_impl(cfg.model, embedded_engine=True)
+    chunks = build_model(model)
+    full = full_state_dict(chunks)
+    hf = bench_hf.hf_model(full, model)
+    diff, scale = bench_hf.logits_max_diff(chunks[0], hf, prompt, model.vocab_size)
+    return full, diff, scale
+
+
+def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
+    """Every rank of the TP group: build our engine on ``full``; the scheduler (rank 0) also
+    builds the HF model and drives the measurement (``rollout/bench_driver.py``)."""
+    import torch.distributed as dist
+
+    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.parallel.layout import ParallelLayout
+    from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.redistribute.geometry import load_full_state_dict
+    from megatron_earl.rollout import bench_hf
+    from megatron_earl.rollout.bench_driver import drive
+    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+
+    initialize_layout(ParallelLayout(tp=cfg.tp))
+    model = pin_transformer_impl(cfg.model, embedded_engine=True)
+    chunks = build_model(model)
+    load_full_state_dict(chunks, full)
+    biggest = max(cfg.batches)
+    engine_config = EmbeddedEngineConfig(
+        max_batch_size=biggest,
+        max_seq_len=cfg.prompt_len + cfg.new_tokens,
+        max_prefills_per_step=biggest,
+        seed=cfg.seed,
+    )
+    engine = EmbeddedEngine(chunks, model, engine_config)
+    hf = bench_hf.hf_model(full, model) if dist.get_rank() == 0 else None
+    threads = torch.get_num_threads()
+    out = run_engine(engine, lambda eng: drive(eng, hf, cfg))
+    return None if out is None else (*out, threads)
+
+
+def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
+    """Run the benchmark (spawns 1 then ``cfg.tp`` local processes) and collect the result."""
+    import transformers
+
+    from megatron_earl.rollout import bench_hf
+    from megatron_earl.testing.distributed import run_distributed
+
+    prompt = torch.randint(
+        0, cfg.model.vocab_size, (cfg.prompt_len,), generator=torch.Generator().manual_seed(1)
+    )
+    full, diff, scale = run_distributed(_initial_state, 1, args=(cfg, prompt), timeout_s=600)[0]
+    if not diff <= bench_hf.LOGITS_TOL:
+        raise RuntimeError(
+            f"the HF conversion disagrees with the Megatron model: max |logit diff| {diff:.3g} > "
+            f"{bench_hf.LOGITS_TOL} (max |logit| {scale:.3g}); timings would compare two functions"
+        )
+    per_rank = run_distributed(_bench_rank, cfg.tp, args=(cfg, full), timeout_s=3600)
+    rows, greedy, threads = per_rank[0]
+    m = cfg.model
+    settings = {
+        "model": (
+            f"{m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, heads "
+            f"{m.num_attention_heads}/{m.query_groups} kv, vocab {m.vocab_size} (padded "
+            f"{m.padded_vocab_size}), {'tied' if m.tie_embeddings else 'untied'}, "
+            f"{m.params_dtype}, {m.num_parameters() / 1e6:.2f}M params"
+        ),
+        "batches": list(cfg.batches),
+        "prompt_len": cfg.prompt_len,
+        "new_tokens": cfg.new_tokens,
+        "repeats": cfg.repeats,
+        "ours_processes": cfg.tp,
+        "ours_threads_per_process": threads,
+        "hf_processes": 1,
+        "hf_threads": os.cpu_count() or 1,
+        "hf_attention": "sdpa",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "cores": os.cpu_count() or 1,
+    }
+    agreement = Agreement(diff, bench_hf.LOGITS_TOL, scale, *greedy)
+    return EngineBenchResult(settings, agreement, tuple(rows))
+
+
+def format_report(result: EngineBenchResult) -> str:
+    """The human-readable report: settings, agreement, one line per batch and sampling mode."""
+    s, a = result.settings, result.agreement
+    lines = [
+        "bench engine: embedded engine (ours) vs transformers generate (HF), same weights/prompts",
+        f"model: {s['model']}",
+        f"ours: {s['ours_processes']} process(es) (tp={s['ours_processes']}) x "
+        f"{s['ours_threads_per_process']} torch threads; HF: 1 process x {s['hf_threads']} torch "
+        f"threads, {s['hf_attention']} attention, transformers {s['transformers']}; torch "
+        f"{s['torch']}, {s['cores']} cores",
+        f"prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens per request (no stop), "
+        f"median of {s['repeats']} interleaved repeats",
+        f"agreement: logits max |diff| {a.logits_max_diff:.2g} (tol {a.logits_tol:g}, max |logit| "
+        f"{a.logits_max_abs:.2g}); first-token log p max |diff| {a.first_logprob_max_diff:.2g}; "
+        f"greedy tokens agreeing {a.greedy_tokens_agree}/{a.greedy_tokens_compared}",
+        f"{'batch':>5} {'sampling':>8} | {'prefill tok/s':>13} {'HF':>9} {'ours/HF':>7} | "
+        f"{'decode tok/s':>12} {'HF':>9} {'ours/HF':>7}",
+    ]
+    for batch in s["batches"]:
+        for sampling in SAMPLING_MODES:
+            ours, hf = (result.row(batch, sampling, e) for e in ENGINES)
+            lines.append(
+                f"{batch:>5} {sampling:>8} | {ours.prefill_tok_s:>13.0f} {hf.prefill_tok_s:>9.0f} "
+                f"{ours.prefill_tok_s / hf.prefill_tok_s:>7.2f} | {ours.decode_tok_s:>12.0f} "
+                f"{hf.decode_tok_s:>9.0f} {ours.decode_tok_s / hf.decode_tok_s:>7.2f}"
+            )
+    return "\n".join(lines)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
-    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--groups", type=int, default=4, help="KV heads (GQA)")
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("overrides", nargs="*", help="model.* dotted overrides, e.g. model.num_layers=8")
+    p.add_argument("--config", default=str(DEMO_CONFIG), help="run config whose model: is used")
+    p.add_argument("--batches", default="64", help="comma-separated batch sizes, e.g. 1,8,32,64")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes of our engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one machine-readable line")
     return p.parse_args(argv)
 
 
-def _bench(args: argparse.Namespace, model: ModelConfig) -> dict[int, dict[str, float]] | None:
-    from megatron_earl import runtime
-    from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.models.gpt import build_model, pin_transformer_impl
-    from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
-    from megatron_earl.rollout.engine import GenerateRequest
-
-    initialize_layout(ParallelLayout(tp=args.tp))
-    runtime.seed(0)
-    model = pin_transformer_impl(model, embedded_engine=True)
-    chunks = build_model(model)
-    batches = [int(b) for b in args.batches.split(",")]
-    max_seq = args.prompt_len + args.new_tokens
-    config = EmbeddedEngineConfig(
-        max_batch_size=max(batches), max_seq_len=max_seq, max_prefills_per_step=max(batches)
-    )
-    engine = EmbeddedEngine(chunks, model, config)
-    gen = torch.Generator().manual_seed(0)
-
-    async def one(eng: EmbeddedEngine, batch: int, new_tokens: int) -> float:
-        prompts = torch.randint(0, model.vocab_size, (batch, args.prompt_len), generator=gen)
-        p = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-        requests = [GenerateRequest(tuple(x.tolist()), p) for x in prompts]
-        start = time.perf_counter()
-        results = await asyncio.gather(*(eng.generate(r) for r in requests))
-        assert all(len(r.output_ids) == new_tokens for r in results)
-        return time.perf_counter() - start
-
-    async def driver(eng: EmbeddedEngine) -> dict[int, dict[str, float]]:
-        await one(eng, 1, 4)  # warm-up
-        out = {}
-        for batch in batches:
-            # Decode-only time: full run minus a prefill-only run (1 new token) of the same size.
-            full = min([await one(eng, batch, args.new_tokens) for _ in range(args.repeats)])
-            prefill = min([await one(eng, batch, 1) for _ in range(args.repeats)])
-            generated = batch * args.new_tokens
-            decode = batch * (args.new_tokens - 1) / max(full - prefill, 1e-9)
-            out[batch] = {
-                "wall_s": full,
-                "tokens": generated,
-                "tok_s": generated / full,
-                "decode_tok_s": decode,
-            }
-        return out
-
-    return run_engine(engine, driver)
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from megatron_earl.testing.distributed import run_distributed
-
-    model = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads,
-        num_query_groups=args.groups,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.prompt_len + args.new_tokens,
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"--batches must be comma-separated integers, got {args.batches!r}"
+        ) from None
+    cfg = EngineBenchConfig(
+        model=demo_model(args.config, args.overrides),
+        batches=batches,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        tp=args.tp,
+        seed=args.seed,
     )
-    results: list[Any] = run_distributed(_bench, args.tp, args=(args, model), timeout_s=1800)
-    table = results[0]
-    print(
-        f"embedded engine decode benchmark: tp={args.tp}, "
-        f"{model.num_parameters() / 1e6:.2f}M params "
-        f"(layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.groups} "
-        f"vocab={args.vocab}), prompt={args.prompt_len}, new={args.new_tokens}, greedy, fp32, "
-        f"torch threads/rank={max(1, (os.cpu_count() or 1) // args.tp)}, best of {args.repeats}"
-    )
-    print(f"{'batch':>6} {'wall s':>8} {'tokens':>7} {'e2e tok/s':>10} {'decode tok/s':>13}")
-    for batch, row in table.items():
-        print(
-            f"{batch:>6} {row['wall_s']:>8.2f} {row['tokens']:>7} {row['tok_s']:>10.1f} "
-            f"{row['decode_tok_s']:>13.1f}"
-        )
+    result = measure(cfg)
+    print(json.dumps(dataclasses.asdict(result)) if args.json else format_report(result))
+    return 0

@@ -1,0 +1,98 @@
+"""`megatron-earl bench engine` end to end at a tiny size (batch 2, 4 new tokens, 1 repeat): the
+result has one row per (batch, sampling mode, engine) with finite rates, the report prints them,
+and the HF conversion computes the same logits as the Megatron model. The logits check is shown to
+have teeth (a wrong conversion fails it). Timings are the benchmark's business, not this test's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_earl.rollout.bench import (
+    ENGINES,
+    SAMPLING_MODES,
+    EngineBenchConfig,
+    demo_model,
+    format_report,
+    measure,
+)
+from megatron_earl.rollout.bench_hf import LOGITS_TOL
+from megatron_earl.testing.distributed import run_distributed
+
+LOGPROB_TOL = 1e-4
+
+
+def test_demo_model_is_the_demo_config():
+    m = demo_model()
+    shape = (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads)
+    assert shape == (4, 128, 256, 4)
+    assert (m.query_groups, m.vocab_size, m.tie_embeddings, m.params_dtype) == (
+        2,
+        320,
+        False,
+        "float32",
+    )
+    assert demo_model(overrides=["model.num_layers=2"]).num_layers == 2
+
+
+@pytest.mark.parametrize(
+    "bad", [{"new_tokens": 1}, {"batches": ()}, {"batches": (0, 2)}, {"repeats": 0}, {"tp": 0}]
+)
+def test_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="must be"):
+        EngineBenchConfig(model=demo_model(), **bad)
+
+
+def test_bench_engine_end_to_end():
+    cfg = EngineBenchConfig(
+        model=demo_model(), batches=(2,), prompt_len=8, new_tokens=4, repeats=1, agree_tokens=4
+    )
+    result = measure(cfg)
+    keys = sorted((r.batch, r.sampling, r.engine) for r in result.rows)
+    assert keys == sorted((2, s, e) for s in SAMPLING_MODES for e in ENGINES)
+    for row in result.rows:
+        for value in (row.prefill_s, row.full_s, row.prefill_tok_s, row.decode_tok_s):
+            assert math.isfinite(value) and value > 0, row
+    a = result.agreement
+    assert a.logits_max_diff <= LOGITS_TOL and a.logits_max_abs > 0
+    assert a.first_logprob_max_diff <= LOGPROB_TOL
+    assert a.greedy_tokens_compared == 2 * 4 and 0 <= a.greedy_tokens_agree <= 8
+    assert result.settings["ours_processes"] == 1 and result.settings["hf_processes"] == 1
+    report = format_report(result)
+    assert "greedy tokens agreeing" in report
+    assert sum(line.lstrip().startswith("2 ") for line in report.splitlines()) == 2
+    assert json.loads(json.dumps(dataclasses.asdict(result)))["rows"][0]["batch"] == 2
+
+
+def _wrong_conversion_diff() -> tuple[float, float]:
+    """Logits diff when layer 0's fused QKV rows are read as a plain [Q; K; V] concatenation."""
+    from megatron_earl import runtime
+    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.parallel.layout import ParallelLayout
+    from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.redistribute.geometry import full_state_dict
+    from megatron_earl.rollout import bench_hf
+
+    initialize_layout(ParallelLayout())
+    runtime.seed(0)
+    model = pin_transformer_impl(demo_model(), embedded_engine=True)
+    chunks = build_model(model)
+    full = full_state_dict(chunks)
+    prompt = torch.arange(8)
+    right = bench_hf.logits_max_diff(chunks[0], bench_hf.hf_model(full, model), prompt, 320)[0]
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    wrong = dict(full)
+    wrong[key] = full[key].clone()
+    wrong[key][0] = full[key][0].roll(model.head_dim, dims=0)
+    bad = bench_hf.logits_max_diff(chunks[0], bench_hf.hf_model(wrong, model), prompt, 320)[0]
+    return right, bad
+
+
+def test_logits_check_detects_a_wrong_conversion():
+    right, bad = run_distributed(_wrong_conversion_diff, 1, timeout_s=300)[0]
+    assert right <= LOGITS_TOL < bad
