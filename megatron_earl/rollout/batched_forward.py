@@ -6,28 +6,36 @@
 
 Why not ``GPTModel.forward``: Megatron's static inference path (0.16) batches statically -- one
 write offset for the whole batch, keys cached un-rotated and the whole cache re-rotated on every
-step, GQA keys repeated per step -- and runs one request's prefill per call. Here every step is
-one forward of *packed* tokens ``[T, 1, h]`` (a decode step: one token per running request; a
-prefill step: the whole contexts of the requests admitted together), through the model's own
-submodules in the order ``TransformerLayer`` applies them:
+step, GQA keys repeated per step -- and runs one request's prefill per call; its module stack
+costs more Python per step than the arithmetic of a small model. Here every step is one forward
+of *packed* tokens ``[T, h]`` (a decode step: one token per running request; a prefill step: the
+whole contexts of the requests admitted together) over the model's own parameters, in the order
+``TransformerLayer`` applies its submodules:
 
-    embedding -> per layer: input_layernorm, self_attention.get_query_key_value_tensors (fused
-    QKV, qkv bias, q/k layernorm, TP split), RoPE at each token's position, KV-cache write,
-    attention, self_attention.linear_proj (TP reduce), residual, pre_mlp_layernorm, mlp (TP
-    reduce), residual -> final_layernorm and output_layer (TP gather) on each sequence's last
-    token only.
+    embedding (Megatron's VocabParallelEmbedding) -> per layer: input_layernorm, fused QKV
+    projection (+ qkv bias, q/k layernorm), RoPE at each token's position, KV-cache write,
+    attention, output projection + TP all-reduce + bias, residual, pre_mlp_layernorm, fc1,
+    SwiGLU, fc2 + TP all-reduce + bias, residual -> final_layernorm and output layer (+ TP
+    all-gather of the vocabulary) on each sequence's last token only.
 
-Every weight and every projection is Megatron's module; only the layer's control flow, RoPE
-(the formula of Megatron's ``_apply_rotary_pos_emb_bshd``, with the cos/sin tables of the model's
-own rotary module computed once) and attention over the cache are here. ``check_supported``
-rejects model features this order does not cover. Attention: SDPA, GQA without repeating keys
-(decode: the query heads of a group attend as a group; prefill: ``enable_gqa``), a key-padding
-mask for rows of different lengths. All tensors of a step are built on the host from Python ints
-and moved to the compute device once (boundary "engine step inputs", docs/devices.md).
+The projections are ``F.linear`` on the Megatron modules' own parameters (the local shards of a
+column-/row-parallel layer) with the reductions Megatron's tensor-parallel layers perform, the
+norms are the modules' own ``torch.nn.RMSNorm`` weights and eps, the split of the fused QKV output
+follows ``SelfAttention.get_query_key_value_tensors`` (groups of ``[q x rep, k, v]``), the SwiGLU
+follows ``MLP``'s ``glu`` (``silu(first half) * second half`` of the local fc1 output) and RoPE
+is the formula of Megatron's ``_apply_rotary_pos_emb_bshd`` with the cos/sin tables of the
+model's own rotary module (computed once; YaRN's mscale applied as Megatron's attention does).
+``check_supported`` rejects model features this order does not cover. The engine tests compare
+greedy tokens with a no-cache ``GPTModel.forward`` decode and log-probs with the training
+forward, at TP1 and TP2. Attention: SDPA, GQA without repeating keys (decode: the query heads of
+a group attend as a group; prefill: ``enable_gqa``), a key-padding mask for rows of different
+lengths. The step's index tensors are built on the host from Python ints and moved to the
+compute device once (boundary "engine step inputs", docs/devices.md).
 
 Legend: T = tokens in the step, k = sequences in the step, n = running rows, L = cached length,
 h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary.
-No communication except inside Megatron's TP modules (every rank of the TP group runs the step).
+Which ranks call: every rank of the TP group runs every step (all-reduces and the vocabulary
+all-gather on the TP group; nothing with tp = 1).
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 from torch import nn
 
@@ -47,35 +57,39 @@ from megatron_earl.rollout.kv_cache import RowCache
 
 @dataclass(frozen=True)
 class Batch:
-    """One step's sequences: rows ``[row0, row0 + k)``, each with new tokens after its cache."""
+    """One step's sequences, each in its cache row with new tokens after what the row caches."""
 
-    row0: int
-    """First cache row of the step (the rows are contiguous)."""
+    rows: tuple[int, ...]
+    """Cache row of each sequence (a decode step: exactly ``0 .. n-1``)."""
     tokens: tuple[tuple[int, ...], ...]
-    """New token ids per sequence (decode: one each; prefill: the whole context)."""
+    """New token ids per sequence (decode: one each; prefill: the uncached rest of the context)."""
     starts: tuple[int, ...]
-    """Tokens already cached per sequence (the position of its first new token)."""
+    """Tokens the row already caches (the position of the sequence's first new token)."""
+    shared: tuple[tuple[int, ...], ...] = ()
+    """Per sequence, further rows that receive the same keys and values (requests with the
+    identical context: a GRPO group's prompt is prefilled once); empty = none."""
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.starts) or not self.tokens:
+        k = len(self.tokens)
+        if not k or len(self.rows) != k or len(self.starts) != k:
             raise ValueError(
-                f"a step needs >= 1 sequence and one start per sequence, got "
-                f"{len(self.tokens)} token lists and {len(self.starts)} starts"
+                f"a step needs >= 1 sequence and one row and start per sequence, got {k} token "
+                f"lists, {len(self.rows)} rows and {len(self.starts)} starts"
             )
+        if self.shared and len(self.shared) != k:
+            raise ValueError(f"shared needs one entry per sequence ({k}), got {len(self.shared)}")
         if any(not t for t in self.tokens):
             raise ValueError("every sequence of a step needs at least one new token")
-
-    @classmethod
-    def prefill(cls, row0: int, contexts: Sequence[Sequence[int]]) -> Batch:
-        return cls(row0, tuple(tuple(c) for c in contexts), (0,) * len(contexts))
+        if self.is_decode and self.rows != tuple(range(k)):
+            raise ValueError(f"a decode step covers rows 0..{k - 1} in order, got {self.rows}")
 
     @classmethod
     def decode(cls, lengths: Sequence[int], tokens: Sequence[int]) -> Batch:
-        return cls(0, tuple((int(t),) for t in tokens), tuple(lengths))
+        return cls(tuple(range(len(tokens))), tuple((int(t),) for t in tokens), tuple(lengths))
 
     @property
     def is_decode(self) -> bool:
-        return all(len(t) == 1 for t in self.tokens)
+        return all(len(t) == 1 for t in self.tokens) and not any(self.shared)
 
     @property
     def num_tokens(self) -> int:
@@ -101,25 +115,104 @@ def check_supported(gpt: nn.Module) -> None:
         "sequence_parallel": config.sequence_parallel,
         "context_parallel_size > 1": config.context_parallel_size > 1,
         "no_rope_freq": bool(getattr(config, "no_rope_freq", None)),
+        "an MLP other than SwiGLU": not (
+            config.gated_linear_unit
+            and config.activation_func is F.silu
+            and config.activation_func_clamp_value is None
+            and config.glu_linear_offset == 0.0
+        ),
+        f"num_query_groups={config.num_query_groups} < tp={config.tensor_model_parallel_size}": (
+            (config.num_query_groups or config.num_attention_heads)
+            < config.tensor_model_parallel_size
+        ),
+        "norms other than torch.nn.RMSNorm": any(
+            not isinstance(norm, nn.RMSNorm) and norm is not None
+            for layer in gpt.decoder.layers
+            for norm in (
+                layer.input_layernorm,
+                layer.pre_mlp_layernorm,
+                _norm_or_none(layer.self_attention.q_layernorm),
+                _norm_or_none(layer.self_attention.k_layernorm),
+            )
+        )
+        or not isinstance(gpt.decoder.final_layernorm, nn.RMSNorm),
     }
     bad = [name for name, hit in problems.items() if hit]
     if bad:
         raise ValueError(f"the embedded engine's batched forward does not support {bad[0]}")
 
 
+def _norm_or_none(module: nn.Module | None) -> nn.Module | None:
+    """A q/k layernorm, or None where Megatron put an ``IdentityOp`` (no q/k norm)."""
+    return (
+        module
+        if isinstance(module, nn.RMSNorm) or module is None
+        else (None if type(module).__name__ == "IdentityOp" else module)
+    )
+
+
+def _rms(norm: nn.RMSNorm | None):
+    """The norm as a plain function of x (its own weight and eps), or None."""
+    if norm is None:
+        return None
+    return lambda x: F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One transformer layer's parameters (Megatron's own tensors, this rank's shards)."""
+
+    norm1: object
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: object
+    k_norm: object
+    proj_weight: torch.Tensor
+    proj_bias: torch.Tensor | None
+    norm2: object
+    fc1_weight: torch.Tensor
+    fc1_bias: torch.Tensor | None
+    fc2_weight: torch.Tensor
+    fc2_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _Layer:
+        attn, mlp = layer.self_attention, layer.mlp
+        return cls(
+            _rms(layer.input_layernorm),
+            attn.linear_qkv.weight,
+            attn.linear_qkv.bias,
+            _rms(_norm_or_none(attn.q_layernorm)),
+            _rms(_norm_or_none(attn.k_layernorm)),
+            attn.linear_proj.weight,
+            attn.linear_proj.bias,
+            _rms(layer.pre_mlp_layernorm),
+            mlp.linear_fc1.weight,
+            mlp.linear_fc1.bias,
+            mlp.linear_fc2.weight,
+            mlp.linear_fc2.bias,
+        )
+
+
 class BatchedForward:
-    """Runs steps (``Batch``) through one GPT model chunk and its row cache (module docstring)."""
+    """Runs steps (``Batch``) through one GPT model chunk and its row cache (module docstring).
+
+    The layer parameters are referenced, not copied: weights written into the chunk in place
+    (a reshard, ``load_full_state_dict``) are what the next step computes with."""
 
     def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int) -> None:
         gpt = unwrap_chunk(model)
         check_supported(gpt)
         self.gpt = gpt
-        self.layers = list(gpt.decoder.layers)
-        attn = self.layers[0].self_attention
+        self.layers = [_Layer.of(layer) for layer in gpt.decoder.layers]
+        attn = gpt.decoder.layers[0].self_attention
         self.num_groups = attn.num_query_groups_per_partition
         self.num_heads = attn.num_attention_heads_per_partition
         self.head_dim = attn.hidden_size_per_attention_head
-        self.scale = self.layers[0].self_attention.core_attention.softmax_scale
+        self.scale = attn.core_attention.softmax_scale
+        self.final_norm = _rms(gpt.decoder.final_layernorm)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
         weight = attn.linear_qkv.weight
         self.device = weight.device
         self.cache = RowCache(
@@ -135,47 +228,71 @@ class BatchedForward:
 
     @torch.no_grad()
     def _rope_tables(self, max_seq_len: int, dtype: torch.dtype):
-        """cos/sin ``[max_seq_len, 1, 1, rot]`` of the model's rotary module, scaled by mscale as
+        """cos/sin ``[max_seq_len, 1, rot]`` of the model's rotary module, scaled by mscale as
         Megatron's attention does, on the compute device."""
         emb = self.gpt.rotary_pos_emb(max_seq_len)
-        freqs = emb[0] if isinstance(emb, tuple) else emb
-        freqs = freqs.to(self.device)
+        freqs = (emb[0] if isinstance(emb, tuple) else emb)[:, 0].to(self.device)
         mscale = _yarn_get_concentration_factor_from_config(self.gpt.config)
         return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)
 
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's partial sums summed over TP (every TP rank calls)."""
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
     @torch.inference_mode()
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence; the
         new tokens' keys and values are written to the cache."""
         index = _StepIndex.build(batch)
-        ids, pos_T, rows_T, seq_T, local_T, last_k, key_len, new_len = (
+        ids, pos_T, seq_T, local_T, last_k, key_len, new_len, rows_k, w_rows, w_pos, w_src = (
             runtime.to_device(t) for t in index.tensors
         )
-        cos, sin = self.cos[pos_T], self.sin[pos_T]
-        x = self.gpt.embedding(input_ids=ids[None], position_ids=pos_T[None])  # [T, 1, h]
+        cos, sin = self.cos[pos_T], self.sin[pos_T]  # [T, 1, rot]: shared by every layer
+        x = self.gpt.embedding(input_ids=ids[None], position_ids=pos_T[None])[:, 0]  # [T, h]
+        ng, hn = self.num_groups, self.head_dim
+        rep = self.num_heads // ng
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attention
-            q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))
+            qkv = F.linear(layer.norm1(x), layer.qkv_weight, layer.qkv_bias)
+            qkv = qkv.view(-1, ng, rep + 2, hn)  # groups of [q x rep, k, v]
+            q = qkv[:, :, :rep].reshape(-1, self.num_heads, hn)
+            k, v = qkv[:, :, rep], qkv[:, :, rep + 1]
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            self.cache.write(i, rows_T, pos_T, k[:, 0], v[:, 0])
-            keys, values = self.cache.view(i, batch.row0, len(batch.tokens), index.max_key_len)
+            self.cache.write(i, w_rows, w_pos, k[w_src], v[w_src])
             if index.is_decode:
-                ctx = self._attend_decode(q[:, 0], keys, values, key_len)
+                keys, values = self.cache.view(i, 0, len(batch.rows), index.max_key_len)
+                ctx = self._attend_decode(q, keys, values, key_len)
             else:
-                ctx = self._attend_ragged(
-                    q[:, 0], keys, values, index, seq_T, local_T, key_len - new_len
-                )
-            x = _residual(x, attn.linear_proj(ctx[:, None]))
-            x = _residual(x, layer.mlp(layer.pre_mlp_layernorm(x)))
-        hidden = self.gpt.decoder.final_layernorm(x[last_k])  # [k, 1, h]
-        weight = None
-        if self.gpt.share_embeddings_and_output_weights:
-            weight = self.gpt.shared_embedding_or_output_weight()
-        logits, _ = self.gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[:, 0].float()
+                keys, values = self.cache.gather(i, rows_k, index.max_key_len)
+                start = key_len - new_len
+                ctx = self._attend_ragged(q, keys, values, index, seq_T, local_T, start)
+            x = x + _bias(self._reduce(F.linear(ctx, layer.proj_weight)), layer.proj_bias)
+            gate, up = torch.chunk(
+                F.linear(layer.norm2(x), layer.fc1_weight, layer.fc1_bias), 2, dim=-1
+            )
+            out = self._reduce(F.linear(F.silu(gate) * up, layer.fc2_weight))
+            x = x + _bias(out, layer.fc2_bias)
+        return self._logits(self.final_norm(x[last_k]))
+
+    def _logits(self, hidden_kh: torch.Tensor) -> torch.Tensor:
+        """Output layer on the last tokens; the vocabulary shards all-gathered over TP."""
+        gpt = self.gpt
+        if gpt.share_embeddings_and_output_weights:
+            weight = gpt.shared_embedding_or_output_weight()
+        else:
+            weight = gpt.output_layer.weight
+        logits = F.linear(hidden_kh, weight, gpt.output_layer.bias)
+        if self.tp > 1:
+            shards = [torch.empty_like(logits) for _ in range(self.tp)]
+            dist.all_gather(shards, logits, group=self.tp_group)
+            logits = torch.cat(shards, dim=-1)
+        return logits.float()
 
     def _attend_decode(self, q_Tnh, keys, values, key_len):
         """One query per row: the heads of a group attend together (no key repeat)."""
@@ -213,8 +330,8 @@ class _StepIndex:
     """Host index tensors of a step (built once from Python ints)."""
 
     tensors: tuple[torch.Tensor, ...]
-    """ids, positions, rows, sequence and local index per token; last-token index, key length and
-    new-token count per sequence."""
+    """Per token: ids, positions, sequence and local index; per sequence: last-token index, key
+    length, new-token count, row; per cache write: row, position and source token."""
     is_decode: bool
     fresh: bool
     max_new: int
@@ -224,30 +341,32 @@ class _StepIndex:
     def build(cls, batch: Batch) -> _StepIndex:
         lengths = [len(t) for t in batch.tokens]
         ids = [t for seq in batch.tokens for t in seq]
-        pos, seq, local = [], [], []
-        for s, (start, n) in enumerate(zip(batch.starts, lengths)):
-            pos.extend(range(start, start + n))
+        pos, seq, local, last = [], [], [], []
+        w_rows, w_pos, w_src = [], [], []
+        shared = batch.shared or ((),) * len(lengths)
+        total = 0
+        for s, (row, start, n) in enumerate(zip(batch.rows, batch.starts, lengths)):
+            positions = range(start, start + n)
+            pos.extend(positions)
             seq.extend([s] * n)
             local.extend(range(n))
-        last, total = [], 0
-        for n in lengths:
+            for target in (row, *shared[s]):
+                w_rows.extend([target] * n)
+                w_pos.extend(positions)
+                w_src.extend(range(total, total + n))
             total += n
             last.append(total - 1)
         key_len = [start + n for start, n in zip(batch.starts, lengths)]
         long = torch.long
-        tensors = (
-            torch.tensor(ids, dtype=long),
-            torch.tensor(pos, dtype=long),
-            torch.tensor(seq, dtype=long) + batch.row0,
-            torch.tensor(seq, dtype=long),
-            torch.tensor(local, dtype=long),
-            torch.tensor(last, dtype=long),
-            torch.tensor(key_len, dtype=long),
-            torch.tensor(lengths, dtype=long),
-        )
+        tensors = tuple(
+            torch.tensor(values, dtype=long)
+            for values in (
+                ids, pos, seq, local, last, key_len, lengths, batch.rows, w_rows, w_pos, w_src,
+            )
+        )  # fmt: skip
         return cls(
             tensors,
-            is_decode=max(lengths) == 1,
+            is_decode=batch.is_decode,
             fresh=not any(batch.starts),
             max_new=max(lengths),
             max_key_len=max(key_len),
@@ -255,7 +374,7 @@ class _StepIndex:
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``[T, 1, heads, hn]`` with per-token tables ``[T, 1, 1, rot]`` (Megatron's
+    """RoPE on ``[T, heads, hn]`` with per-token tables ``[T, 1, rot]`` (Megatron's
     non-interleaved formula; dims beyond ``rot`` pass through)."""
     rot = cos.size(-1)
     head, tail = t[..., :rot], t[..., rot:]
@@ -264,7 +383,6 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return rotated if tail.numel() == 0 else torch.cat((rotated, tail), dim=-1)
 
 
-def _residual(residual: torch.Tensor, out_bias) -> torch.Tensor:
-    """Megatron's bias-dropout-add in eval mode: ``residual + (out + bias)``."""
-    out, bias = out_bias
-    return residual + (out if bias is None else out + bias)
+def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel layer's bias, added after the TP reduction (as Megatron does)."""
+    return out if bias is None else out + bias

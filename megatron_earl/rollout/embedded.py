@@ -51,7 +51,7 @@ from megatron_earl.rollout.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from megatron_earl.rollout.kv_cache import plan_admit, plan_free
+from megatron_earl.rollout.kv_cache import RowTable
 from megatron_earl.rollout.sampling import sample_tokens
 
 T = TypeVar("T")
@@ -105,6 +105,8 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     abort_message: str | None = None
+    cached_tokens: int = 0
+    """Context tokens taken over from the session's parked row (not prefilled again)."""
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -154,10 +156,8 @@ class EmbeddedEngine:
         self.is_scheduler = parallel_state.get_tensor_model_parallel_rank() == 0
         # Scheduler state (TP rank 0 only).
         self._waiting: deque[_Request] = deque()
-        self._rows: list[_Request] = []
-        self._lengths: list[int] = []
-        """Tokens cached per running row."""
-        self._moves: list[tuple[int, int, int]] = []
+        self._table: RowTable[_Request] = RowTable(self.config.max_batch_size)
+        """Running requests by cache row, their cached lengths, parked sessions."""
         self._paused = False
         self._failed: BaseException | None = None
         self._ids = itertools.count()
@@ -176,12 +176,12 @@ class EmbeddedEngine:
     @property
     def num_requests(self) -> int:
         """Requests waiting or running (the engine's load)."""
-        return len(self._waiting) + len(self._rows)
+        return len(self._waiting) + len(self._table.items)
 
     @property
     def num_running(self) -> int:
         """Requests holding a KV-cache row (at most ``max_batch_size``; the rest wait)."""
-        return len(self._rows)
+        return len(self._table.items)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Queue a request and wait for its result (scheduler rank, inside ``run_engine``)."""
@@ -203,13 +203,13 @@ class EmbeddedEngine:
             raise
 
     async def abort(self, rid: str) -> None:
-        for entry in itertools.chain(self._waiting, self._rows):
+        for entry in itertools.chain(self._waiting, self._table.items):
             if entry.request.rid == rid:
                 entry.abort_message = "aborted by request"
         self._wake.set()
 
     async def abort_all(self, message: str = "aborted") -> int:
-        entries = list(itertools.chain(self._waiting, self._rows))
+        entries = list(itertools.chain(self._waiting, self._table.items))
         for entry in entries:
             entry.abort_message = message
         self._wake.set()
@@ -248,8 +248,8 @@ class EmbeddedEngine:
             await self.abort_all("aborted by pause_generation")
         async with self._step_lock:
             if mode == "retract":
-                self._waiting.extendleft(reversed(self._rows))
-                self._rows, self._lengths, self._moves = [], [], []
+                self._waiting.extendleft(reversed(self._table.items))
+                self._table = RowTable(self.config.max_batch_size)
             await self._settle_aborts()
 
     async def resume(self) -> None:
@@ -266,10 +266,13 @@ class EmbeddedEngine:
         async with self._step_lock:
             await self._run(Step("load", state=full))
             self._version = version
+            self._table.drop_parked()
 
     def mark_weights_updated(self, version: int) -> None:
         """Record the version of weights written into ``model_chunks`` by an external reshard
         (every rank calls it; the engine must not be serving during the reshard)."""
+        if version != self._version and self.is_scheduler:
+            self._table.drop_parked()
         self._version = version
 
     # ------------------------------------------------------------------ running
@@ -321,15 +324,15 @@ class EmbeddedEngine:
                     if self._paused:
                         continue
                     await self._admit()
-                    if self._rows:
+                    if self._table.items:
                         await self._decode()
-                if self._rows or (self._waiting and not self._paused):
+                if self._table.items or (self._waiting and not self._paused):
                     self._wake.set()
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # a failed step fails every request, never hangs one
             self._failed = err
-            for entry in itertools.chain(self._waiting, self._rows):
+            for entry in itertools.chain(self._waiting, self._table.items):
                 if not entry.future.done():
                     entry.future.set_exception(EngineError(f"embedded engine failed: {err!r}"))
             raise
@@ -357,41 +360,81 @@ class EmbeddedEngine:
         for entry in [e for e in self._waiting if e.abort_message]:
             self._waiting.remove(entry)
             self._finish(entry, FinishReason(FinishType.ABORT, message=entry.abort_message))
-        for row in reversed(range(len(self._rows))):
-            entry = self._rows[row]
+        table = self._table
+        for row in reversed(range(len(table.items))):
+            entry = table.items[row]
             if entry.abort_message:
-                self._free(row)
+                table.release(row)
                 self._finish(entry, FinishReason(FinishType.ABORT, message=entry.abort_message))
 
     async def _admit(self) -> None:
-        """Prefill every waiting request that fits, in one forward (FIFO; the rest wait)."""
-        cfg = self.config
-        count = plan_admit(
-            [len(e.request.input_ids) + len(e.output_ids) for e in self._waiting],
-            cfg.max_batch_size - len(self._rows),
-            cfg.max_prefill_tokens,
-            cfg.max_prefills_per_step,
-        )
-        if not count:
-            return
-        entries = [self._waiting.popleft() for _ in range(count)]
-        contexts = [e.context for e in entries]
-        batch = Batch.prefill(len(self._rows), contexts)
-        logits = await self._run(Step("forward", batch, self._take_moves()))
-        self._rows.extend(entries)
-        self._lengths.extend(len(c) for c in contexts)
-        self._accept(logits, entries)
+        """Prefill waiting requests in one forward, FIFO, as many as rows (after evicting parked
+        sessions, oldest first) and ``max_prefill_tokens`` allow; the rest wait. A request whose
+        session has a parked row that its context extends prefills only the new tokens;
+        requests with the same context (a GRPO group's prompt) share one prefill."""
+        cfg, table = self.config, self._table
+        admitted: list[tuple[_Request, int]] = []  # (entry, cached tokens reused)
+        tokens = 0
+        first: dict[tuple[int, ...], int] = {}  # fresh context -> its first admitted request
+        while self._waiting and len(admitted) < cfg.max_prefills_per_step:
+            entry = self._waiting[0]
+            context, session = entry.context, entry.request.session
+            reused = table.reusable(session, context)
+            cost = 0 if not reused and context in first else len(context) - reused
+            if admitted and tokens + cost > cfg.max_prefill_tokens:
+                break
+            if not reused:
+                table.forget(session)
+            takes = session if reused else None
+            keep = {e.request.session for e, _ in admitted} | {session}
+            while not table.can_add(takes) and table.evict(keep):
+                pass
+            if not table.can_add(takes):
+                break  # every row is running: wait for one to finish
+            self._waiting.popleft()
+            table.add(entry, len(context), takes)
+            entry.cached_tokens = reused
+            if not reused:
+                first.setdefault(context, len(admitted))
+            admitted.append((entry, reused))
+            tokens += cost
+        if admitted:
+            await self._prefill(admitted, first)
+
+    async def _prefill(
+        self, admitted: list[tuple[_Request, int]], first: dict[tuple[int, ...], int]
+    ) -> None:
+        """One forward over the admitted requests' uncached tokens (rows ``[n - k, n)``)."""
+        row0 = len(self._table.items) - len(admitted)
+        seq_of: list[int] = []  # the batch sequence of each admitted request
+        rows, tokens, starts, shared = [], [], [], []
+        for i, (entry, reused) in enumerate(admitted):
+            context = entry.context
+            owner = None if reused else first[context]
+            if owner is not None and owner != i:  # the same context: share the owner's prefill
+                shared[seq_of[owner]].append(row0 + i)
+                seq_of.append(seq_of[owner])
+                continue
+            seq_of.append(len(rows))
+            rows.append(row0 + i)
+            tokens.append(context[reused:])
+            starts.append(reused)
+            shared.append([])
+        batch = Batch(tuple(rows), tuple(tokens), tuple(starts), tuple(map(tuple, shared)))
+        logits = await self._run(Step("forward", batch, self._table.take_moves()))
+        self._accept(logits[seq_of], [entry for entry, _ in admitted])
 
     async def _decode(self) -> None:
         """Decode one token for every running row, in one forward."""
-        tokens = [entry.output_ids[-1] for entry in self._rows]
-        batch = Batch.decode(self._lengths, tokens)
-        logits = await self._run(Step("forward", batch, self._take_moves()))
-        self._lengths = [n + 1 for n in self._lengths]
-        self._accept(logits, list(self._rows))
+        table = self._table
+        batch = Batch.decode(table.lengths, [entry.output_ids[-1] for entry in table.items])
+        logits = await self._run(Step("forward", batch, table.take_moves()))
+        table.lengths = [n + 1 for n in table.lengths]
+        self._accept(logits, list(table.items))
 
     def _accept(self, logits: torch.Tensor, entries: list[_Request]) -> None:
-        """Sample one token per entry (logits row i = entries[i]) and retire the finished."""
+        """Sample one token per entry (logits row i = entries[i]) and retire the finished; a
+        finished request with a session parks its row for the session's next turn."""
         params = [e.request.sampling for e in entries]
         # Sampling runs on the host with each request's own seeded CPU generator (reproducible
         # whatever the device): the step's logits cross once (boundary "engine logits").
@@ -408,11 +451,15 @@ class EmbeddedEngine:
             reason = self._finish_reason(entry)
             if reason is not None:
                 done.append((entry, reason))
-        if done:
-            row_of = {id(e): r for r, e in enumerate(self._rows)}
-            for entry, reason in sorted(done, key=lambda d: -row_of[id(d[0])]):
-                self._free(row_of[id(entry)])
-                self._finish(entry, reason)
+        if not done:
+            return
+        table = self._table
+        row_of = {id(e): r for r, e in enumerate(table.items)}
+        for entry, reason in sorted(done, key=lambda d: -row_of[id(d[0])]):
+            row, session = row_of[id(entry)], entry.request.session
+            cached = entry.context[: table.lengths[row]]
+            table.release(row, None if session is None else (session, cached))
+            self._finish(entry, reason)
 
     def _finish_reason(self, entry: _Request) -> FinishReason | None:
         sampling, token = entry.request.sampling, entry.output_ids[-1]
@@ -429,23 +476,6 @@ class EmbeddedEngine:
             return FinishReason(FinishType.LENGTH)
         return None
 
-    def _free(self, row: int) -> None:
-        """Release ``row``; the last row moves into it (rows stay ``[0, n)``). Rows must be
-        freed in descending order within one step (``_accept``) or one at a time."""
-        move = plan_free(len(self._rows), row)
-        if move is not None:
-            src, dst = move
-            self._rows[dst], self._lengths[dst] = self._rows[src], self._lengths[src]
-            self._moves.append((src, dst, self._lengths[src]))
-        self._rows.pop()
-        self._lengths.pop()
-        if not self._rows:
-            self._moves = []
-
-    def _take_moves(self) -> tuple[tuple[int, int, int], ...]:
-        moves, self._moves = tuple(self._moves), []
-        return moves
-
     def _finish(self, entry: _Request, reason: FinishReason) -> None:
         if entry.future.done():
             return
@@ -458,6 +488,7 @@ class EmbeddedEngine:
                 finish_reason=reason,
                 weight_version=self._version,
                 prompt_tokens=len(req.input_ids),
+                cached_tokens=entry.cached_tokens,
             )
         )
 

@@ -9,14 +9,23 @@ key (Megatron's static inference context caches un-rotated keys and rotates the 
 every step). Rows of running requests are always the contiguous range ``[0, n)``: a finished
 row is refilled by the last row (``plan_free``), so a step reads a view, never a gather.
 
-``plan_*`` functions are pure; ``RowCache`` applies them to the tensors. No communication.
+Finished requests with a session may *park* their row (``RowTable``): the next turn of that
+session -- whose context extends the parked tokens -- takes the row over and prefills only its
+new tokens (SGLang's prefix cache, per session); parked rows are evicted oldest first when rows
+run out, and all are dropped when the weights change. ``plan_free`` and ``RowTable`` are pure
+bookkeeping that emits ordered row moves; ``RowCache`` applies them to the tensors. No
+communication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import Generic, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def plan_free(num_rows: int, row: int) -> tuple[int, int] | None:
@@ -26,21 +35,6 @@ def plan_free(num_rows: int, row: int) -> tuple[int, int] | None:
         raise ValueError(f"row {row} is not a running row of [0, {num_rows})")
     last = num_rows - 1
     return None if row == last else (last, row)
-
-
-def plan_admit(
-    waiting_lengths: Sequence[int], free_rows: int, max_prefill_tokens: int, max_requests: int
-) -> int:
-    """How many of the waiting requests (FIFO, context lengths given) one prefill step admits:
-    as many as fit in the free rows, at most ``max_requests``, their contexts summing to at most
-    ``max_prefill_tokens`` -- but always the first one when a row is free (a context longer than
-    the prefill budget is prefilled alone). The rest wait; none is refused."""
-    count = tokens = 0
-    for length in waiting_lengths[: min(free_rows, max_requests)]:
-        if count and tokens + length > max_prefill_tokens:
-            break
-        count, tokens = count + 1, tokens + length
-    return count
 
 
 class RowCache:
@@ -82,7 +76,122 @@ class RowCache:
         rows = slice(row0, row0 + count)
         return self.keys[layer][rows, :, :length], self.values[layer][rows, :, :length]
 
+    def gather(self, layer: int, rows: torch.Tensor, length: int):
+        """Keys and values ``[len(rows), ng, length, hn]`` of the given rows (a copy)."""
+        keys, values = self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
+        return keys.index_select(0, rows), values.index_select(0, rows)
+
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (every layer)."""
         for buf in self.buffers():
             buf[dst, :, :length] = buf[src, :, :length]
+
+
+class RowTable(Generic[T]):
+    """Which cache row holds what (pure bookkeeping; ``RowCache`` applies ``take_moves()``).
+
+    Running rows are ``[0, n)``, in ``items`` order with their cached ``lengths``. A finished
+    request's row may be *parked* under its session (the cached tokens kept, for the session's
+    next turn, whose context extends them): parked rows sit at the top, ``[M - p, M)``, least
+    recently parked first to be evicted. Every change of place is an ordered move
+    ``(src, dst, length)``; moves are applied in order before the next forward.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.items: list[T] = []
+        self.lengths: list[int] = []
+        self.parked: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
+        """session -> (row, cached tokens), least recently parked first."""
+        self._moves: list[tuple[int, int, int]] = []
+
+    @property
+    def free_rows(self) -> int:
+        return self.num_rows - len(self.items) - len(self.parked)
+
+    def take_moves(self) -> tuple[tuple[int, int, int], ...]:
+        moves, self._moves = tuple(self._moves), []
+        return moves
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        if src != dst and length > 0:
+            self._moves.append((src, dst, length))
+
+    def reusable(self, session: str | None, context: Sequence[int]) -> int:
+        """Tokens of ``context`` a parked row of ``session`` already caches (0 if none)."""
+        if session is None or session not in self.parked:
+            return 0
+        cached = self.parked[session][1]
+        ok = len(cached) < len(context) and tuple(context[: len(cached)]) == cached
+        return len(cached) if ok else 0
+
+    def evict(self, keep: Collection[str] = ()) -> bool:
+        """Drop the least recently parked row not in ``keep``; False if there is none."""
+        for session in self.parked:
+            if session not in keep:
+                self._unpark(session)
+                return True
+        return False
+
+    def _unpark(self, session: str) -> tuple[int, tuple[int, ...]]:
+        """Forget ``session``'s parked row; the lowest parked row fills its place."""
+        row, cached = self.parked.pop(session)
+        lowest = self.num_rows - len(self.parked) - 1
+        if row != lowest:
+            other = next(s for s, (r, _) in self.parked.items() if r == lowest)
+            self._move(lowest, row, len(self.parked[other][1]))
+            self.parked[other] = (row, self.parked[other][1])
+        return row, cached
+
+    def can_add(self, session: str | None = None) -> bool:
+        """Whether ``add`` has a row for a new running request (``session``: one that takes
+        over that session's parked row)."""
+        if self.free_rows > 0:
+            return True
+        return session in self.parked and self.parked[session][0] == len(self.items)
+
+    def add(self, item: T, length: int, session: str | None = None) -> int:
+        """A running row for ``item`` (``can_add`` must hold); with ``session`` parked, its
+        row's cache comes along (the caller prefills only the rest, ``reusable``). Returns the
+        row."""
+        if not self.can_add(session):
+            raise ValueError(f"all {self.num_rows} rows are taken; evict first")
+        row = len(self.items)
+        if session is not None and session in self.parked:
+            parked_row, cached = self.parked[session]
+            self._move(parked_row, row, len(cached))
+            self._unpark(session)
+        self.items.append(item)
+        self.lengths.append(length)
+        return row
+
+    def forget(self, session: str | None) -> None:
+        """Drop ``session``'s parked row, if any (its context did not extend it)."""
+        if session in self.parked:
+            self._unpark(session)
+
+    def release(self, row: int, park: tuple[str, tuple[int, ...]] | None = None) -> None:
+        """Release running ``row`` (rows must be released in descending order within one
+        step); ``park=(session, cached tokens)`` keeps its cache for the session's next turn
+        when a row is free for it (after evicting older parked rows if needed)."""
+        if park is not None:
+            session, cached = park
+            if session in self.parked:
+                self._unpark(session)
+            if self.free_rows == 0:
+                self.evict()
+            if self.free_rows > 0:
+                slot = self.num_rows - len(self.parked) - 1
+                self._move(row, slot, len(cached))
+                self.parked[session] = (slot, tuple(cached))
+        move = plan_free(len(self.items), row)
+        if move is not None:
+            src, dst = move
+            self.items[dst], self.lengths[dst] = self.items[src], self.lengths[src]
+            self._move(src, dst, self.lengths[src])
+        self.items.pop()
+        self.lengths.pop()
+
+    def drop_parked(self) -> None:
+        """Forget every parked row (the weights changed: their keys and values are stale)."""
+        self.parked.clear()

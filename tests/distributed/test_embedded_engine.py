@@ -207,3 +207,50 @@ def test_mixed_batch_equals_one_request_at_a_time(reference, layout):
     assert list(alone[0].output_ids) == expected[0]  # greedy, alone = full recompute
     assert alone[1].finish_reason.type.value == "stop" and alone[1].output_ids[-1] == stop_id
     assert len(alone[1].output_ids) <= 4
+
+
+def _sharing_run(weights, prompts):
+    """A GRPO group (identical prompts) in one batch, and a second turn that takes over its
+    session's parked row, each next to the same work without sharing."""
+    import asyncio
+
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.engine import GenerateRequest
+
+    chunks, _ = _build(ParallelLayout(), weights)
+    engine = EmbeddedEngine(chunks, MODEL, EmbeddedEngineConfig(max_batch_size=6, max_seq_len=40))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def driver(eng):
+        group = await asyncio.gather(
+            *(eng.generate(GenerateRequest(prompts[2], greedy)) for _ in range(4))
+        )
+        first = await eng.generate(GenerateRequest(prompts[0], greedy, session="s"))
+        turn2 = prompts[0] + first.output_ids + (7, 8, 9)
+        reused = await eng.generate(GenerateRequest(turn2, greedy, session="s"))
+        fresh = await eng.generate(GenerateRequest(turn2, greedy))
+        return group, first, reused, fresh
+
+    return run_engine(engine, driver)
+
+
+def test_shared_prefill_and_session_reuse_change_nothing(reference):
+    weights, expected = reference
+    group, first, reused, fresh = run_distributed(
+        _sharing_run, 1, args=(weights, _prompts()), timeout_s=120
+    )[0]
+    assert all(list(r.output_ids) == expected[2][:6] for r in group)
+    for r in group:  # the rows decode in one batch: equal up to float summation order
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), torch.tensor(group[0].output_logprobs), atol=1e-5,
+            rtol=0,
+        )  # fmt: skip
+    assert list(first.output_ids) == expected[0][:6]
+    # The parked row holds prompt + 5 outputs (the 6th was sampled, never fed back).
+    assert reused.cached_tokens == len(_prompts()[0]) + 5 and fresh.cached_tokens == 0
+    assert reused.output_ids == fresh.output_ids
+    torch.testing.assert_close(
+        torch.tensor(reused.output_logprobs), torch.tensor(fresh.output_logprobs), atol=1e-5,
+        rtol=0,
+    )  # fmt: skip

@@ -16,7 +16,7 @@ from megatron_earl.models.hf_mapping import (
     hf_to_megatron,
     qkv_rows,
 )
-from megatron_earl.rollout.kv_cache import RowCache, plan_admit, plan_free
+from megatron_earl.rollout.kv_cache import RowCache, RowTable, plan_free
 from megatron_earl.rollout.sampling import filter_logits, logprob_mismatch, sample_tokens
 from megatron_earl.rollout.weight_sync import (
     deserialize_named_tensors,
@@ -26,20 +26,62 @@ from megatron_earl.rollout.weight_sync import (
 )
 
 
-@pytest.mark.parametrize(
-    "waiting,free,budget,max_requests,admitted",
-    [
-        ([10, 10, 10], 8, 100, 64, 3),  # everything fits
-        ([10, 10, 10], 2, 100, 64, 2),  # rows are the KV budget: the newest wait
-        ([10, 10, 10], 8, 25, 64, 2),  # the prefill token budget
-        ([40, 10], 8, 25, 64, 1),  # a context over the budget is prefilled alone
-        ([10, 10, 10], 8, 100, 1, 1),  # requests per step
-        ([10], 0, 100, 64, 0),  # no free row: nothing is admitted, nothing refused
-        ([], 8, 100, 64, 0),
-    ],
-)
-def test_plan_admit(waiting, free, budget, max_requests, admitted):
-    assert plan_admit(waiting, free, budget, max_requests) == admitted
+def _apply(rows: list, moves) -> None:
+    for src, dst, _ in moves:
+        rows[dst] = rows[src]
+
+
+def test_row_table_parks_reuses_and_evicts_with_consistent_moves():
+    """Random admissions, finishes (parking), reuses and evictions: after applying the emitted
+    moves, every running item's row and every parked session's row hold its own data."""
+    import random
+
+    rng = random.Random(0)
+    table = RowTable(6)
+    physical: list = [None] * 6
+    next_id = 0
+    for _ in range(400):
+        _apply(physical, table.take_moves())
+        for row, item in enumerate(table.items):
+            assert physical[row] == item
+        for session, (row, cached) in table.parked.items():
+            assert physical[row] == session and len(cached) > 0
+        assert len(table.items) + len(table.parked) <= 6
+        op = rng.random()
+        if op < 0.45:  # admit, maybe reusing a parked session
+            session = rng.choice([*table.parked, None, None])
+            while not table.can_add(session) and table.evict({session}):
+                pass
+            if table.can_add(session):
+                item = session or f"s{next_id}"
+                next_id += 1
+                row = table.add(item, 3, session)
+                _apply(physical, table.take_moves())
+                physical[row] = item
+        elif op < 0.9 and table.items:  # finish rows in descending order, parking some
+            rows = sorted(rng.sample(range(len(table.items)), rng.randint(1, len(table.items))))
+            for row in reversed(rows):
+                item = table.items[row]
+                table.release(row, (item, (1, 2, 3)) if rng.random() < 0.7 else None)
+        else:
+            table.drop_parked()
+    assert next_id > 50
+
+
+def test_row_table_reuse_rules():
+    table = RowTable(2)
+    table.add("a", 3)
+    table.release(0, ("a", (5, 6, 7)))
+    assert table.reusable("a", (5, 6, 7, 8)) == 3  # the context extends the cached tokens
+    assert table.reusable("a", (5, 6, 7)) == 0  # nothing left to prefill: not reused
+    assert table.reusable("a", (5, 9, 7, 8)) == 0 and table.reusable("b", (5,)) == 0
+    table.add("b", 2)  # row 0; the parked row of "a" is row 1
+    assert not table.can_add() and table.can_add("a")  # "a" would take its own row 1 over
+    assert table.evict(keep={"b"}) and not table.parked and table.can_add()
+    table.add("c", 2)
+    assert not table.evict()  # nothing parked to evict
+    with pytest.raises(ValueError, match="all 2 rows are taken"):
+        table.add("d", 1)
 
 
 def test_plan_free_keeps_rows_contiguous():
