@@ -138,11 +138,45 @@ class SDPAttention(MegatronModule):
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
         bounds = packed_bounds(params, type(self).__name__)
+        segments = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
         out = torch.zeros_like(query)
-        for start, end in itertools.pairwise(bounds):
-            if end == start:
+        for group in padding_groups([b - a for a, b in segments]):
+            spans = [segments[i] for i in group]
+            if len(spans) == 1:  # [t, h, d] -> [1, h, t, d]
+                a, b = spans[0]
+                q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                out[a:b] = self._attend(q, k, v, None).squeeze(0).transpose(0, 1)
                 continue
-            # [t, h, d] -> [1, h, t, d]
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            out[start:end] = self._attend(q, k, v, None).squeeze(0).transpose(0, 1)
+            # Right-padded [k, h, width, d]: causal attention never lets a real query see the
+            # padding after it; the padded queries' outputs are dropped.
+            width = max(b - a for a, b in spans)
+            seq = torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(spans)])
+            local = torch.cat([torch.arange(b - a) for a, b in spans])
+            tokens = torch.cat([torch.arange(a, b) for a, b in spans])
+            seq, local, tokens = (t.to(query.device) for t in (seq, local, tokens))
+            q, k, v = (
+                x.new_zeros(len(spans), width, *x.shape[1:]).index_put((seq, local), x[tokens])
+                for x in (query, key, value)
+            )
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            out[tokens] = self._attend(q, k, v, None).transpose(1, 2)[seq, local]
         return out.reshape(query.size(0), -1)
+
+
+def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for padded batched attention: longest first, a sequence
+    joins the current group while the group's padded tokens stay within ``1 + max_waste`` of its
+    real tokens (a long-tail sequence is attended alone; equal lengths are one group)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups:
+            width = lengths[groups[-1][0]]
+            if width * (len(groups[-1]) + 1) <= (1 + max_waste) * (real + lengths[i]):
+                groups[-1].append(i)
+                real += lengths[i]
+                continue
+        groups.append([i])
+        real = lengths[i]
+    return groups

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -74,8 +75,7 @@ class Tool(ABC):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        jsonschema.Draft202012Validator.check_schema(self.parameters)
-        self._validator = jsonschema.Draft202012Validator(self.parameters)
+        self._validator = _validator(type(self))
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI function-calling description of this tool."""
@@ -99,6 +99,14 @@ class Tool(ABC):
     @abstractmethod
     async def execute(self, arguments: dict[str, Any]) -> str:
         """Run the tool on schema-valid arguments; return the result text."""
+
+
+@functools.cache
+def _validator(tool_class: type[Tool]) -> jsonschema.Draft202012Validator:
+    """The checked argument validator of a tool class, built once per class (an environment
+    builds its tools per trajectory; checking a schema costs milliseconds)."""
+    jsonschema.Draft202012Validator.check_schema(tool_class.parameters)
+    return jsonschema.Draft202012Validator(tool_class.parameters)
 
 
 TOOLS: Registry[Tool] = Registry("tool")

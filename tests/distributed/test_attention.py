@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.models.attention import padding_groups
 from megatron_earl.testing.distributed import run_distributed
 
 TOL = 1e-5
@@ -73,32 +74,56 @@ def test_sdpa_matches_local_attention():
 
 
 def _packed_vs_separate(lengths):
+    """Max |diff| of the logits and of the parameter gradients (of the summed squared logits)
+    between the packed forward/backward and the sequences run one by one."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     chunk, _ = _build(MODEL)
-    chunk.eval()
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, MODEL.vocab_size, (n,), generator=gen) for n in lengths]
-    with torch.no_grad():
-        separate = [chunk(s[None], torch.arange(len(s))[None], None)[0] for s in seqs]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=max(lengths),
-            max_seqlen_kv=max(lengths),
-        )
-        packed_tokens = torch.cat(seqs)[None]
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        packed = chunk(packed_tokens, positions, None, packed_seq_params=params)[0]
-    return (packed - torch.cat(separate)).abs().max().item()
+    separate = [chunk(s[None], torch.arange(len(s))[None], None)[0] for s in seqs]
+    sum(((x.float() ** 2).sum() for x in separate), torch.zeros(())).backward()
+    ref_grads = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    chunk.zero_grad()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
+    packed_tokens = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = chunk(packed_tokens, positions, None, packed_seq_params=params)[0]
+    (packed.float() ** 2).sum().backward()
+    grad_diff = max((p.grad - ref_grads[n]).abs().max().item() for n, p in chunk.named_parameters())
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    return (packed - torch.cat(separate)).abs().max().item(), grad_diff / scale
 
 
 @pytest.mark.parametrize("world_size", [1, 2], ids=["tp1", "tp2"])
-def test_packed_sequences_equal_separate_sequences(world_size):
-    diffs = run_distributed(_packed_vs_separate, world_size, args=([5, 17, 1, 33],), timeout_s=120)
-    assert max(diffs) <= TOL
+@pytest.mark.parametrize(
+    "lengths", [[5, 17, 1, 33], [16, 17, 5, 15, 33, 17, 1]], ids=["long-tail", "batched"]
+)
+def test_packed_sequences_equal_separate_sequences(world_size, lengths):
+    """Sequences of similar length are attended in one padded batch, a long tail alone."""
+    diffs = run_distributed(_packed_vs_separate, world_size, args=(lengths,), timeout_s=120)
+    assert max(d[0] for d in diffs) <= TOL
+    assert max(d[1] for d in diffs) <= TOL  # relative to the largest gradient entry
+
+
+@pytest.mark.parametrize(
+    "lengths,groups",
+    [
+        ([16, 17, 15, 17], [[1, 3, 0, 2]]),  # similar lengths: one padded batch
+        ([33, 17, 5, 1], [[0], [1], [2], [3]]),  # a long tail: each alone
+        ([100, 10, 10, 10, 9], [[0], [1, 2, 3, 4]]),
+        ([], []),
+    ],
+)
+def test_padding_groups_bound_the_waste(lengths, groups):
+    assert padding_groups(lengths) == groups
 
 
 LONG_MODEL = ModelConfig(
