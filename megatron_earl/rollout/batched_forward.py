@@ -228,12 +228,13 @@ class BatchedForward:
 
     @torch.no_grad()
     def _rope_tables(self, max_seq_len: int, dtype: torch.dtype):
-        """cos/sin ``[max_seq_len, 1, rot]`` of the model's rotary module, scaled by mscale as
+        """cos/sin ``[max_seq_len, 1, 1, rot]`` of the model's rotary module, scaled by mscale as
         Megatron's attention does, on the compute device."""
         emb = self.gpt.rotary_pos_emb(max_seq_len)
         freqs = (emb[0] if isinstance(emb, tuple) else emb)[:, 0].to(self.device)
         mscale = _yarn_get_concentration_factor_from_config(self.gpt.config)
-        return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+        cos, sin = (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+        return cos[:, None], sin[:, None]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)
@@ -252,25 +253,33 @@ class BatchedForward:
         ids, pos_T, seq_T, local_T, last_k, key_len, new_len, rows_k, w_rows, w_pos, w_src = (
             runtime.to_device(t) for t in index.tensors
         )
-        cos, sin = self.cos[pos_T], self.sin[pos_T]  # [T, 1, rot]: shared by every layer
+        cos, sin = self.cos[pos_T], self.sin[pos_T]  # [T, 1, 1, rot]: shared by every layer
+        if index.is_decode:  # one key-padding mask for every layer
+            k_pos = torch.arange(index.max_key_len, device=key_len.device)
+            mask = (k_pos[None, :] < key_len[:, None])[:, None, None, :]
         x = self.gpt.embedding(input_ids=ids[None], position_ids=pos_T[None])[:, 0]  # [T, h]
         ng, hn = self.num_groups, self.head_dim
         rep = self.num_heads // ng
         for i, layer in enumerate(self.layers):
             qkv = F.linear(layer.norm1(x), layer.qkv_weight, layer.qkv_bias)
             qkv = qkv.view(-1, ng, rep + 2, hn)  # groups of [q x rep, k, v]
-            q = qkv[:, :, :rep].reshape(-1, self.num_heads, hn)
-            k, v = qkv[:, :, rep], qkv[:, :, rep + 1]
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            self.cache.write(i, w_rows, w_pos, k[w_src], v[w_src])
+            if layer.q_norm is None:  # one rotation for the queries and the key of each group
+                qk = _rope(qkv[:, :, : rep + 1], cos, sin)
+                q, k = qk[:, :, :rep], qk[:, :, rep]
+            else:
+                q = _rope(layer.q_norm(qkv[:, :, :rep]), cos, sin)
+                k = _rope(layer.k_norm(qkv[:, :, rep : rep + 1]), cos, sin)[:, :, 0]
+            self.cache.write(i, w_rows, w_pos, k[w_src], qkv[w_src, :, rep + 1])
             if index.is_decode:
                 keys, values = self.cache.view(i, 0, len(batch.rows), index.max_key_len)
-                ctx = self._attend_decode(q, keys, values, key_len)
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self.scale
+                )  # [n, ng, rep, hn]: the query heads of a group attend together
+                ctx = out.reshape(len(batch.rows), -1)
             else:
                 keys, values = self.cache.gather(i, rows_k, index.max_key_len)
                 start = key_len - new_len
+                q = q.reshape(-1, self.num_heads, hn)
                 ctx = self._attend_ragged(q, keys, values, index, seq_T, local_T, start)
             x = x + _bias(self._reduce(F.linear(ctx, layer.proj_weight)), layer.proj_bias)
             gate, up = torch.chunk(
@@ -293,16 +302,6 @@ class BatchedForward:
             dist.all_gather(shards, logits, group=self.tp_group)
             logits = torch.cat(shards, dim=-1)
         return logits.float()
-
-    def _attend_decode(self, q_Tnh, keys, values, key_len):
-        """One query per row: the heads of a group attend together (no key repeat)."""
-        n, rep = q_Tnh.size(0), self.num_heads // self.num_groups
-        q = q_Tnh.reshape(n, self.num_groups, rep, self.head_dim)
-        mask = torch.arange(keys.size(2), device=q.device)[None, :] < key_len[:, None]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale
-        )
-        return out.reshape(n, self.num_heads * self.head_dim)
 
     def _attend_ragged(self, q_Tnh, keys, values, index, seq_T, local_T, start):
         """Sequences of several new tokens, padded to the longest: causal over each sequence's
@@ -339,6 +338,8 @@ class _StepIndex:
 
     @classmethod
     def build(cls, batch: Batch) -> _StepIndex:
+        if batch.is_decode:
+            return cls._decode(batch)
         lengths = [len(t) for t in batch.tokens]
         ids = [t for seq in batch.tokens for t in seq]
         pos, seq, local, last = [], [], [], []
@@ -372,9 +373,20 @@ class _StepIndex:
             max_key_len=max(key_len),
         )
 
+    @classmethod
+    def _decode(cls, batch: Batch) -> _StepIndex:
+        """Decode: one token per row ``i`` at position ``starts[i]``; rows ``0 .. n-1``."""
+        n = len(batch.rows)
+        ids = torch.tensor([t[0] for t in batch.tokens], dtype=torch.long)
+        pos = torch.tensor(batch.starts, dtype=torch.long)
+        arange, ones = torch.arange(n), torch.ones(n, dtype=torch.long)
+        tensors = (ids, pos, arange, ones - 1, arange, pos + 1, ones, arange, arange, pos, arange)
+        max_len = max(batch.starts) + 1
+        return cls(tensors, is_decode=True, fresh=False, max_new=1, max_key_len=max_len)
+
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``[T, heads, hn]`` with per-token tables ``[T, 1, rot]`` (Megatron's
+    """RoPE on ``[T, ng, heads, hn]`` with per-token tables ``[T, 1, 1, rot]`` (Megatron's
     non-interleaved formula; dims beyond ``rot`` pass through)."""
     rot = cos.size(-1)
     head, tail = t[..., :rot], t[..., rot:]

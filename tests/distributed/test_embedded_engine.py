@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def _prompts() -> list[tuple[int, ...]]:
     ]
 
 
-def _build(layout: ParallelLayout, weights):
+def _build(layout: ParallelLayout, weights, model: ModelConfig = MODEL):
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.state import initialize_layout
@@ -50,25 +52,25 @@ def _build(layout: ParallelLayout, weights):
 
     initialize_layout(layout)
     runtime.seed(1234)
-    chunks = build_model(MODEL)
+    chunks = build_model(model)
     if weights is None:
         weights = full_state_dict(chunks)
     load_full_state_dict(chunks, weights)
     return chunks, weights
 
 
-def _reference(prompts, max_new):
+def _reference(prompts, max_new, model: ModelConfig = MODEL):
     """Full-recompute greedy decode (no cache) at TP1; returns the weights and token lists."""
-    chunks, weights = _build(ParallelLayout(), None)
-    model = chunks[0].eval()
+    chunks, weights = _build(ParallelLayout(), None, model)
+    gpt = chunks[0].eval()
     outputs = []
     with torch.no_grad():
         for prompt, n_new in zip(prompts, max_new):
             seq = list(prompt)
             for _ in range(n_new):
                 tokens = torch.tensor([seq])
-                logits = model(tokens, torch.arange(len(seq))[None], None)
-                seq.append(int(torch.argmax(logits[0, -1, : MODEL.vocab_size])))
+                logits = gpt(tokens, torch.arange(len(seq))[None], None)
+                seq.append(int(torch.argmax(logits[0, -1, : model.vocab_size])))
             outputs.append(seq[len(prompt) :])
     return weights, outputs
 
@@ -87,7 +89,7 @@ def _train_logprobs(chunks, prompt, output):
     return metrics[0]["logprobs"][0, len(prompt) - 1 :]
 
 
-def _engine_run(layout, weights, prompts, max_new):
+def _engine_run(layout, weights, prompts, max_new, model: ModelConfig = MODEL):
     """Engine outputs (scheduler rank), then training log-probs of them on every TP rank."""
     import torch.distributed as dist
 
@@ -95,9 +97,9 @@ def _engine_run(layout, weights, prompts, max_new):
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
     from megatron_earl.rollout.engine import GenerateRequest
 
-    chunks, _ = _build(layout, weights)
+    chunks, _ = _build(layout, weights, model)
     engine = EmbeddedEngine(
-        chunks, MODEL, EmbeddedEngineConfig(max_batch_size=3, max_seq_len=MAX_SEQ)
+        chunks, model, EmbeddedEngineConfig(max_batch_size=3, max_seq_len=MAX_SEQ)
     )
 
     async def driver(eng):
@@ -254,3 +256,21 @@ def test_shared_prefill_and_session_reuse_change_nothing(reference):
         torch.tensor(reused.output_logprobs), torch.tensor(fresh.output_logprobs), atol=1e-5,
         rtol=0,
     )  # fmt: skip
+
+
+QWEN3_LIKE = dataclasses.replace(MODEL, add_qkv_bias=False, qk_layernorm=True, tie_embeddings=True)
+"""q/k layernorm and tied embeddings: the other branches of the engine's forward."""
+
+
+def test_qk_layernorm_and_tied_embeddings_equal_full_recompute():
+    prompts, max_new = _prompts()[:3], MAX_NEW[:3]
+    weights, expected = run_distributed(
+        _reference, 1, args=(prompts, max_new, QWEN3_LIKE), timeout_s=120
+    )[0]
+    layout = ParallelLayout(tp=2)
+    results, _, _, train = run_distributed(
+        _engine_run, 2, args=(layout, weights, prompts, max_new, QWEN3_LIKE), timeout_s=180
+    )[0]
+    for res, exp, lp in zip(results, expected, train, strict=True):
+        assert list(res.output_ids) == exp
+        torch.testing.assert_close(torch.tensor(res.output_logprobs), lp, rtol=0, atol=LOGPROB_TOL)
