@@ -1,5 +1,5 @@
 """Skipping the old-log-prob pass on an on-policy step (``train.old_logprobs: auto``), on 2 gloo
-ranks, experience and train in tp2 or in dp2: two ``RLLoop``s built from the same seed (the same
+ranks, experience and train in tp2, dp2 or cp2: two ``RLLoop``s built from the same seed (the same
 weights), one with ``train.old_logprobs=always``, take one step on the same batch.
 
 - ``auto``: the experience phase returns the batch unchanged (no ``old_logprobs``, no dispatch);
@@ -109,7 +109,7 @@ def _both(layout: str):
     return {mode: _step(layout, mode) for mode in ("always", "auto")}
 
 
-@pytest.mark.parametrize("layout", ["tp2cp1pp1dp1", "tp1cp1pp1dp2"])
+@pytest.mark.parametrize("layout", ["tp2cp1pp1dp1", "tp1cp1pp1dp2", "tp1cp2pp1dp1"])
 def test_skipped_old_logprob_pass_equals_the_separate_pass(layout):
     results = run_distributed(_both, 2, args=(layout,), timeout_s=300)
     for res in results:
