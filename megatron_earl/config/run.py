@@ -34,7 +34,7 @@ from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.config.sampling import SamplingParams
-from megatron_earl.config.vocab import PHASES, EngineKind, Phase
+from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase
 
 DEMO_TOKENIZER_VOCAB_SIZE = 320
 """Vocabulary of the built-in demo tokenizer (``tokenizer.demo``; a unit test keeps them equal):
@@ -205,10 +205,21 @@ class TrainConfig(OptimConfig):
     """Advantage estimator name (``training.advantages``: grpo, rloo, reinforce_pp)."""
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)
     """Fields of the estimator, e.g. {scale_by_std: false} for Dr.GRPO."""
+    old_logprobs: OldLogprobs = OldLogprobs.AUTO
+    """ "auto": the experience phase computes old log-probs only when they can differ from the
+    train pass's own log-probs before the update (``RunConfig.old_logprobs_pass``), else the
+    loss takes those (ratio exactly 1) and the step saves a forward pass; "always": every
+    step."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require([] if self.advantage else ["advantage must not be empty"], "train")
+        problems = [] if self.advantage else ["advantage must not be empty"]
+        object.__setattr__(
+            self,
+            "old_logprobs",
+            _vocabulary(OldLogprobs, self.old_logprobs, problems, "old_logprobs"),
+        )
+        _require(problems, "train")
 
     def optim(self) -> OptimConfig:
         """Just the optimizer settings, as a plain ``OptimConfig``."""
@@ -410,6 +421,20 @@ class RunConfig:
         if not self.name or "/" in self.name:
             problems.append(f"name {self.name!r} must be a non-empty directory name (no '/')")
         _require(problems, "run")
+
+    def old_logprobs_pass(self) -> bool:
+        """Whether the experience phase computes old log-probs (``train.old_logprobs``). "auto"
+        skips them when they cannot differ from what the train pass computes itself: with one
+        mini-batch per step the train forward runs on the weights the rollout used (the loop
+        syncs the rollout engines to the current version before every rollout; the advantage
+        estimators read rewards only), so its detached log-probs are pi_old (every loss, the TIS
+        weight and the rollout/train mismatch metric then read them); without dropout both
+        forwards are deterministic. Several mini-batches (later ones train on updated weights)
+        or dropout need the separate pass. The reference pass (``kl_coef > 0``) is separate."""
+        if self.train.old_logprobs == OldLogprobs.ALWAYS:
+            return True
+        dropout = self.model.attention_dropout > 0 or self.model.hidden_dropout > 0
+        return self.batch.num_mini_batches > 1 or dropout
 
     @property
     def run_dir(self) -> Path:

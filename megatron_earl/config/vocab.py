@@ -1,6 +1,6 @@
 """The words the code uses everywhere, defined once: the phases of an RL step, the rollout
-engine kinds and the transformer-layer implementations. Use the members (``Phase.TRAIN``), never
-the bare strings: a typo then fails at import, not at step 300.
+engine kinds, when old log-probs are computed and the transformer-layer implementations. Use the
+members (``Phase.TRAIN``), never the bare strings: a typo then fails at import, not at step 300.
 
     from megatron_earl.config.vocab import Phase
     for phase in Phase:                       # rollout, experience, train (in step order)
@@ -46,6 +46,16 @@ class EngineKind(Vocabulary):
     """The Megatron model itself, in the rollout layout, in-process."""
     SGLANG = "sglang"
     """External SGLang servers driven over SGLang's native HTTP API."""
+
+
+class OldLogprobs(Vocabulary):
+    """When the experience phase computes old log-probs (``train.old_logprobs``)."""
+
+    AUTO = "auto"
+    """Only when they can differ from the train pass's own log-probs before its update
+    (``RunConfig.old_logprobs_pass``); otherwise the loss uses those (ratio exactly 1)."""
+    ALWAYS = "always"
+    """Every step, in a forward-only pass in the experience layout."""
 
 
 class TransformerImpl(Vocabulary):

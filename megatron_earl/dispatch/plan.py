@@ -191,18 +191,32 @@ def pack_micro_batches(
 
 
 def balance_micro_batches(
-    sample_ids: Sequence[int], lengths: dict[int, int], cp: int, budget: int | None
+    sample_ids: Sequence[int],
+    lengths: dict[int, int],
+    cp: int,
+    budget: int | None,
+    packed: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """The micro-batches a consumer runs: as many as first-fit-decreasing needs
     (``pack_micro_batches``, which raises for a sample above the budget), with the samples then
     spread largest-first onto the lightest micro-batch that has room, so micro-batches carry
     similar token counts. Inside a micro-batch, samples keep their order in ``sample_ids``.
-    Where the balanced spread does not fit that many micro-batches, FFD's packing is kept."""
+    Where the balanced spread does not fit that many micro-batches, FFD's packing is kept.
+
+    ``packed``: FFD's packing of the same samples at this ``cp`` and ``budget`` when the caller
+    has it and ``sample_ids`` is its concatenation (``plan_micro_batches`` with one mini-batch):
+    FFD then runs once. It equals the packing computed here: among samples of equal size FFD
+    places lower ids in the same or an earlier bin, so positions in the concatenation order them
+    as ids do, and FFD takes the samples in the same sequence."""
     if not sample_ids:
         return []
     ids = list(sample_ids)
     at = {i: lengths[s] for i, s in enumerate(ids)}  # positions: ties break by position
-    ffd = pack_micro_batches(range(len(ids)), at, cp, budget)
+    if packed is None:
+        ffd = pack_micro_batches(range(len(ids)), at, cp, budget)
+    else:
+        position = {s: i for i, s in enumerate(ids)}
+        ffd = [[position[s] for s in b] for b in packed]
     if budget is not None:
         cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
         bins: list[list[int]] = [[] for _ in ffd]
@@ -233,12 +247,16 @@ def plan_micro_batches(
     (``pack_micro_batches``; an empty DP rank has none), mini-batch ``i`` holds every
     ``num_mini_batches``-th of them from the ``i``-th, and each mini-batch is balanced into
     micro-batches at ``consumer_cp`` (default ``cp``) under the same budget
-    (``balance_micro_batches``)."""
+    (``balance_micro_batches``; with one mini-batch at ``cp`` it reuses the packing above)."""
     budget = config.max_tokens_per_micro_batch
-    order = [s for mb in pack_micro_batches(sample_ids, lengths, cp, budget) for s in mb]
+    ffd = pack_micro_batches(sample_ids, lengths, cp, budget)
+    order = [s for mb in ffd for s in mb]
     n = config.num_mini_batches
+    consumer_cp = consumer_cp or cp
+    # one mini-batch at the same cp: the FFD above is the one balancing needs (run it once)
+    packed = ffd if n == 1 and consumer_cp == cp else None
     return [
-        balance_micro_batches(order[i::n], lengths, consumer_cp or cp, budget) for i in range(n)
+        balance_micro_batches(order[i::n], lengths, consumer_cp, budget, packed) for i in range(n)
     ]
 
 

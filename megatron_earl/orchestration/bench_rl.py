@@ -63,6 +63,7 @@ BASE = [
     "selector.enabled=true",
     "selector.safety_margin=0.0",
     "selector.phases=[experience,train]",
+    "train.old_logprobs=always",  # the sweep measures the experience phase's log-prob pass too
 ]
 
 

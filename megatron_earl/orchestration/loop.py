@@ -7,11 +7,14 @@ One step, with the per-phase layouts of the run config:
                 prompts -- embedded: reshard policy -> R, agent loops on the engine in R
                 (trajectories on TP rank 0 of each replica); sglang: push weights if stale,
                 drive the servers from every rank. GRPO advantages where the groups are.
-    experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs (and, with
-                ``train.loss.kl_coef > 0``, ref log-probs of the frozen reference policy, kept
-                in E: ``training.reference``); reverse path E -> the rollout ranks
-                (rollout/train mismatch metric)
-    train       use_layout(T); dispatch R -> T; RL train step(s); weight version + 1
+    experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs (only when
+                ``RunConfig.old_logprobs_pass``: several mini-batches, dropout, or
+                ``train.old_logprobs: always``) and, with ``train.loss.kl_coef > 0``, ref
+                log-probs of the frozen reference policy, kept in E (``training.reference``);
+                reverse path E -> the rollout ranks. Neither: the phase does nothing.
+    train       use_layout(T); dispatch R -> T; RL train step(s); weight version + 1. Without old
+                log-probs the loss takes the train forward's own (on-policy), and that forward
+                also gives the rollout/train mismatch metric
     checkpoint  every ``checkpoint.interval`` steps (atomic, any layout on load)
 
 Every plan (prompt split, dispatch, reshard) is computed on every rank from all-gathered metadata.
@@ -86,10 +89,13 @@ class RLLoop:
         self.config = config
         self.tokenizer = tokenizer
         self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}
+        self.old_logprobs = config.old_logprobs_pass()
+        """Whether the experience phase computes old log-probs (else the train pass does)."""
         kind = rollout_backend_class(config.rollout.engine)
-        self.policy = Policy.build(
-            config.model, kind.policy_layouts(self.layouts), config.train.optim(), config.seed
-        )
+        layouts = kind.policy_layouts(self.layouts)
+        if not self.old_logprobs:  # the experience phase never runs the policy
+            layouts.pop(Phase.EXPERIENCE)
+        self.policy = Policy.build(config.model, layouts, config.train.optim(), config.seed)
         self.backend = kind(config, self.policy, tokenizer)
         self.reference: ReferencePolicy | None = None
         """The frozen reference policy in the experience layout (``kl_coef > 0`` only); its
@@ -199,12 +205,20 @@ class RLLoop:
         self.backend.sync_weights(layout)
         return self.backend.generate(prompts, agent, layout)
 
+    def experience_work(self) -> bool:
+        """Whether the experience phase computes anything (old or ref log-probs)."""
+        return self.old_logprobs or self.reference is not None
+
     def experience(self, batch, layout: ParallelLayout | None = None):
-        """Old log-probs of every sample in the experience layout (and ref log-probs of the
-        reference policy when there is one), returned to the owners."""
+        """Old log-probs of every sample in the experience layout (when ``self.old_logprobs``)
+        and ref log-probs of the reference policy (when there is one), returned to the owners;
+        ``batch`` unchanged when there is neither. Every rank calls."""
+        if not self.experience_work():
+            return batch
         layout = layout or self.layouts[Phase.EXPERIENCE]
         use_layout(layout)
-        self.policy.sync(layout)
+        if self.old_logprobs:
+            self.policy.sync(layout)
         fields = ("tokens", "labels", "loss_mask")
         plan = plan_for(
             batch,
@@ -213,13 +227,15 @@ class RLLoop:
         )
         local = execute(plan, batch)
         inputs = model_inputs(local.micro_batches, fields, layout.cp)
-        out = micro_batch_logprobs(
-            self.policy.chunks(layout), inputs, vocab_size=self.config.model.vocab_size
-        )
-        if out is not None:
-            for mb, values in zip(local.micro_batches, out[0], strict=True):
-                mb.fields["old_logprobs"] = values
-        names = ["old_logprobs"]
+        names = []
+        if self.old_logprobs:
+            out = micro_batch_logprobs(
+                self.policy.chunks(layout), inputs, vocab_size=self.config.model.vocab_size
+            )
+            if out is not None:
+                for mb, values in zip(local.micro_batches, out, strict=True):
+                    mb.fields["old_logprobs"] = values
+            names.append("old_logprobs")
         if self.reference is not None:
             # start-up validation keeps the experience layout fixed when there is a reference
             assert layout == self.reference.config.layout, (layout, self.reference.config.layout)
@@ -288,7 +304,10 @@ class RLLoop:
     # ------------------------------------------------------------------ one step
 
     def selected(self, phase: str) -> bool:
-        """Whether the selector chooses ``phase``'s layout this run."""
+        """Whether the selector chooses ``phase``'s layout this run (not the experience phase's
+        when it computes nothing)."""
+        if phase == Phase.EXPERIENCE and not self.experience_work():
+            return False
         return self.selection is not None and phase in self.selection.phases
 
     def step_seeds(self, step: int) -> tuple[int, ...]:
@@ -358,8 +377,10 @@ class RLLoop:
         self.step += 1
         if self.selection is not None:
             self.release_unused()
+        train_metrics = dict(train_metrics)
+        train_mismatch = train_metrics.pop("logprob_mismatch", 0.0)
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
-        metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns))
+        metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns, train_mismatch))
         metrics.update({f"time/{k}": v for k, v in clock.wall.items()})
         metrics.update({f"time_busy/{k}": v for k, v in clock.min_busy().items()})
         metrics["time/step"] = time.perf_counter() - start
@@ -418,10 +439,17 @@ def every_stage(layout: ParallelLayout, phase: str, fields: tuple[str, ...]) -> 
     )
 
 
-def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[str, float]:
+def rollout_metrics(
+    trajs: Sequence[Trajectory], batch, max_turns: int, train_mismatch: float = 0.0
+) -> dict[str, float]:
     """Step-level rollout statistics summed over the rollout sources (every rank calls; three
     all-reduces of host tensors on the host world group; the batch's token statistics come to the
-    host first)."""
+    host first).
+
+    ``rollout/logprob_mismatch`` (mean |log pi_old - log pi_rollout| over the trainable tokens)
+    comes from the batch's ``old_logprobs`` when the experience phase computed them, else it is
+    ``train_mismatch``: the train step's ``logprob_mismatch``, from its forward before the update
+    (the same policy: ``RunConfig.old_logprobs_pass``)."""
     k = max_turns
     vec = torch.zeros(7 + 2 * k, dtype=torch.float64, device="cpu")
     for t in trajs:
@@ -442,12 +470,15 @@ def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[
     # trainable tokens; trainable tokens
     sums = torch.zeros(5, dtype=torch.float64, device="cpu")
     sums[0] = sum(t.reward**2 for t in trajs)
-    if batch.num_samples and "old_logprobs" in batch.token_fields:
+    old = batch.token_fields.get("old_logprobs")  # the same presence on every rank
+    if batch.num_samples:
         mask = batch.token_fields["loss_mask"] > 0
-        diff = batch.token_fields["old_logprobs"] - batch.token_fields["rollout_logprobs"]
         adv = batch.token_fields["advantages"][mask].double()
-        local = [diff[mask].abs().double().sum(), adv.sum(), adv.square().sum()]
-        sums[1:] += runtime.to_host(torch.stack([*local, mask.sum().double()]))
+        diff = adv.new_zeros(())
+        if old is not None:
+            diff = (old - batch.token_fields["rollout_logprobs"])[mask].abs().double().sum()
+        local = [diff, adv.sum(), adv.square().sum(), mask.sum().double()]
+        sums[1:] += runtime.to_host(torch.stack(local))
     dist.all_reduce(vec, group=host_group())
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=host_group())
     dist.all_reduce(sums, group=host_group())
@@ -467,7 +498,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], batch, max_turns: int) -> dict[
         "rollout/failed": float(vec[5]),
         "rollout/turns_mean": float(vec[6]) / n,
         "rollout/tokens": float(vec[4]),
-        "rollout/logprob_mismatch": float(sums[1]) / tokens,
+        "rollout/logprob_mismatch": float(sums[1]) / tokens if old is not None else train_mismatch,
     }
     for i in range(k):
         if vec[7 + k + i] > 0:

@@ -4,8 +4,10 @@ The train layout's model chunks are the master copy (Megatron DDP + optimizer). 
 phase layout (rollout, experience) gets its own model chunks built in that layout, without
 gradients; ``sync(layout)`` reshards the master weights into them point to point
 (``redistribute.weight_exec``), so no rank ever gathers the whole model. A phase whose layout
-equals the train layout uses the master chunks directly. A layout first needed mid-run (the
-selector's choice) gets its copy lazily (``ensure``), built the same way on every rank.
+equals the train layout uses the master chunks directly (no reshard at all), and a copy already at
+the master's weight version is not resharded again; the reshard plan of a copy is made at its
+first sync and reused until the master moves. A layout first needed mid-run (the selector's
+choice) gets its copy lazily (``ensure``), built the same way on every rank.
 
 The master itself can move: ``move_master(layout)`` builds the chunks, DDP and optimizer in
 ``layout`` and reshards the weights *and* Adam's state into them
@@ -40,7 +42,8 @@ from megatron_earl.redistribute.optimizer_state import (
     check_supported,
     reshard_model_and_optimizer,
 )
-from megatron_earl.redistribute.weight_exec import reshard_weights
+from megatron_earl.redistribute.weight_exec import execute_plan, gather_plan
+from megatron_earl.redistribute.weight_plan import WeightPlan
 from megatron_earl.training.setup import build_optimizer, wire_schedule_hooks, wrap_ddp
 
 
@@ -53,6 +56,9 @@ class PhaseCopy:
     pieces: list[ShardPiece]
     version: int = -1
     """Weight version last synced into these chunks (-1: never)."""
+    plan: WeightPlan | None = None
+    """The reshard plan master -> these chunks, made at the first sync (None: not yet, or the
+    master moved since): the pieces on both sides stay the same until the master moves."""
 
 
 @dataclass
@@ -133,6 +139,8 @@ class Policy:
         )
         self.train_layout, self.ddp_chunks, self.optimizer = layout, ddp, optimizer
         self.master_pieces = pieces
+        for copy in self.copies.values():  # planned from the old master's pieces
+            copy.plan = None
         return {"move_s": time.perf_counter() - start, "move_bytes_sent": float(stats.bytes_sent)}
 
     def retain(self, layouts) -> list[ParallelLayout]:
@@ -150,12 +158,18 @@ class Policy:
         return self.ddp_chunks if layout == self.train_layout else self.copies[layout].chunks
 
     def sync(self, layout: ParallelLayout) -> dict[str, float]:
-        """Reshard the master weights into ``layout``'s copy if it is stale. Collective (world)."""
+        """Reshard the master weights into ``layout``'s copy if it is stale: nothing when
+        ``layout`` is the train layout (the master serves it) or the copy holds the current
+        version. The plan is made once per (master, copy) pair and reused (``PhaseCopy.plan``:
+        the metadata all-gather and the planning run at the first sync only). Collective
+        (world): every rank calls with the same layout, and every rank holds the same plans."""
         if layout == self.train_layout or self.copies[layout].version == self.version:
             return {}
         copy = self.copies[layout]
         start = time.perf_counter()
-        stats = reshard_weights(self.master_pieces, copy.pieces, bucket_bytes=self.bucket_bytes)
+        if copy.plan is None:
+            copy.plan = gather_plan(self.master_pieces, copy.pieces, self.bucket_bytes)
+        stats = execute_plan(copy.plan, self.master_pieces, copy.pieces)
         copy.version = self.version
         return {
             "reshard_s": time.perf_counter() - start,

@@ -3,7 +3,8 @@ runs), before the first RL step.
 
     lines = profile_start_up(loop)        # every rank; rank 0 may print the lines
 
-For each selected phase among experience and train, and each of its candidate layouts, the loop's
+For each selected phase among experience and train (``RLLoop.selected``: not the experience
+phase when it computes nothing), and each of its candidate layouts, the loop's
 own phase function (``RLLoop.experience`` / ``RLLoop.train`` without the optimizer update: the
 dispatch, the log-prob pass or forward + backward, the return path) runs on synthetic batches of
 ``batch.samples_per_step`` sequences of each ``selector.profile_lengths`` (one warm-up run first).
@@ -87,7 +88,7 @@ def profile_start_up(loop) -> list[str]:
     start = time.perf_counter()
     with runtime.preserved_rng():
         for phase in PROFILED_PHASES:
-            if phase not in selection.phases:
+            if not loop.selected(phase):
                 continue
             for layout in selection.selectors[phase].candidates:
                 for index, length in enumerate([lengths_each[0], *lengths_each]):
@@ -96,7 +97,7 @@ def profile_start_up(loop) -> list[str]:
                         lengths,
                         config.model.vocab_size,
                         seed=index,
-                        old_logprobs=phase == Phase.TRAIN,
+                        old_logprobs=phase == Phase.TRAIN and loop.old_logprobs,
                     )
                     if phase == Phase.EXPERIENCE:
                         loop.prepare(layout)

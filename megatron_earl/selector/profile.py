@@ -221,7 +221,11 @@ class PhaseRunner:
                 metrics = rl_train_step(self.ddp, optimizer, mine, config)
             elif phase == Phase.EXPERIENCE:
                 forward_logprobs(
-                    self.chunks, mine, max_tokens=max_tokens, chunk_size=self.logprob_chunk_size
+                    self.chunks,
+                    mine,
+                    max_tokens=max_tokens,
+                    chunk_size=self.logprob_chunk_size,
+                    entropy=False,  # the loop's old/ref log-prob passes compute none
                 )
                 metrics = {}
                 self.budget.checkpoint()

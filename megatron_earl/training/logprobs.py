@@ -4,6 +4,7 @@ output layer chunked over tokens, so full-vocab fp32 logits never exist for a wh
     with output_hidden_states(chunks):            # the model now returns final hidden states
         hidden = model(tokens, position_ids, None, packed_seq_params=...)      # [b, s, h]
     logprobs, entropy = head_logprobs(hidden, output_weight(model), labels, chunk_size=1024)
+    logprobs, _ = head_logprobs(hidden, weight, labels, entropy="none")   # forward-only passes
 
 ``head_logprobs`` is one autograd Function: the forward walks token chunks of ``chunk_size``,
 computes that chunk's vocab-parallel logits ``[c, V/tp]`` in fp32, reduces max and sums over the
@@ -11,6 +12,11 @@ TP group and keeps only two floats per token (log-sum-exp and entropy); the back
 each chunk's logits and accumulates the hidden-state and weight gradients chunk by chunk. Peak
 extra memory is a few ``chunk_size x V/tp`` fp32 buffers, whatever the sequence length; the result
 equals the unchunked one (``schedule.token_logprobs``) up to float rounding.
+
+The entropy costs elementwise passes over each chunk's logits: one in the forward, three in the
+backward. ``entropy="value"`` (entropy only as a metric) skips the backward ones,
+``entropy="none"`` (the forward-only old/ref log-prob passes) all of them. The log-probs are the
+same in every mode, and so are the gradients of a loss that does not use the entropy.
 
 Parallelism. TP: the weight is this rank's vocab shard (rows ``[tp_rank * V/tp, ...)``), max and
 sums are all-reduced over the TP group in the forward only (the backward needs no collective;
@@ -40,6 +46,8 @@ from megatron_earl.patches import output_layer_passthrough
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per output-layer chunk: 1024 x 32K vocab fp32 = 128 MiB per logits buffer."""
+ENTROPY_MODES = ("grad", "value", "none")
+"""What ``head_logprobs`` returns as entropy: differentiable, a detached value, or nothing."""
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:
@@ -72,12 +80,13 @@ class _ChunkedHead(torch.autograd.Function):
     """hidden [n, h] (TP-replicated), weight [Vl, h] -> log p(target) [n], entropy [n] (fp32)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, vocab_start, num_valid, group):
+    def forward(ctx, hidden, weight, targets, chunk_size, vocab_start, num_valid, group, entropy):
         n = hidden.size(0)
         w = weight[:num_valid]
+        with_entropy = entropy != "none"
         lse = hidden.new_empty(n, dtype=torch.float32)
         target_logit = torch.empty_like(lse)
-        entropy = torch.empty_like(lse)
+        ent = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
         local = targets - vocab_start
         owned = (local >= 0) & (local < num_valid)
         local = local.clamp(0, max(num_valid - 1, 0))
@@ -93,20 +102,26 @@ class _ChunkedHead(torch.autograd.Function):
             z -= m[:, None]
             picked = z.gather(1, local[a:b, None]).squeeze(1) if num_valid else m.new_zeros(b - a)
             e = torch.exp(z)
-            sum_exp = e.sum(1)
-            sum_ez = e.mul_(z).sum(1)
-            stats = torch.stack([sum_exp, sum_ez, torch.where(owned[a:b], picked, 0.0)])
+            sums = [e.sum(1)]
+            if with_entropy:
+                sums.append(e.mul_(z).sum(1))
+            stats = torch.stack([*sums, torch.where(owned[a:b], picked, 0.0)])
             del e, z
             if group is not None:
                 dist.all_reduce(stats, group=group)
-            sum_exp, sum_ez, picked = stats.unbind(0)
+            sum_exp, picked = stats[0], stats[-1]
             log_z = torch.log(sum_exp)
             lse[a:b] = m + log_z
             target_logit[a:b] = picked + m
-            entropy[a:b] = log_z - sum_ez / sum_exp
-        ctx.save_for_backward(hidden, weight, local, owned, lse, entropy)
+            if with_entropy:
+                ent[a:b] = log_z - stats[1] / sum_exp
+        ctx.save_for_backward(hidden, weight, local, owned, lse, ent)
         ctx.chunk_size, ctx.num_valid = chunk_size, num_valid
-        return target_logit - lse, entropy
+        # unused or non-differentiable outputs get None gradients, so the backward skips them
+        ctx.set_materialize_grads(False)
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent)
+        return target_logit - lse, ent
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
@@ -138,7 +153,7 @@ class _ChunkedHead(torch.autograd.Function):
             grad_hidden[a:b] = g @ w
             grad_w[:num_valid] += (g.t() @ h).float()
             del g
-        return grad_hidden, grad_w.to(weight.dtype), None, None, None, None, None
+        return grad_hidden, grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -149,19 +164,26 @@ def head_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    entropy: str = "grad",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` and the policy entropy per token, from final hidden states.
 
     hidden: ``[..., h]`` (after the final norm, replicated over TP); weight: this rank's output
     shard ``[V/tp, h]`` (``output_weight``); targets: ``[...]`` global token ids. Returns two fp32
-    tensors shaped like ``targets``, differentiable w.r.t. ``hidden`` and ``weight``.
-    ``chunk_size`` bounds the tokens whose logits exist at once; ``vocab_size`` excludes padded
-    vocabulary rows. ``tp_group`` defaults to Megatron's TP group.
+    tensors shaped like ``targets``; the log-probs are differentiable w.r.t. ``hidden`` and
+    ``weight``. ``chunk_size`` bounds the tokens whose logits exist at once; ``vocab_size``
+    excludes padded vocabulary rows. ``tp_group`` defaults to Megatron's TP group.
+    ``entropy`` (``ENTROPY_MODES``): "grad" returns a differentiable entropy (a loss term),
+    "value" its value without autograd graph (a metric: the backward skips its terms), "none"
+    does not compute it (returns None; saves one pass over each chunk's logits). The log-probs
+    are the same in every mode.
 
     Which ranks call: every rank of the TP group (all-reduces in the forward), same ``n``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}; valid: >= 1 tokens")
+    if entropy not in ENTROPY_MODES:
+        raise ValueError(f"entropy={entropy!r}; valid: {ENTROPY_MODES}")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree; hidden "
@@ -190,7 +212,7 @@ def head_logprobs(
     flat = hidden.reshape(-1, hidden.size(-1))
     if tp > 1:  # identity forward, all-reduce of the hidden-state gradient over TP in backward
         flat = tensor_parallel.copy_to_tensor_model_parallel_region(flat, group=tp_group)
-    logprob, entropy = _ChunkedHead.apply(
+    logprob, ent = _ChunkedHead.apply(
         flat,
         weight,
         targets.reshape(-1).long(),
@@ -198,8 +220,9 @@ def head_logprobs(
         vocab_start,
         num_valid,
         tp_group if tp > 1 else None,
+        entropy,
     )
-    return logprob.view(targets.shape), entropy.view(targets.shape)
+    return logprob.view(targets.shape), None if entropy == "none" else ent.view(targets.shape)
 
 
 def logits_logprobs(

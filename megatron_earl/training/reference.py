@@ -118,6 +118,7 @@ class ReferencePolicy:
                 max_tokens=self.config.max_tokens_per_micro_batch,
                 chunk_size=self.config.logprob_chunk_size,
                 vocab_size=self.config.vocab_size,
+                entropy=False,
             )
         return None if out is None else out[0]
 
@@ -128,10 +129,9 @@ class ReferencePolicy:
         from megatron_earl.training.rl_step import micro_batch_logprobs
 
         with self.in_layout():
-            out = micro_batch_logprobs(
+            return micro_batch_logprobs(
                 self.chunks,
                 whole,
                 chunk_size=self.config.logprob_chunk_size,
                 vocab_size=self.config.vocab_size,
             )
-        return None if out is None else out[0]

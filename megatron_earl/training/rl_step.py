@@ -1,7 +1,7 @@
 """The RL train step on Megatron, and the forward-only log-prob pass of the experience phase.
 
     metrics = train_micro_batches(ddp_chunks, optimizer, whole, RLStepConfig(...))  # the loop
-    logprobs, entropy = micro_batch_logprobs(chunks, whole)                        # the loop
+    logprobs = micro_batch_logprobs(chunks, whole)                                 # the loop
     metrics = rl_train_step(ddp_chunks, optimizer, samples, RLStepConfig(loss=PolicyLossConfig()))
     logprobs, entropy = forward_logprobs(chunks, samples, max_tokens=8192)
 
@@ -19,8 +19,10 @@ whole on every CP/TP/PP rank of the DP replica. A step:
 2. takes the thd micro-batches (or packs the samples by the per-rank token budget), computes the
    global loss normaliser (summed over micro-batches, all-reduced over DP) and splits for CP;
 3. runs Megatron's forward-backward schedule (PP aware, ``variable_seq_lengths`` under PP) with the
-   output layer chunked (``logprobs.head_logprobs``) and the configured loss (picked once per
-   step from the registry: ``losses.build_loss``); the returned loss is scaled by
+   output layer chunked (``logprobs.head_logprobs``; the entropy gets an autograd graph only when
+   ``entropy_coef != 0``, else it is a metric) and the configured loss (picked once per step
+   from the registry: ``losses.build_loss``); without ``old_logprobs`` the loss takes the
+   forward's own detached log-probs as pi_old (on-policy: ratio 1); the returned loss is scaled by
    ``num_micro_batches * dp`` (docs/rl_losses.md), so gradients are the full-batch gradient;
    Megatron DDP reduces them over DP x CP in ``finalize_model_grads``;
 4. skips the optimizer step if any gradient (or the loss) is non-finite (``skipped_step`` = 1),
@@ -28,7 +30,9 @@ whole on every CP/TP/PP rank of the DP replica. A step:
 
 Metrics (floats, the same on every rank): loss, pg_loss, kl_loss, entropy (full-batch values);
 token-weighted means clip_frac_low/high, dual_clip_frac, approx_kl, ratio_mean, kl_ref,
-tis_weight_mean, tis_clip_frac; ratio_min/max; num_tokens (trainable), num_samples,
+tis_weight_mean, tis_clip_frac, logprob_mismatch (mean |log pi_old - log pi_rollout|, pi_old
+being ``old_logprobs`` or, without them, this forward's log-probs before the update; 0 without
+``rollout_logprobs``); ratio_min/max; num_tokens (trainable), num_samples,
 num_empty_samples, num_nonfinite_samples, num_micro_batches (max over ranks), grad_norm,
 skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time).
 
@@ -81,6 +85,7 @@ TOKEN_MEANS = (
     "kl_ref",
     "tis_weight_mean",
     "tis_clip_frac",
+    "logprob_mismatch",
 )
 NONFINITE_POLICIES = ("drop", "raise")
 
@@ -197,6 +202,9 @@ def _loss_fn(model: nn.Module | None, config: RLStepConfig, normaliser: torch.Te
     cp = parallel_state.get_context_parallel_world_size()
     seq_reduce = _cp_sum(parallel_state.get_context_parallel_group()) if cp > 1 else None
 
+    # the entropy is a loss term only with a coefficient; else a metric (no autograd graph)
+    entropy_mode = "grad" if config.loss.entropy_coef != 0 else "value"
+
     def loss_fn(hidden: torch.Tensor, batch: dict[str, Any]):
         logprobs, entropy = head_logprobs(
             hidden,
@@ -204,6 +212,7 @@ def _loss_fn(model: nn.Module | None, config: RLStepConfig, normaliser: torch.Te
             batch["labels"],
             chunk_size=config.logprob_chunk_size,
             vocab_size=config.vocab_size,
+            entropy=entropy_mode,
         )
         loss, metrics = policy_loss(
             logprobs,
@@ -215,10 +224,27 @@ def _loss_fn(model: nn.Module | None, config: RLStepConfig, normaliser: torch.Te
             seq_sum_reduce=seq_reduce,
             **{k: batch[k] for k in LOSS_INPUTS if k in batch},
         )
+        if "rollout_logprobs" in batch:
+            metrics["logprob_mismatch"] = logprob_mismatch(
+                batch.get("old_logprobs", logprobs.detach()),
+                batch["rollout_logprobs"],
+                batch["loss_mask"],
+            )
         # the schedule scales the loss in place: metrics must not share its storage
         return loss * scale, {k: v.detach().clone() for k, v in metrics.items()}
 
     return loss_fn
+
+
+def logprob_mismatch(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Mean |log pi_old - log pi_rollout| over the trainable tokens (float64; 0 without any): the
+    rollout/train mismatch of one micro-batch. Local."""
+    trainable = loss_mask != 0
+    diff = (old_logprobs - rollout_logprobs).abs().double()
+    total = torch.where(trainable, diff, 0.0).sum()
+    return total / trainable.sum().clamp(min=1)
 
 
 def _last_chunk(chunks: Sequence[nn.Module]) -> nn.Module | None:
@@ -366,27 +392,30 @@ def forward_logprobs(
     max_tokens: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_size: int | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """Forward-only log-probs and entropy of every sample's ``labels`` (old/ref log-probs), the
-    samples packed here by the budget ``max_tokens``.
+    entropy: bool = True,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | None:
+    """Forward-only log-probs (and, with ``entropy``, the entropy) of every sample's ``labels``
+    (old/ref log-probs), the samples packed here by the budget ``max_tokens``.
 
     Returns, on the last pipeline stage, per-sample fp32 tensors [L] in ``samples`` order (whole
-    samples: with cp > 1 the CP ranks' local results are all-gathered over the CP group); None on
-    other stages. Values at positions that predict nothing (the last) are computed all the same.
+    samples: with cp > 1 the CP ranks' local results are all-gathered over the CP group; None in
+    place of the entropy list without ``entropy``); None on other stages. Values at positions that
+    predict nothing (the last) are computed all the same.
     Which ranks call: every rank of the world, ranks of one DP replica with the same samples.
     """
     cp = parallel_state.get_context_parallel_world_size()
     whole = agree(lambda: _packed(samples, max_tokens, cp))
-    out = _logprobs(chunks, whole, chunk_size, vocab_size)
+    out = _logprobs(chunks, whole, chunk_size, vocab_size, entropy)
     if out is None:
         return None
-    per_sample: list[list[torch.Tensor | None]] = [[None] * len(samples) for _ in out]
-    for k, merged in enumerate(out):
+    per_sample: dict[str, list[torch.Tensor | None]] = {}
+    for key, merged in out.items():
+        per_sample[key] = [None] * len(samples)
         for mb, values in zip(whole, merged, strict=True):
             pieces = unpack_per_sample(values, mb)
             for i, piece in zip(mb["sample_index"].tolist(), pieces, strict=True):
-                per_sample[k][i] = piece.clone()
-    return per_sample[0], per_sample[1]
+                per_sample[key][i] = piece.clone()
+    return per_sample["logprobs"], per_sample.get("entropy")
 
 
 def micro_batch_logprobs(
@@ -395,9 +424,10 @@ def micro_batch_logprobs(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_size: int | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """Forward-only log-probs and entropy of the ``labels`` of packed micro-batches ``whole``
-    (thd, not CP-split: ``microbatch.thd_micro_batch``), run as given.
+) -> list[torch.Tensor] | None:
+    """Forward-only log-probs of the ``labels`` of packed micro-batches ``whole`` (thd, not
+    CP-split: ``microbatch.thd_micro_batch``), run as given; no entropy (the old/ref log-prob
+    passes of the loop discard it).
 
     Returns, on the last pipeline stage, one fp32 tensor ``[sum(lengths)]`` per micro-batch:
     its real tokens in packed order (a per-token field of the dispatched micro-batch; with cp > 1
@@ -405,10 +435,10 @@ def micro_batch_logprobs(
     Which ranks call: every rank of the world, ranks of one DP replica with the same batches.
     """
     whole = agree(lambda: _nonempty(whole))
-    out = _logprobs(chunks, whole, chunk_size, vocab_size)
+    out = _logprobs(chunks, whole, chunk_size, vocab_size, entropy=False)
     if out is None:
         return None
-    return tuple([real_tokens(v, mb) for mb, v in zip(whole, per_mb)] for per_mb in out)
+    return [real_tokens(v, mb) for mb, v in zip(whole, out["logprobs"], strict=True)]
 
 
 def _nonempty(whole: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -422,9 +452,11 @@ def _logprobs(
     whole: list[dict[str, Any]],
     chunk_size: int,
     vocab_size: int | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """(log-probs, entropy) of every whole micro-batch, ``[1, t]`` merged over CP, on the last
-    stage; None elsewhere. Which ranks call: every rank of the world."""
+    entropy: bool,
+) -> dict[str, list[torch.Tensor]] | None:
+    """Log-probs (and with ``entropy`` the entropy) of every whole micro-batch, ``[1, t]``
+    merged over CP, keyed "logprobs" / "entropy", on the last stage; None elsewhere.
+    Which ranks call: every rank of the world."""
     cp = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -437,8 +469,10 @@ def _logprobs(
             batch["labels"],
             chunk_size=chunk_size,
             vocab_size=vocab_size,
+            entropy="value" if entropy else "none",
         )
-        return hidden.new_zeros(()), {"logprobs": lp.detach(), "entropy": ent.detach()}
+        values = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
+        return hidden.new_zeros(()), values
 
     micro_batches = [split_micro_batch(mb, cp, cp_rank) for mb in whole]
     with output_hidden_states(chunks), torch.no_grad():
@@ -447,12 +481,12 @@ def _logprobs(
         )
     if model is None:
         return None
-    out: dict[str, list[torch.Tensor]] = {"logprobs": [], "entropy": []}
+    out: dict[str, list[torch.Tensor]] = {}
     for mb, metrics in zip(whole, per_mb, strict=True):
         for key, local in metrics.items():
             shards = [local]
             if cp > 1:
                 shards = [torch.empty_like(local) for _ in range(cp)]
                 dist.all_gather(shards, local, group=parallel_state.get_context_parallel_group())
-            out[key].append(merge_cp(shards, mb))
-    return out["logprobs"], out["entropy"]
+            out.setdefault(key, []).append(merge_cp(shards, mb))
+    return out

@@ -38,6 +38,7 @@ OVERRIDES = [
     "train.lr=1e-2",
     "train.loss.kl_coef=0.1",
     "train.loss.kl_estimator=k3",
+    "train.old_logprobs=always",  # the test follows old_logprobs across a train step
 ]
 LENGTHS = [11, 17, 6, 23]
 

@@ -4,7 +4,8 @@ materialises the full logits of each sample (fp32, tolerance 1e-5); the packed (
 of different lengths need ``variable_seq_lengths`` under PP. A frozen reference policy in PP2,
 loaded by reshard from a TP2 policy, gives the same log-probs. The log-prob head on a 16K-token
 sequence, and the whole forward-only log-prob pass on a packed 16K-token row, stay under stated
-peak-memory bounds (chunking works)."""
+peak-memory bounds (chunking works). The head's entropy modes ("grad", "value", "none") give the
+same log-probs and, for a loss without the entropy, the same gradients."""
 
 from __future__ import annotations
 
@@ -239,3 +240,63 @@ def test_16k_head_peak_memory_is_bounded():
     (res,) = run_distributed(_head_peak_memory, 1, timeout_s=240)
     assert res["finite"]
     assert res["extra_peak_mib"] < PEAK_BOUND_MIB, res
+
+
+ENTROPY_CASES = (("grad", True), ("grad", False), ("value", False), ("none", False))
+"""(entropy mode, whether the loss uses the entropy)."""
+
+
+def _entropy_modes():
+    """The head in TP2 (the world group) in each entropy mode, on the same inputs."""
+    import torch.distributed as dist
+
+    from megatron_earl.training.logprobs import head_logprobs
+
+    rank, vocab, rows = dist.get_rank(), 96, 48
+    gen = torch.Generator().manual_seed(0)
+    hidden0 = torch.randn(40, 16, generator=gen)
+    weight0 = 0.3 * torch.randn(vocab, 16, generator=gen)
+    targets = torch.randint(0, 90, (40,), generator=gen)
+    out = {}
+    for mode, entropy_in_loss in ENTROPY_CASES:
+        hidden = hidden0.clone().requires_grad_()
+        weight = weight0[rank * rows : (rank + 1) * rows].clone().requires_grad_()
+        lp, ent = head_logprobs(
+            hidden, weight, targets, chunk_size=7, vocab_size=90, tp_group=dist.group.WORLD,
+            entropy=mode,
+        )  # fmt: skip
+        loss = (lp * torch.linspace(-1, 1, 40)).sum()
+        if entropy_in_loss:
+            loss = loss - 0.1 * ent.sum()
+        loss.backward()
+        out[(mode, entropy_in_loss)] = {
+            "lp": lp.detach(),
+            "ent": None if ent is None else ent.detach(),
+            "ent_requires_grad": ent is not None and ent.requires_grad,
+            "grads": (hidden.grad, weight.grad),
+        }
+    try:
+        head_logprobs(hidden0, weight0[:rows], targets, tp_group=dist.group.WORLD, entropy="x")
+    except ValueError as err:
+        out["error"] = str(err)
+    return out
+
+
+def test_entropy_modes_same_logprobs_and_loss_gradients():
+    """Modes "value" (entropy as a metric) and "none" (forward-only passes) give bitwise the
+    log-probs of "grad", and the same gradients as "grad" when the loss does not use the entropy
+    (the backward skips the entropy terms); "value" is detached, "none" computes nothing; a loss
+    that uses the entropy still gets its gradient."""
+    for res in run_distributed(_entropy_modes, 2, timeout_s=120):
+        full = res[("grad", True)]
+        base = res[("grad", False)]
+        assert full["ent_requires_grad"] and base["ent_requires_grad"]
+        for key in (("value", False), ("none", False)):
+            assert torch.equal(res[key]["lp"], base["lp"]), key
+            for got, want in zip(res[key]["grads"], base["grads"], strict=True):
+                assert torch.equal(got, want), key
+        assert torch.equal(res[("value", False)]["ent"], base["ent"])
+        assert not res[("value", False)]["ent_requires_grad"]
+        assert res[("none", False)]["ent"] is None
+        assert not torch.equal(full["grads"][0], base["grads"][0])  # the entropy term's gradient
+        assert "entropy='x'; valid: ('grad', 'value', 'none')" in res["error"]

@@ -9,7 +9,8 @@ bitwise like one that never moved. With bf16 parameters, Megatron's fp32 main co
 too (bitwise), and a master moved away and back steps bitwise like one that stayed. The
 distributed optimizer is refused with a clear error, before
 anything changes. Eval copies: the one in the destination layout is dropped, the others keep
-their version.
+their version. ``Policy.sync`` reshards a copy only when it is stale, and plans each (master, copy)
+pair once (counted), re-planning after the master moves.
 """
 
 from __future__ import annotations
@@ -189,6 +190,46 @@ def test_move_master_keeps_weights_and_adam_state():
         assert _max_diff(before, after) == 0.0, f"bf16 move {i} is not lossless"
     got, want = _full([r["moved"] for r in bf16]), _full([r["reference"] for r in bf16])
     assert _max_diff(got, want) == 0.0  # moved away and back to tp2: the same update, bitwise
+
+
+def _sync_plans() -> dict:
+    """Three steps, each followed by syncs of both copies (twice) and of the train layout; then
+    a move of the master to dp2 and one more step and sync. Counts the reshard plans made
+    (``gather_plan`` calls) and compares a copy synced by the cached plan with a fresh reshard."""
+    import megatron_earl.orchestration.policy as policy_mod
+    from megatron_earl.redistribute.weight_exec import reshard_weights
+
+    calls = []
+    gather = policy_mod.gather_plan
+    policy_mod.gather_plan = lambda *args: calls.append(args) or gather(*args)
+    policy = _policy()
+    out: dict = {"plans": [], "stats": []}
+    for step in (1, 2, 3):
+        _step(policy, step)
+        out["stats"].append([policy.sync(lay) != {} for lay in (DP2, PP2, DP2, PP2, TP2)])
+        out["plans"].append(len(calls))
+    policy.move_master(DP2)  # drops the dp2 copy, the pp2 copy's plan is the old master's
+    _step(policy, 4)
+    out["stats"].append([policy.sync(lay) != {} for lay in (PP2, PP2, DP2)])
+    out["plans"].append(len(calls))
+    copy = policy.copies[PP2]
+    cached = [p.local.detach().clone() for p in copy.pieces]
+    for p in copy.pieces:
+        p.local.detach().zero_()
+    reshard_weights(policy.master_pieces, copy.pieces)  # planned afresh
+    out["same"] = all(torch.equal(a, p.local) for a, p in zip(cached, copy.pieces, strict=True))
+    return out
+
+
+def test_sync_plans_once_per_master_and_copy():
+    """A copy is resharded only when stale and never for the train layout; its plan is made at
+    its first sync and reused until the master moves; the cached plan fills the copy exactly
+    like a fresh one."""
+    for res in run_distributed(_sync_plans, 2, timeout_s=120):
+        assert res["stats"][:3] == [[True, True, False, False, False]] * 3
+        assert res["stats"][3] == [True, False, False]
+        assert res["plans"] == [2, 2, 2, 3]  # dp2 and pp2 once; pp2 again after the move
+        assert res["same"]
 
 
 def _distributed_optimizer() -> str:

@@ -42,6 +42,7 @@ TINY = [
     "rollout.max_turns=8",
     "rollout.max_context=512",
     "selector.enabled=true",
+    "train.old_logprobs=always",  # an experience phase to select for (auto skips it here)
 ]
 
 

@@ -118,6 +118,30 @@ def test_section_validation_names_the_section():
     assert "train: lr must be > 0, got -1.0" in text
 
 
+@pytest.mark.parametrize(
+    "overrides, computed",
+    [
+        ([], False),  # one mini-batch, no dropout: the train pass's own log-probs are pi_old
+        (["train.old_logprobs=always"], True),
+        (["batch.num_mini_batches=2"], True),  # mini-batch 2 trains on updated weights
+        (["model.hidden_dropout=0.1"], True),  # two forwards draw different dropout masks
+        (["model.attention_dropout=0.1"], True),
+        (["train.loss.tis_cap=2.0", "train.loss.loss_type=gspo"], False),
+        (["train.loss.kl_coef=0.1"], False),  # the reference pass is separate
+    ],
+)
+def test_old_logprobs_pass_decision(overrides, computed):
+    cfg = load_config(None, overrides)
+    assert cfg.old_logprobs_pass() is computed
+
+
+def test_old_logprobs_setting_is_validated():
+    assert load_config(None, ["train.old_logprobs=always"]).train.old_logprobs == "always"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.old_logprobs=never"])
+    assert "train: old_logprobs 'never' is not one of ('auto', 'always')" in str(err.value)
+
+
 def test_every_problem_in_one_error(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("stepz: 3\nmodel:\n  hidden_size: big\ntrain:\n  lr: 1e-4\n  foo: 1\n")

@@ -155,6 +155,32 @@ def test_plan_is_what_the_consumer_runs(consumer_cp, num_mini, seed):
             assert sum(cp_padded_length(table[s], consumer_cp) // consumer_cp for s in mb) <= budget
 
 
+@pytest.mark.parametrize("cp, consumer_cp, num_mini", [(1, 1, 1), (2, 2, 1), (1, 2, 1), (1, 1, 2)])
+@pytest.mark.parametrize("seed", range(6))
+def test_ffd_runs_once_with_one_mini_batch(monkeypatch, cp, consumer_cp, num_mini, seed):
+    """With one mini-batch at the destination's cp, balancing reuses the order's FFD packing
+    (one ``pack_micro_batches`` call, not two) and plans what packing again would give; lengths
+    from a narrow range, so many samples tie (the case the reuse argument is about)."""
+    import megatron_earl.dispatch.plan as plan_mod
+
+    rng = random.Random(seed)
+    table = {s: rng.choice([40, 41, 64, 90, 90, 150]) for s in rng.sample(range(500), 30)}
+    cfg = PlanConfig(max_tokens_per_micro_batch=256, num_mini_batches=num_mini)
+    calls = []
+    pack = plan_mod.pack_micro_batches
+    monkeypatch.setattr(plan_mod, "pack_micro_batches", lambda *a: calls.append(a) or pack(*a))
+    got = plan_micro_batches(list(table), table, cp, cfg, consumer_cp)
+    reuse = num_mini == 1 and consumer_cp == cp
+    assert len(calls) == (1 if reuse else 1 + num_mini)
+    monkeypatch.setattr(plan_mod, "pack_micro_batches", pack)
+    order = [s for mb in pack(list(table), table, cp, 256) for s in mb]
+    want = [
+        plan_mod.balance_micro_batches(order[i::num_mini], table, consumer_cp, 256)
+        for i in range(num_mini)
+    ]
+    assert got == want
+
+
 def test_dispatched_micro_batches_know_their_mini_batch():
     lengths = [[5, 9, 3, 7, 2, 8]]
     cfg = PlanConfig(max_tokens_per_micro_batch=10, num_mini_batches=2)
