@@ -355,6 +355,12 @@ class SelectorSettings:
     profile_lengths: tuple[int, ...] = ()
     """Sequence lengths of the profiling batches (``batch.samples_per_step`` sequences each);
     empty: token budget / (2 x samples) and 2 x token budget / samples (docs/selector.md)."""
+    measure_above: float = 0.0
+    """CPU only: measure a live phase run's peak memory (the project's accounting hooks every
+    ATen op, several times slower on a tiny model) only when its predicted peak is at least this
+    fraction of ``budget_mb``; a run predicted below it is neither measured, held to the budget
+    nor a calibration point. 0 measures every run; in [0, 1]. Start-up profiling and GPU runs
+    are always measured."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -374,6 +380,8 @@ class SelectorSettings:
             problems.append(f"safety_margin ({self.safety_margin}) must be in [0, 1)")
         if self.switch_gain < 0:
             problems.append(f"switch_gain ({self.switch_gain}) must be >= 0")
+        if not 0 <= self.measure_above <= 1:
+            problems.append(f"measure_above ({self.measure_above}) must be in [0, 1]")
         _require(problems, "selector")
 
 

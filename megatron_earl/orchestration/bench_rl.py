@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         f"selector.budget_mb={args.budget_mb}",
         f"seed={args.seed}",
     ]
-    config = load_config("configs/demo_cpu.yaml", overrides)
+    # the demo with its selector settings at their defaults (profiling on, every run measured)
+    config = load_config("configs/demo_cpu_switching.yaml", overrides)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(

@@ -72,6 +72,11 @@ def train(config: RunConfig) -> dict[str, Any]:
         policy.version = state.weight_version
         if loop.selection is not None and state.data_state.get("selector"):
             loop.selection.restore(state.data_state["selector"])
+            # continue as the uninterrupted run would: the rollout decision plans from the last
+            # batch's lengths, and evaluation generates in the last rollout layout
+            loop.last_lengths = list(state.data_state.get("last_lengths", []))
+            for phase, selector in loop.selection.selectors.items():
+                loop.active[phase] = selector.current.get(phase, loop.active[phase])
         summary.update(state.data_state.get("summary", {}))
         if loop.reference is not None:
             _load_reference(loop, config)
@@ -180,7 +185,11 @@ def _save(loop: RLLoop, saving: CheckpointConfig, config: RunConfig, summary: di
         data_state={
             "step": loop.step,
             "summary": summary,
-            **({"selector": loop.selection.state()} if loop.selection is not None else {}),
+            **(
+                {"selector": loop.selection.state(), "last_lengths": loop.last_lengths}
+                if loop.selection is not None
+                else {}
+            ),
         },
         model_config=config.model,
         family=family_for_model(config.model).name,

@@ -15,7 +15,9 @@ re-runs the *same* data in the next candidate, so no sample is lost. The peak is
 - CPU: ``MemoryBudget.track`` (every tensor ATen creates, plus ``static_bytes(layout)``: the state
   the phase's memory model counts); the experience phase is checked at its end, the train phase
   before its optimizer step (``guard``), agreed over ranks: past ``selector.budget_mb`` every rank
-  raises ``BudgetExceeded`` and the phase is retried;
+  raises ``BudgetExceeded`` and the phase is retried. The accounting hooks every ATen op (several
+  times slower on a tiny model), so a live run predicted below ``selector.measure_above`` x budget
+  runs unmeasured (``cpu_measured``; the same answer on every rank);
 - GPU: ``torch.cuda.max_memory_allocated`` (the allocator itself raises the OOM, on one rank:
   agreed over the ranks by ``run_phase_with_recovery``, see ``parallel/oom_agreement.py``).
 
@@ -76,6 +78,15 @@ def phase_candidates(config: RunConfig, phase: str, world_size: int) -> list[Par
         per_mini_batch = config.batch.samples_per_step // config.batch.num_mini_batches
         return [c for c in every if c.dp <= per_mini_batch]
     return [c for c in every if c.dp <= config.batch.samples_per_step]
+
+
+def cpu_measured(
+    phase: str, predicted_bytes: float, budget_bytes: float, measure_above: float
+) -> bool:
+    """Whether a live CPU run of ``phase`` is measured (and so held to the budget and recorded):
+    never the rollout (its engine computes in a worker thread the accounting does not see),
+    otherwise when the run's predicted peak is at least ``measure_above`` x the budget. Pure."""
+    return phase != Phase.ROLLOUT and predicted_bytes >= measure_above * budget_bytes
 
 
 def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str, Selector]:
@@ -163,6 +174,7 @@ class PhaseSelection:
         self.base_settings = self.memory.settings
         self.points: list[CalibrationPoint] = []
         """Every measured run of a selected phase (start-up profiling and live steps)."""
+        self.measure_above = config.selector.measure_above
         self._enforcing = False
         self._splits: dict = {}
         self.accuracy: list[tuple[str, str, int, float, int]] = []
@@ -236,9 +248,10 @@ class PhaseSelection:
         """Run ``fn`` (a start-up profiling run of ``phase`` in the active ``layout``) measured
         but never refused; record its peak and tokens/s. Returns (peak bytes, busy seconds).
         Collective (world)."""
+        agreed = _agreed_max(static)  # this rank's ``static`` is measured; the point keeps the max
         seconds, (_, peak) = self._timed(lambda: self._measure(phase, fn, static, enforce=False))
         if record:
-            self.record(phase, layout, lengths, peak, static, train_layout)
+            self.record(phase, layout, lengths, peak, agreed, train_layout)
             if seconds > 0:
                 self.selectors[phase].table.record(
                     phase, layout, percentile(lengths, 0.95), sum(lengths), seconds
@@ -269,18 +282,24 @@ class PhaseSelection:
 
         def measured(batch: Any, layout: ParallelLayout) -> Any:
             predicted = selector.predicted_peak(phase, layout, lengths)
-            static = static_bytes(layout)
+            measure = self.cuda or cpu_measured(
+                phase, predicted, self.config.selector.budget_mb * MiB, self.measure_above
+            )
+            static = static_bytes(layout)  # this rank's; the calibration point keeps the max
+            agreed = _agreed_max(static) if measure else static
             home = layout if phase == Phase.TRAIN else train_layout()
             try:
                 busy, (result, peak) = self._timed(
-                    lambda: self._measure(phase, lambda: phase_fn(batch, layout), static)
+                    lambda: self._measure(
+                        phase, lambda: phase_fn(batch, layout), static, measure=measure
+                    )
                 )
             except BudgetExceeded as err:  # measured, agreed: a calibration point too
-                self._note(phase, layout, lengths, predicted, err.peak_bytes, static, home)
+                self._note(phase, layout, lengths, predicted, err.peak_bytes, agreed, home)
                 raise
             runs[str(layout)] = (predicted, peak)
             seconds[0] = busy
-            self._note(phase, layout, lengths, predicted, peak, static, home)
+            self._note(phase, layout, lengths, predicted, peak, agreed, home)
             return result
 
         switch_s = [0.0]
@@ -339,13 +358,18 @@ class PhaseSelection:
         return clock.min_busy()["run"], out
 
     def _measure(
-        self, phase: str, fn: Callable[[], Any], static: int, enforce: bool = True
+        self,
+        phase: str,
+        fn: Callable[[], Any],
+        static: int,
+        enforce: bool = True,
+        measure: bool = True,
     ) -> tuple[Any, float]:
         """Run ``fn`` and return its result and the peak (max over ranks; nan where not
-        measured). CPU: past the budget every rank raises ``BudgetExceeded`` (the train phase
-        checks before its optimizer step, ``guard``; at its end the peak is only read). Before
-        the peak's all-reduce, an OOM agreement point (``parallel.oom_agreement``).
-        Collective (world)."""
+        measured: ``measure`` false on CPU, the rollout on CPU). CPU: past the budget every rank
+        raises ``BudgetExceeded`` (the train phase checks before its optimizer step, ``guard``;
+        at its end the peak is only read). Before the peak's all-reduce, an OOM agreement point
+        (``parallel.oom_agreement``). Collective (world; every rank with the same ``measure``)."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             result = fn()
@@ -353,7 +377,7 @@ class PhaseSelection:
             peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cpu")
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=host_group())
             return result, float(peak[0])
-        if phase == Phase.ROLLOUT:  # the engine computes in a worker thread: not measured on CPU
+        if phase == Phase.ROLLOUT or not measure:  # rollout: the engine's worker thread
             return fn(), math.nan
         self._enforcing = enforce
         try:
@@ -365,3 +389,12 @@ class PhaseSelection:
             return result, float(self.budget.checkpoint())  # an OOM agreement point first
         agreement_point()
         return result, float(self.budget.agreed_peak())
+
+
+def _agreed_max(value: int) -> int:
+    """``value``, max over the world: a run's static state differs per rank (pipeline stages),
+    and the calibration points saved in checkpoints must be the same on every rank. Collective
+    (world; on the host world group)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device="cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
+    return int(t.item())

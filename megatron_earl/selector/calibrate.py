@@ -42,7 +42,7 @@ class CalibrationPoint:
     measured_bytes: int
     """Measured peak, max over ranks."""
     measured_static_bytes: int
-    """Measured static state on that rank."""
+    """Measured static state (the RL loop: max over ranks, so every rank saves the same point)."""
     train_layout: str | None = None
     """Where the trainable master copy lived during the run (the RL loop); None: in ``layout``
     (``MemoryModel.peak``'s ``train_layout``)."""

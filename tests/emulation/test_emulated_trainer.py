@@ -1,7 +1,8 @@
 """The demo's RL step end to end on the emulated device, as users run it (``megatron-earl train``,
-2 processes): warm start, evaluation, multi-turn rollouts on the embedded engine in dp2, dispatch
-to tp2, experience, training, the reshard back and the weight push to the engine. Every tensor
-path runs on the device and every collective on a group of the right role, or the run fails.
+2 processes; the switching demo config, whose layouts are pinned): warm start, evaluation,
+multi-turn rollouts on the embedded engine in dp2, dispatch to tp2, experience, training, the
+reshard back and the weight push to the engine. Every tensor path runs on the device and every
+collective on a group of the right role, or the run fails.
 
 Checked: the run completes and says it ran on the emulated device; the engine's log-probs after
 the first update match the trainer's (so the pushed weights reached the engine); the final
@@ -39,7 +40,7 @@ TINY = [
 def test_demo_rl_steps_run_on_the_emulated_device(tmp_path):
     command = [
         sys.executable, "-m", "megatron_earl.cli.main", "train", "--nproc", "2",
-        "--config", "configs/demo_cpu.yaml", *TINY, f"output_dir={tmp_path}",
+        "--config", "configs/demo_cpu_switching.yaml", *TINY, f"output_dir={tmp_path}",
     ]  # fmt: skip
     proc = subprocess.run(
         command,

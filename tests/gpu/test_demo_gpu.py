@@ -1,7 +1,8 @@
 """The demo's RL step on CUDA, through the trainer's own entry point (``cli.train.main``: the
 start-up checks, the device policy, NCCL device groups beside gloo host groups): rollout on the
 embedded engine, dispatch, experience, train, reshard and the weight push, on 1 GPU (every phase
-tp1dp1) and on 2 GPUs (the demo's layouts: rollout dp2, experience and train tp2)."""
+tp1dp1) and on 2 GPUs (the switching demo config's pinned layouts: rollout dp2, experience and
+train tp2)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _main(argv: list[str]) -> int:
 @pytest.mark.parametrize("world", [pytest.param(1), pytest.param(2, marks=requires_gpus(2))])
 def test_demo_steps_on_gpus(tmp_path, world):
     overrides = [*TINY, *(ONE_RANK if world == 1 else []), f"output_dir={tmp_path}", "name=demo"]
-    argv = ["--config", str(ROOT / "configs/demo_cpu.yaml"), *overrides]
+    argv = ["--config", str(ROOT / "configs/demo_cpu_switching.yaml"), *overrides]
     assert run_distributed(_main, world, args=(argv,), timeout_s=600) == [0] * world
     lines = (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines]

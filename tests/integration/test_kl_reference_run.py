@@ -1,5 +1,6 @@
 """The trainer with a KL term to the frozen reference policy (``train.loss.kl_coef > 0``), as users
-run it (``megatron-earl train`` -> torchrun, 2 processes, the demo config made tiny):
+run it (``megatron-earl train`` -> torchrun, 2 processes, the switching demo config made tiny:
+experience and train pinned to tp2, the reference policy in tp2):
 
 - the run completes and logs the KL metrics every step: ``train/kl_ref`` (token mean of the
   estimator against the reference) and ``train/kl_loss``, finite, ~0 at step 1 (the reference is
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "configs" / "demo_cpu.yaml"
+DEMO = ROOT / "configs" / "demo_cpu_switching.yaml"  # pinned layouts: the reference stays in tp2
 TINY = [
     "sft.steps=10",
     "eval.num_prompts=0",
@@ -97,4 +98,4 @@ def test_kl_with_the_selector_choosing_the_experience_layout_fails_at_start_up(t
     assert result.returncode != 0
     assert "train.loss.kl_coef=0.001" in result.stderr
     assert "selector.phases" in result.stderr
-    assert not (tmp_path / "demo_cpu" / "metrics.jsonl").exists()
+    assert not (tmp_path / "demo_cpu_switching" / "metrics.jsonl").exists()

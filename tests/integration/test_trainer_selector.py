@@ -23,6 +23,9 @@ from megatron_earl.parallel.layout import ParallelLayout
 from tests.integration.metrics_doc import check_documented
 
 ROOT = Path(__file__).resolve().parents[2]
+# the demo with the selector off and its layouts pinned (experience/train start in tp2), so every
+# selector setting below is the default one plus the overrides (profiling on, every run measured)
+CONFIG = ROOT / "configs" / "demo_cpu_switching.yaml"
 TINY = [
     "steps=3",
     "sft.steps=3",
@@ -49,7 +52,7 @@ TINY = [
 def _train(overrides: list[str], timeout: int) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "megatron_earl.cli.main", "train", "--nproc", "2"]
     return subprocess.run(
-        [*command, "--config", str(ROOT / "configs" / "demo_cpu.yaml"), *overrides],
+        [*command, "--config", str(CONFIG), *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -145,7 +148,7 @@ def test_budget_below_every_layout_fails_at_start_up(tmp_path):
     assert "selector.budget_mb (0.5 MiB) is too small" in result.stderr
     assert "the smallest is tp" in result.stderr and "which needs" in result.stderr
     assert "init_process_group" not in result.stderr
-    assert not (tmp_path / "demo_cpu").exists()
+    assert not (tmp_path / "demo_cpu_switching").exists()
 
 
 def test_every_layout_out_of_budget_ends_the_run_with_one_message(tmp_path):

@@ -1,7 +1,8 @@
 """The trainer with SGLang engines (``rollout.engine=sglang``, the disaggregated setup): two
 ``megatron-earl serve`` processes stand in for SGLang servers (same native HTTP API). The trainer
 (2 ranks under torchrun) pushes its weights to both before each rollout (versions tagged), drives
-multi-turn rollouts on them from every rank, and trains on the result."""
+multi-turn rollouts on them from every rank, and trains on the result (the switching demo config:
+pinned layouts, the master in tp2; SGLang engines take no selected rollout layout)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ RUN = [
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    model = load_config(ROOT / "configs" / "demo_cpu.yaml", RUN).model
+    model = load_config(ROOT / "configs" / "demo_cpu_switching.yaml", RUN).model
     (tmp / "model.json").write_text(json.dumps(model.to_dict()))
     procs = [
         ServerProcess(
@@ -93,7 +94,7 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(servers, tmp_pat
             "--nproc",
             "2",
             "--config",
-            str(ROOT / "configs" / "demo_cpu.yaml"),
+            str(ROOT / "configs" / "demo_cpu_switching.yaml"),
             *RUN,
             f"output_dir={tmp_path}",
             "name=sgl",

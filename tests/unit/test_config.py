@@ -30,11 +30,23 @@ def test_defaults_without_a_file():
 
 def test_demo_config_loads_and_fits_two_ranks():
     cfg = load_config(CONFIGS / "demo_cpu.yaml")
-    assert phase_layout(cfg.layouts, Phase.ROLLOUT) == ParallelLayout(dp=2)
-    assert phase_layout(cfg.layouts, Phase.TRAIN) == ParallelLayout(tp=2)
-    assert phase_layout(cfg.layouts, Phase.ROLLOUT) != phase_layout(cfg.layouts, Phase.TRAIN)
+    assert cfg.selector.enabled and set(cfg.selector.phases) == set(Phase)
+    assert all(phase_layout(cfg.layouts, p) == ParallelLayout(dp=2) for p in Phase)
     assert cfg.env.spec() == {"name": "arithmetic", "kwargs": {"difficulty": 2}}
     validate_run(cfg, world_size=2)
+
+
+def test_switching_demo_is_the_demo_with_pinned_layouts():
+    demo = config_to_tree(load_config(CONFIGS / "demo_cpu.yaml"))
+    switching = load_config(CONFIGS / "demo_cpu_switching.yaml")
+    assert not switching.selector.enabled
+    assert phase_layout(switching.layouts, Phase.ROLLOUT) == ParallelLayout(dp=2)
+    assert phase_layout(switching.layouts, Phase.EXPERIENCE) == ParallelLayout(tp=2)
+    assert phase_layout(switching.layouts, Phase.TRAIN) == ParallelLayout(tp=2)
+    validate_run(switching, world_size=2)
+    tree = config_to_tree(switching)
+    differ = {key for key in demo if demo[key] != tree[key]}
+    assert differ == {"name", "layouts", "selector"}
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -196,7 +208,7 @@ def test_run_paths():
 
 
 def test_layout_that_does_not_fit_the_world_names_a_valid_one():
-    cfg = load_config(CONFIGS / "demo_cpu.yaml")
+    cfg = load_config(CONFIGS / "demo_cpu_switching.yaml")
     with pytest.raises(ConfigError) as err:
         validate_run(cfg, world_size=4)
     text = str(err.value)

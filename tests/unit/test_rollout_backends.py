@@ -23,7 +23,8 @@ from megatron_earl.orchestration.engines.embedded import EmbeddedBackend
 from megatron_earl.orchestration.engines.sglang import SGLangBackend
 from megatron_earl.parallel.layout import phase_layout
 
-DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
+# pinned layouts (the selector off): the engine constraints on a fixed rollout layout
+DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu_switching.yaml")
 ROOT = Path(__file__).resolve().parents[2]
 URLS = "rollout.engine_urls=[http://a:30000]"
 

@@ -209,7 +209,7 @@ def test_disaggregated_servers_then_trainer(fake_slurm):
         "sbatch",
         "--nodes=3",
         "scripts/slurm_disaggregated.sbatch",
-        "configs/demo_cpu.yaml",
+        "configs/demo_cpu_switching.yaml",  # fixed layouts: SGLang engines take no selected one
         "layouts.rollout=dp4",
         "layouts.experience=tp2dp2",
         "layouts.train=tp2dp2",
@@ -220,7 +220,7 @@ def test_disaggregated_servers_then_trainer(fake_slurm):
         SGLANG_ARGS="--mem-fraction-static 0.8",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "config ok: demo_cpu on 4 ranks" in proc.stdout  # trainer: 2 nodes x 2 GPUs
+    assert "config ok: demo_cpu_switching on 4 ranks" in proc.stdout  # trainer: 2 nodes x 2 GPUs
     servers = [c for c in _calls(calls, "srun") if "sglang.launch_server" in c["argv"]]
     servers.sort(key=lambda c: c["argv"][c["argv"].index("--port") + 1])  # started with &
     assert len(servers) == 2
@@ -279,7 +279,7 @@ def test_disaggregated_bad_settings(fake_slurm, env, fragment):
     if "SGLANG_SERVERS_PER_NODE" in env:
         env = {**env, "SGLANG_TP": "4"}
     proc, calls = fake_slurm(
-        "sbatch", "scripts/slurm_disaggregated.sbatch", "configs/demo_cpu.yaml", **env
+        "sbatch", "scripts/slurm_disaggregated.sbatch", "configs/demo_cpu_switching.yaml", **env
     )
     assert proc.returncode != 0
     assert fragment in proc.stderr

@@ -125,3 +125,51 @@ def test_loop_selectors_and_start_up_checks():
     )
     (message,) = selector_problems(bad, 2)
     assert "train.use_distributed_optimizer=true" in message and "drop train" in message
+
+
+@pytest.mark.parametrize(
+    "phase,predicted_mb,measure_above,measured",
+    [
+        ("train", 1.0, 0.0, True),  # 0: every run is measured
+        ("experience", 0.0, 0.0, True),
+        ("train", 511.0, 0.5, False),  # below half the 1024 MiB budget
+        ("train", 512.0, 0.5, True),  # at the threshold
+        ("experience", 900.0, 0.5, True),
+        ("experience", 1023.0, 1.0, False),  # 1: only runs predicted at or past the budget
+        ("train", 2048.0, 1.0, True),
+        ("rollout", 900.0, 0.0, False),  # the engine's worker thread: never measured on CPU
+    ],
+)
+def test_cpu_measured(phase, predicted_mb, measure_above, measured):
+    from megatron_earl.orchestration.selection import cpu_measured
+
+    mib = 1 << 20
+    assert cpu_measured(phase, predicted_mb * mib, 1024 * mib, measure_above) is measured
+
+
+def test_demo_selects_dp2_for_every_phase_without_measuring():
+    """configs/demo_cpu.yaml: the selector (no profiling) chooses dp2 for rollout, experience and
+    train at every context length the demo can produce (no reshard, no TP communication); the
+    rollout candidates are the embedded engine's tp/dp layouts; the predicted peaks stay under
+    ``measure_above`` x budget, so no run pays for the CPU memory accounting."""
+    from megatron_earl.config.loader import load_config
+    from megatron_earl.orchestration.selection import build_selectors, cpu_measured
+
+    config = load_config("configs/demo_cpu.yaml")
+    s = config.selector
+    assert s.enabled and not s.profile
+    selectors = build_selectors(config, 2, cuda=False)
+    assert set(selectors) == {"rollout", "experience", "train"}
+    assert [str(c) for c in selectors["rollout"].candidates] == ["tp1cp1pp1dp2", "tp2cp1pp1dp1"]
+    n, longest = config.batch.samples_per_step, config.rollout.max_context
+    rng = random.Random(0)
+    batches = [[longest] * n, [1] * n] + [
+        [rng.randint(20, hi) for _ in range(n)] for hi in (40, 120, longest) for _ in range(3)
+    ]
+    for phase, selector in selectors.items():
+        for step, lengths in enumerate(batches):
+            decision = selector.decide(phase, lengths, step=step)
+            assert str(decision.layout) == "tp1cp1pp1dp2", (phase, lengths, decision.reason)
+            assert not cpu_measured(
+                phase, decision.peak_bytes, s.budget_mb * (1 << 20), s.measure_above
+            ), (phase, decision.peak_bytes)
