@@ -43,11 +43,12 @@ from typing import Any
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import EngineKind
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 SAMPLING_MODES = ("greedy", "sampled")
 """Greedy (temperature 0) and plain temperature-1 sampling."""
-ENGINES = ("embedded", "hf")
+ENGINES = (EngineKind.EMBEDDED.value, "hf")
 """Ours and ``transformers`` ``generate``."""
 
 

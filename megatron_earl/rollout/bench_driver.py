@@ -131,7 +131,7 @@ async def drive(engine: Any, hf: Any, cfg: EngineBenchConfig) -> tuple[list[Benc
                     shared = prompts(batch)
                     ours_s, _ = await pair.ours(shared, new_tokens, sampled)
                     hf_s, _ = pair.theirs(shared, new_tokens, sampled)
-                    times["embedded"][slot].append(ours_s)
-                    times["hf"][slot].append(hf_s)
+                    times[ENGINES[0]][slot].append(ours_s)
+                    times[ENGINES[1]][slot].append(hf_s)
             rows += _rows(cfg, batch, sampling, times)
     return rows, greedy
