@@ -184,11 +184,11 @@ def report(name: str, settings: PeerSettings, pairs: list[tuple], info: dict) ->
     s = settings
     lines.append(
         f"  settings: {info['params']:,} params, {s.prompts_per_step} prompts x "
-        f"{s.samples_per_prompt} samples, <= {s.max_turns} turns x {s.max_new_tokens} new tokens, "
-        f"start weights after {s.sft_steps} SFT steps; ours {info['nproc']} processes x "
-        f"{info['ours_threads']} torch threads; TRL {info['trl_processes']} process x "
-        f"{info['trl_threads']} threads ({info['trl_generation']} generation); "
-        f"{info['steps']} steps per run, first excluded"
+        f"{s.samples_per_prompt} samples, up to {s.max_turns} model turn(s) of "
+        f"{s.max_new_tokens} new tokens, start weights after {s.sft_steps} SFT steps; ours "
+        f"{info['nproc']} process(es) x {info['ours_threads']} torch thread(s); TRL "
+        f"{info['trl_processes']} process x {info['trl_threads']} thread(s), generation: "
+        f"{info['trl_generation']}; {info['steps']} steps per run, the first excluded"
     )
     return lines
 

@@ -14,7 +14,14 @@ import json
 import pytest
 
 from megatron_earl.config.loader import load_config
-from megatron_earl.orchestration.bench_peer import ours_summary, steady_state
+from megatron_earl.orchestration.bench_peer import (
+    OURS_PHASES,
+    TRL_PHASES,
+    RunSummary,
+    ours_summary,
+    report,
+    steady_state,
+)
 from megatron_earl.orchestration.peer_workload import (
     WORKLOADS,
     PeerSettings,
@@ -125,3 +132,17 @@ def test_ours_counts_trainable_tokens(tmp_path):
     got = ours_summary(path)
     assert (got.s_per_step, got.tokens_per_step, got.tokens_per_s) == (4.0, 1920.0, 480.0)
     assert got.phases == {"rollout": 2.0, "experience": 1.0, "train": 1.0}
+
+
+def test_report_gives_the_median_of_the_per_pair_ratios():
+    def run(tokens_per_s: float) -> RunSummary:
+        phases = dict.fromkeys((*OURS_PHASES, *TRL_PHASES), 0.5)
+        return RunSummary(1.0, tokens_per_s, tokens_per_s, phases)
+
+    pairs = [(run(300.0), run(100.0)), (run(100.0), run(100.0)), (run(400.0), run(200.0))]
+    info = dict(params=10, nproc=2, ours_threads=1, trl_processes=1, trl_threads=2)
+    info.update(trl_generation="stock", steps=3)
+    lines = report("single-turn", _settings("single-turn"), pairs, info)
+    assert "ratios 2.00" in lines[-2]  # ratios 3, 1, 2
+    assert "ours median: 1.00 s/step, 300 tokens/s" in lines[4]
+    assert "TRL  median: 1.00 s/step, 100 tokens/s" in lines[5]
