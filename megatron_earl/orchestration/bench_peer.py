@@ -1,22 +1,24 @@
 """Peer benchmark: the same GRPO workload on this project and on Hugging Face TRL, interleaved.
 
     megatron-earl bench peer [--pairs 3] [--steps 4] [--workloads single-turn,multi-turn-tool]
-        [--config configs/demo_cpu.yaml] [--nproc 2] [--work-dir runs/bench_peer] [--json F]
-        [key=value ...]                       # overrides of the config, both sides
+        [--config configs/demo_cpu.yaml] [--nproc 2] [--trl-nproc 1,2] [--json F]
+        [--work-dir runs/bench_peer] [key=value ...]   # overrides of the config, both sides
     (= python -m megatron_earl.orchestration.bench_peer ...; needs the [bench] extra: trl)
 
 Workloads and the settings both sides share: ``orchestration.peer_workload``. For each workload
 the shared start weights are made once (``peer_weights`` under torchrun: our initial policy,
 after our SFT warm start for ``multi-turn-tool``; then ``convert mcore-to-hf``) and cached in the
 work directory under a hash of the settings. Then ``--pairs`` times, for each workload: our run
-(``megatron-earl train --nproc N`` with ``checkpoint.load`` = the Megatron copy), then the TRL run
-(``orchestration.peer_trl``, one process, loading the HF copy), each in fresh processes.
+(``megatron-earl train --nproc N`` with ``checkpoint.load`` = the Megatron copy), then a TRL run
+per ``--trl-nproc`` count (``orchestration.peer_trl`` loading the HF copy: one process, or that
+many under torchrun on gloo, cores shared out as for ours), each in fresh processes.
 
 Measured per run, steady state: the first (warm-up) step and the start-up are excluded. s/step =
 mean wall time of the remaining steps (ours: ``time/step`` of the metrics log; TRL: optimizer
 step begin -> end); tokens/s = their completion tokens / their time (completion tokens = the
 model-generated, trainable tokens; tool outputs are not counted, on both sides). Printed per
-workload: each side's median over the pairs, the median of the per-pair ratios ours/TRL, the
+workload: each run's median over the pairs, the median of the per-pair ratios ours/TRL (each
+pair against its best TRL run, labelled with its process count), the
 per-phase breakdown (ours: rollout / experience / train; TRL: generate+score / loss+optimizer)
 and the settings. Figures from a busy machine say little: measure on a quiet one.
 """
@@ -149,75 +151,113 @@ def run_ours(args, workload: Workload, weights: Path, root: Path, name: str) -> 
     return ours_summary(root / name / "metrics.jsonl")
 
 
-def run_trl(args, settings_file: Path, weights: Path, root: Path, name: str) -> tuple:
-    """One measured TRL run (a fresh process); (summary, the run's JSON document)."""
+def run_trl(args, settings_file: Path, weights: Path, name: str, nproc: int) -> tuple:
+    """One measured TRL run in fresh processes (``nproc`` > 1: under torchrun, gloo, each
+    process ``cores / nproc`` threads); (summary, the run's JSON document)."""
+    root = Path(args.work_dir)
     out = root / f"{name}.json"
-    cmd = [sys.executable, "-m", "megatron_earl.orchestration.peer_trl", "--settings"]
-    cmd += [str(settings_file), "--hf", str(weights / "hf"), "--steps", str(args.steps)]
-    _run([*cmd, "--out", str(out)], root / f"{name}.log")
+    argv = ["--settings", str(settings_file), "--hf", str(weights / "hf")]
+    argv += ["--steps", str(args.steps), "--out", str(out)]
+    module = "megatron_earl.orchestration.peer_trl"
+    if nproc == 1:
+        cmd, env = [sys.executable, "-m", module, *argv], None
+    else:
+        cmd, env = _torchrun(module, nproc, argv)
+    _run(cmd, root / f"{name}.log", env)
     result = json.loads(out.read_text())
     return trl_summary(result), result
 
 
-def report(name: str, settings: PeerSettings, pairs: list[tuple], info: dict) -> list[str]:
+@dataclass
+class Pair:
+    """One interleaved pair of a workload: our run and the TRL run of each process count."""
+
+    ours: RunSummary
+    """Our run."""
+    trl: dict[int, RunSummary]
+    """TRL run by number of processes."""
+
+    @property
+    def best_trl(self) -> int:
+        """TRL's process count with the most tokens/s in this pair (the one compared with)."""
+        return max(self.trl, key=lambda n: self.trl[n].tokens_per_s)
+
+    @property
+    def ratio(self) -> float:
+        """Ours / TRL's best tokens/s."""
+        return self.ours.tokens_per_s / self.trl[self.best_trl].tokens_per_s
+
+
+def _median_line(label: str, runs: list[RunSummary], phases: tuple[str, ...]) -> str:
+    phase_text = ", ".join(
+        f"{p} {statistics.median(r.phases[p] for r in runs):.2f} s" for p in phases
+    )
+    return (
+        f"  {label} median: {statistics.median(r.s_per_step for r in runs):.2f} s/step, "
+        f"{statistics.median(r.tokens_per_s for r in runs):.0f} tokens/s, "
+        f"{statistics.median(r.tokens_per_step for r in runs):.0f} tokens/step ({phase_text})"
+    )
+
+
+def report(name: str, settings: PeerSettings, pairs: list[Pair], info: dict) -> list[str]:
     """The printed lines of one workload: per pair, medians, ratio, phases, settings."""
-    ratios = [o.tokens_per_s / t.tokens_per_s for o, t in pairs]
     lines = [f"== {name} =="]
-    for i, (o, t) in enumerate(pairs):
-        lines.append(
-            f"  pair {i}: ours {o.s_per_step:.2f} s/step {o.tokens_per_s:.0f} tok/s | "
-            f"TRL {t.s_per_step:.2f} s/step {t.tokens_per_s:.0f} tok/s | ratio {ratios[i]:.2f}"
-        )
-    for side, runs, phases in (
-        ("ours", [o for o, _ in pairs], OURS_PHASES),
-        ("TRL", [t for _, t in pairs], TRL_PHASES),
-    ):
-        phase_text = ", ".join(
-            f"{p} {statistics.median(r.phases[p] for r in runs):.2f} s" for p in phases
+    counts = sorted(pairs[0].trl)
+    for i, pair in enumerate(pairs):
+        trl = ", ".join(
+            f"{n}p {pair.trl[n].s_per_step:.2f} s/step {pair.trl[n].tokens_per_s:.0f} tok/s"
+            for n in counts
         )
         lines.append(
-            f"  {side:4s} median: {statistics.median(r.s_per_step for r in runs):.2f} s/step, "
-            f"{statistics.median(r.tokens_per_s for r in runs):.0f} tokens/s, "
-            f"{statistics.median(r.tokens_per_step for r in runs):.0f} tokens/step ({phase_text})"
+            f"  pair {i}: ours {pair.ours.s_per_step:.2f} s/step {pair.ours.tokens_per_s:.0f} "
+            f"tok/s | TRL {trl} | ratio to TRL {pair.best_trl}p {pair.ratio:.2f}"
         )
-    lines.append(f"  ours/TRL tokens/s: median of per-pair ratios {statistics.median(ratios):.2f}")
+    lines.append(_median_line("ours", [p.ours for p in pairs], OURS_PHASES))
+    for n in counts:
+        lines.append(_median_line(f"TRL {n}p", [p.trl[n] for p in pairs], TRL_PHASES))
+    best = ", ".join(f"{n}p x{sum(p.best_trl == n for p in pairs)}" for n in counts)
+    ratio = statistics.median(p.ratio for p in pairs)
+    lines.append(
+        f"  ours/TRL tokens/s: median of per-pair ratios {ratio:.2f} (each pair against its "
+        f"best TRL run: {best})"
+    )
     s = settings
+    threads = ", ".join(f"{n}p x {info['trl_threads'][n]}" for n in counts)
     lines.append(
         f"  settings: {info['params']:,} params, {s.prompts_per_step} prompts x "
         f"{s.samples_per_prompt} samples, up to {s.max_turns} model turn(s) of "
         f"{s.max_new_tokens} new tokens, start weights after {s.sft_steps} SFT steps; ours "
-        f"{info['nproc']} process(es) x {info['ours_threads']} torch thread(s); TRL "
-        f"{info['trl_processes']} process x {info['trl_threads']} thread(s), generation: "
-        f"{info['trl_generation']}; {info['steps']} steps per run, the first excluded"
+        f"{info['nproc']} process(es) x {info['ours_threads']} torch thread(s); TRL processes x "
+        f"threads: {threads}, generation: {info['trl_generation']}; {info['steps']} steps per "
+        "run, the first excluded"
     )
     return lines
 
 
 def interleave(args, prepared: dict[str, tuple]) -> tuple[dict, dict]:
-    """``--pairs`` x (for each workload: our run, then the TRL run). Returns each workload's
-    (ours, TRL) summaries per pair and the settings the runs reported."""
-    root = Path(args.work_dir)
-    results: dict[str, list[tuple]] = {n: [] for n in prepared}
+    """``--pairs`` x (for each workload: our run, then a TRL run per ``--trl-nproc``). Returns
+    each workload's pairs and the settings the runs reported."""
+    results: dict[str, list[Pair]] = {n: [] for n in prepared}
     info: dict[str, dict] = {}
-    for pair in range(args.pairs):
+    for i in range(args.pairs):
         for name, (workload, _, settings_file, weights) in prepared.items():
-            ours = run_ours(args, workload, weights, root, f"ours-{name}-{pair}")
-            trl, doc = run_trl(args, settings_file, weights, root, f"trl-{name}-{pair}")
-            results[name].append((ours, trl))
+            ours = run_ours(args, workload, weights, Path(args.work_dir), f"ours-{name}-{i}")
+            pair = Pair(ours, {})
+            threads = {}
+            for n in args.trl_nproc:
+                pair.trl[n], doc = run_trl(args, settings_file, weights, f"trl{n}-{name}-{i}", n)
+                threads[n] = doc["torch_threads"]
+            results[name].append(pair)
             info[name] = {
                 "params": doc["params"],
                 "nproc": args.nproc,
                 "ours_threads": _threads(args.nproc),
-                "trl_processes": doc["processes"],
-                "trl_threads": doc["torch_threads"],
+                "trl_threads": threads,
                 "trl_generation": doc["generation"],
                 "steps": args.steps,
             }
-            print(
-                f"pair {pair} {name}: ours {ours.tokens_per_s:.0f} tokens/s, "
-                f"TRL {trl.tokens_per_s:.0f} tokens/s",
-                flush=True,
-            )
+            trl = ", ".join(f"{n}p {pair.trl[n].tokens_per_s:.0f}" for n in args.trl_nproc)
+            print(f"pair {i} {name}: tokens/s ours {ours.tokens_per_s:.0f}, TRL {trl}", flush=True)
     return results, info
 
 
@@ -228,33 +268,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=3, help="interleaved (ours, TRL) pairs")
     parser.add_argument("--steps", type=int, default=4, help="RL steps per run (first excluded)")
     parser.add_argument("--nproc", type=int, default=2, help="our processes (torchrun)")
+    parser.add_argument(
+        "--trl-nproc", default="1,2", help="TRL process counts to run per pair (best compared)"
+    )
     parser.add_argument("--work-dir", default="runs/bench_peer")
     parser.add_argument("--json", default="", help="write every run's summary here")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. seed=7")
     args = parser.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in WORKLOADS]
-    if unknown or args.pairs < 1 or args.steps < 2:
+    args.trl_nproc = sorted({int(n) for n in args.trl_nproc.split(",") if n})
+    if unknown or args.pairs < 1 or args.steps < 2 or not args.trl_nproc or args.trl_nproc[0] < 1:
         parser.error(
             f"workloads {unknown} not in {sorted(WORKLOADS)}, or --pairs {args.pairs} < 1, "
-            f"or --steps {args.steps} < 2 (the first step is excluded)"
+            f"or --steps {args.steps} < 2 (the first step is excluded), or --trl-nproc "
+            f"{args.trl_nproc} not positive counts"
         )
     root = Path(args.work_dir)
     root.mkdir(parents=True, exist_ok=True)
     prepared = {}
     for name in names:
         workload = WORKLOADS[name]
-        settings = PeerSettings.from_run(
-            workload_config(args.config, workload, args.overrides), workload
-        )
+        config = workload_config(args.config, workload, args.overrides)
+        settings = PeerSettings.from_run(config, workload)
         settings_file = root / f"settings-{name}.json"
         settings_file.write_text(json.dumps(settings.to_dict(), indent=1))
-        prepared[name] = (
-            workload,
-            settings,
-            settings_file,
-            start_weights(args, workload, settings, root),
-        )
+        weights = start_weights(args, workload, settings, root)
+        prepared[name] = (workload, settings, settings_file, weights)
     results, info = interleave(args, prepared)
     for name in names:
         print("\n".join(report(name, prepared[name][1], results[name], info[name])), flush=True)
@@ -263,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             n: {
                 "settings": prepared[n][1].to_dict(),
                 "info": info[n],
-                "pairs": [{"ours": asdict(o), "trl": asdict(t)} for o, t in results[n]],
+                "pairs": [
+                    {"ours": asdict(p.ours), "trl": {k: asdict(v) for k, v in p.trl.items()}}
+                    for p in results[n]
+                ],
             }
             for n in names
         }

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -151,8 +152,12 @@ def passed_reward(env_reward: list[float], **_) -> list[float]:
     return list(env_reward)
 
 
-def run(settings: PeerSettings, hf_dir: str, steps: int, work_dir: str) -> dict[str, Any]:
-    """Train ``steps`` GRPO steps on TRL; the per-step records and the run's settings."""
+def run(
+    settings: PeerSettings, hf_dir: str, steps: int, work_dir: str, num_processes: int = 1
+) -> dict[str, Any]:
+    """Train ``steps`` GRPO steps on TRL (in each of ``num_processes`` processes: under torchrun
+    when > 1, gloo); the per-step records (this process's clock, token counts of all) and the
+    run's settings."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -174,11 +179,13 @@ def run(settings: PeerSettings, hf_dir: str, steps: int, work_dir: str) -> dict[
             mask = out["completion_mask"]
             if "tool_mask" in out:
                 mask = mask * out["tool_mask"]
+            # every process calls: the step's counts over all of them
+            counts = self.accelerator.gather(torch.tensor([[mask.sum(), mask.size(0)]]))
             records.append(
                 {
                     "time/generate": time.perf_counter() - start,
-                    "completion_tokens": float(mask.sum()),
-                    "samples": float(mask.size(0)),
+                    "completion_tokens": float(counts[:, 0].sum()),
+                    "samples": float(counts[:, 1].sum()),
                 }
             )
             return out
@@ -194,7 +201,9 @@ def run(settings: PeerSettings, hf_dir: str, steps: int, work_dir: str) -> dict[
     trainer = Timed(
         model=model,
         reward_funcs=passed_reward if multi else single_turn_reward(settings, demo),
-        args=GRPOConfig(**trl_arguments(settings, output_dir=work_dir, steps=steps)),
+        args=GRPOConfig(
+            **trl_arguments(settings, output_dir=work_dir, steps=steps, num_processes=num_processes)
+        ),
         train_dataset=Dataset.from_dict({"prompt": texts, "seed": seeds}),
         processing_class=demo_hf_tokenizer(),
         callbacks=[StepClock()],
@@ -205,7 +214,7 @@ def run(settings: PeerSettings, hf_dir: str, steps: int, work_dir: str) -> dict[
         r["time/train"] = r["time/step"] - r["time/generate"]
     return {
         "steps": records,
-        "processes": 1,
+        "processes": num_processes,
         "torch_threads": torch.get_num_threads(),
         "params": sum(p.numel() for p in model.parameters()),
         "generation": "rollout_func on _generate_single_turn" if multi else "stock",
@@ -221,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = PeerSettings.from_dict(json.loads(Path(args.settings).read_text()))
     out = Path(args.out)
-    result = run(settings, args.hf, args.steps, str(out.parent / f"{out.stem}-trainer"))
-    out.write_text(json.dumps(result))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    result = run(settings, args.hf, args.steps, str(out.parent / f"{out.stem}-trainer"), world)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(result))
     return 0
 
 

@@ -3,7 +3,8 @@
 - the TRL side's multi-turn workload on real ``GRPOTrainer`` (its ``rollout_func`` path) trains
   and reports per-step times and completion tokens within the workload's bounds;
 - the whole command (start weights, our run under torchrun, the TRL run, the report) for one
-  pair of the single-turn workload, two steps per run, one process per side.
+  pair of the single-turn workload, two steps per run, ours on one process, TRL on two (torchrun,
+  gloo: the multi-process path; the one-process path is the test above).
 
 Run: python -m pytest -q -p no:warnings tests/integration/test_bench_peer.py
 """
@@ -53,13 +54,13 @@ def test_bench_peer_end_to_end(tmp_path):
 
     out = tmp_path / "peer.json"
     argv = ["--workloads", "single-turn", "--pairs", "1", "--steps", "2", "--nproc", "1"]
+    argv += ["--trl-nproc", "2"]
     argv += ["--work-dir", str(tmp_path / "work"), "--json", str(out), *TINY]
     assert main(argv) == 0
     doc = json.loads(out.read_text())["single-turn"]
     assert doc["settings"]["samples_per_prompt"] == 2 and doc["settings"]["max_turns"] == 1
-    assert doc["info"]["trl_processes"] == 1 and doc["info"]["nproc"] == 1
+    assert list(doc["info"]["trl_threads"]) == ["2"] and doc["info"]["nproc"] == 1
     (pair,) = doc["pairs"]
-    for side in ("ours", "trl"):
-        summary = pair[side]
+    for summary in (pair["ours"], pair["trl"]["2"]):
         assert summary["s_per_step"] > 0 and summary["tokens_per_s"] > 0
         assert 4 <= summary["tokens_per_step"] <= 4 * 8  # 4 samples, one turn of <= 8 tokens

@@ -17,6 +17,7 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.orchestration.bench_peer import (
     OURS_PHASES,
     TRL_PHASES,
+    Pair,
     RunSummary,
     ours_summary,
     report,
@@ -134,15 +135,23 @@ def test_ours_counts_trainable_tokens(tmp_path):
     assert got.phases == {"rollout": 2.0, "experience": 1.0, "train": 1.0}
 
 
-def test_report_gives_the_median_of_the_per_pair_ratios():
+def test_report_compares_each_pair_with_its_best_trl_run():
     def run(tokens_per_s: float) -> RunSummary:
         phases = dict.fromkeys((*OURS_PHASES, *TRL_PHASES), 0.5)
         return RunSummary(1.0, tokens_per_s, tokens_per_s, phases)
 
-    pairs = [(run(300.0), run(100.0)), (run(100.0), run(100.0)), (run(400.0), run(200.0))]
-    info = dict(params=10, nproc=2, ours_threads=1, trl_processes=1, trl_threads=2)
+    pairs = [
+        Pair(run(300.0), {1: run(100.0), 2: run(50.0)}),  # 3.0 against 1 process
+        Pair(run(100.0), {1: run(50.0), 2: run(100.0)}),  # 1.0 against 2 processes
+        Pair(run(400.0), {1: run(200.0), 2: run(100.0)}),  # 2.0 against 1 process
+    ]
+    assert [p.best_trl for p in pairs] == [1, 2, 1]
+    info = dict(params=10, nproc=2, ours_threads=1, trl_threads={1: 2, 2: 1})
     info.update(trl_generation="stock", steps=3)
     lines = report("single-turn", _settings("single-turn"), pairs, info)
-    assert "ratios 2.00" in lines[-2]  # ratios 3, 1, 2
+    assert "median of per-pair ratios 2.00" in lines[-2]
+    assert "1p x2, 2p x1" in lines[-2]
     assert "ours median: 1.00 s/step, 300 tokens/s" in lines[4]
-    assert "TRL  median: 1.00 s/step, 100 tokens/s" in lines[5]
+    assert "TRL 1p median: 1.00 s/step, 100 tokens/s" in lines[5]
+    assert "TRL 2p median: 1.00 s/step, 100 tokens/s" in lines[6]
+    assert "1p x 2, 2p x 1" in lines[-1]
