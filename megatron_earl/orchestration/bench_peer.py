@@ -18,9 +18,9 @@ mean wall time of the remaining steps (ours: ``time/step`` of the metrics log; T
 step begin -> end); tokens/s = their completion tokens / their time (completion tokens = the
 model-generated, trainable tokens; tool outputs are not counted, on both sides). Printed per
 workload: each run's median over the pairs, the median of the per-pair ratios ours/TRL (each
-pair against its best TRL run, labelled with its process count), the
-per-phase breakdown (ours: rollout / experience / train; TRL: generate+score / loss+optimizer)
-and the settings. Figures from a busy machine say little: measure on a quiet one.
+pair against its best TRL run, labelled with its process count), the per-phase breakdown (ours:
+rollout / experience / train; TRL: generate, with rewards and advantages / update: loss and
+optimizer) and the settings. Figures from a busy machine say little: measure on a quiet one.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_earl.config.vocab import Phase
+from megatron_earl.orchestration.peer_trl import TRL_GENERATE, TRL_UPDATE
 from megatron_earl.orchestration.peer_workload import (
     WORKLOADS,
     PeerSettings,
@@ -44,9 +46,9 @@ from megatron_earl.orchestration.peer_workload import (
     workload_config,
 )
 
-OURS_PHASES = ("rollout", "experience", "train")
+OURS_PHASES = tuple(p.value for p in Phase)
 """Our per-phase times (``time/<phase>`` in the metrics log)."""
-TRL_PHASES = ("generate", "train")
+TRL_PHASES = TRL_GENERATE, TRL_UPDATE
 """TRL's per-phase times measured by ``peer_trl``: generation + rewards + advantages, then the
 loss forward/backward and the optimizer step."""
 

@@ -2,6 +2,8 @@
 
     python -m megatron_earl.orchestration.peer_trl --settings s.json --hf work/st/hf \\
         --steps 4 --out trl.json                 # (bench_peer starts it; needs the [bench] extra)
+    torchrun --standalone --nproc_per_node 2 -m megatron_earl.orchestration.peer_trl ...
+                                                 # data-parallel over 2 processes (gloo)
 
 The model is the HF copy of the shared start weights (``LlamaForCausalLM``), the tokenizer the
 demo tokenizer's HF twin (``tokenizer.demo_hf``), prompts the environment's, rendered with the
@@ -25,7 +27,8 @@ Timing: wall time per optimizer step (``on_step_begin`` -> ``on_step_end``) and,
 time of ``_generate_and_score_completions`` (generation, rewards, advantages; TRL skips the
 old-log-prob forward here: one generation per optimizer step is on-policy); the rest is the
 loss forward/backward and the optimizer step. Completion tokens = model-generated tokens
-(``completion_mask * env_mask``). Writes one JSON document: per-step records and the settings.
+(``completion_mask * env_mask``, summed over the processes). Rank 0 writes one JSON document:
+per-step records (its clock) and the settings.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ import torch
 from megatron_earl.envs.base import ENVS, Action
 from megatron_earl.orchestration.peer_workload import PeerSettings, trl_arguments
 from megatron_earl.tokenizer.demo import DemoTokenizer
+
+TRL_GENERATE, TRL_UPDATE = "generate", "update"
+"""TRL's two timed parts of a step (``time/<part>`` in the records): ``generate`` is
+``_generate_and_score_completions`` (generation, rewards, advantages), ``update`` the rest (loss
+forward/backward, clip, optimizer step)."""
 
 
 def prompt_texts(settings: PeerSettings, seeds: list[int], demo: DemoTokenizer) -> list[str]:
@@ -183,7 +191,7 @@ def run(
             counts = self.accelerator.gather(torch.tensor([[mask.sum(), mask.size(0)]]))
             records.append(
                 {
-                    "time/generate": time.perf_counter() - start,
+                    f"time/{TRL_GENERATE}": time.perf_counter() - start,
                     "completion_tokens": float(counts[:, 0].sum()),
                     "samples": float(counts[:, 1].sum()),
                 }
@@ -211,7 +219,7 @@ def run(
     )
     trainer.train()
     for r in records:
-        r["time/train"] = r["time/step"] - r["time/generate"]
+        r[f"time/{TRL_UPDATE}"] = r["time/step"] - r[f"time/{TRL_GENERATE}"]
     return {
         "steps": records,
         "processes": num_processes,
