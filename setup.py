@@ -38,6 +38,9 @@ setup(
         # Qwen3 needs transformers >= 4.51; safetensors for HF <-> Megatron conversion.
         "hf": ["transformers>=4.51", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.7"],
+        # `megatron-earl bench peer`: TRL's GRPOTrainer as the peer (its rollout_func and
+        # _generate_single_turn are experimental/private: tested with 1.16 only).
+        "bench": ["trl>=1.16,<1.17", "transformers>=4.56.2", "safetensors>=0.4"],
         "tensorboard": ["tensorboard>=2.14"],
         "dev": [
             "pytest>=8,<10",
@@ -47,6 +50,7 @@ setup(
             "tensorboard>=2.14",
             "transformers>=4.51",
             "safetensors>=0.4",
+            "trl>=1.16,<1.17",  # tests/integration/test_bench_peer.py (installs in < 1 min)
         ],
     },
     entry_points={"console_scripts": ["megatron-earl=megatron_earl.cli.main:main"]},

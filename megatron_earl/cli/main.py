@@ -5,6 +5,7 @@
     megatron-earl bench dispatch [--json]           # dispatcher: decentralized vs centralized
     megatron-earl bench reshard [--json]            # weight resharding vs all-gather
     megatron-earl bench engine                      # embedded engine vs HF generate, tokens/s
+    megatron-earl bench peer [--pairs 3]            # the same GRPO workload: ours vs TRL
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
@@ -33,6 +34,7 @@ _MODULES = {
     ("plan",): "megatron_earl.selector.plan_cli",
     ("convert",): "megatron_earl.convert.cli",
     ("bench", "selector"): "megatron_earl.selector.bench",
+    ("bench", "peer"): "megatron_earl.orchestration.bench_peer",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",

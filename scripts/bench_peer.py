@@ -1,0 +1,9 @@
+"""Peer benchmark, ours vs TRL's GRPOTrainer (logic: megatron_earl/orchestration/bench_peer.py).
+--help for options; needs `pip install -e '.[bench]'`."""
+
+import sys
+
+from megatron_earl.orchestration.bench_peer import main
+
+if __name__ == "__main__":
+    sys.exit(main())
