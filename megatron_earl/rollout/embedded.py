@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class Step:
 class _Request:
     request: GenerateRequest
     future: asyncio.Future
-    generator: torch.Generator
+    generator: random.Random
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     abort_message: str | None = None
@@ -161,7 +162,7 @@ class EmbeddedEngine:
         self._paused = False
         self._failed: BaseException | None = None
         self._ids = itertools.count()
-        self._stream = torch.Generator().manual_seed(self.config.seed)
+        self._stream = random.Random(self.config.seed)
         self._wake: asyncio.Event | None = None
         self._step_lock: asyncio.Lock | None = None
         self._task: asyncio.Task | None = None
@@ -191,7 +192,7 @@ class EmbeddedEngine:
         if request.rid != rid:
             request = GenerateRequest(request.input_ids, request.sampling, rid, request.session)
         seed = request.sampling.seed
-        gen = self._stream if seed is None else torch.Generator().manual_seed(seed)
+        gen = self._stream if seed is None else random.Random(seed)
         entry = _Request(request, asyncio.get_running_loop().create_future(), gen)
         self._waiting.append(entry)
         self._wake.set()
@@ -436,7 +437,7 @@ class EmbeddedEngine:
         """Sample one token per entry (logits row i = entries[i]) and retire the finished; a
         finished request with a session parks its row for the session's next turn."""
         params = [e.request.sampling for e in entries]
-        # Sampling runs on the host with each request's own seeded CPU generator (reproducible
+        # Sampling runs on the host with each request's own seeded random stream (reproducible
         # whatever the device): the step's logits cross once (boundary "engine logits").
         tokens, logprobs = sample_tokens(
             runtime.to_host(logits),

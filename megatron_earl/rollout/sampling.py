@@ -8,17 +8,19 @@ so the rollout/train mismatch of the same weights is ~1e-7 in fp32. The sampling
 itself excludes the padded ids (``>= vocab_size``), applies temperature, then top-k, then top-p,
 each row with its own settings. Temperature 0 is greedy (argmax over the real vocabulary).
 
-Sampling is the Gumbel-max draw ``argmax(filtered_logits + Gumbel noise)`` -- an exact sample of
-``softmax(filtered_logits)`` -- with one noise row per request drawn from that request's
-generator (its own seed, or the engine's stream). A seeded request therefore samples the same
-tokens whatever else shares its batch, and the whole batch is one argmax, not a loop of
-``multinomial`` calls.
+Sampling is inverse-CDF: one uniform number per request from that request's own random stream
+(``random.Random``: its seed, or the engine's stream), scaled by the row's total mass and looked
+up in the cumulative ``softmax(filtered_logits)`` of the whole batch at once (``searchsorted``).
+A seeded request therefore samples the same tokens whatever else shares its batch, a batch is a
+few vectorised ops (no loop of ``multinomial`` calls, no vocabulary-sized noise per row), and a
+filtered-out token (probability 0) is never drawn: the draw lies in ``(0, mass]``.
 
 Legend: n = rows (requests) in the step, V = padded vocabulary, Vr = real vocabulary.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
@@ -47,22 +49,11 @@ def filter_logits(
     return torch.empty_like(scaled).scatter_(1, order, ordered)
 
 
-def gumbel_noise(
-    num_cols: int, generators: Sequence[torch.Generator], device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Gumbel noise ``[n, num_cols]``, row i drawn from ``generators[i]`` (rows sharing one
-    generator draw in row order)."""
-    rows = torch.empty(len(generators), num_cols)
-    for i, gen in enumerate(generators):
-        rows[i] = torch.rand(num_cols, generator=gen)
-    return -torch.log(-torch.log(rows)).to(device)
-
-
 def sample_tokens(
     logits_nV: torch.Tensor,
     vocab_size: int,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
+    generators: Sequence[random.Random],
 ) -> tuple[list[int], list[float]]:
     """One token per row and its log-prob under the raw-logit distribution over the padded vocab."""
     if logits_nV.size(-1) < vocab_size:
@@ -85,8 +76,10 @@ def sample_tokens(
         filtered = filter_logits(
             real[rows], settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()
         )
-        noise = gumbel_noise(vocab_size, [generators[i] for i in hot], filtered.device)
-        tokens[rows] = torch.argmax(filtered + noise, dim=-1)
+        cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
+        draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)
+        picked = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
+        tokens[rows] = picked.clamp_(max=vocab_size - 1)
     logprobs = torch.log_softmax(logits_nV, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
 

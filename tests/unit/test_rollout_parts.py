@@ -4,6 +4,8 @@ portable tensor payload."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -107,7 +109,7 @@ def test_row_cache_writes_moves_and_views():
 def test_sampling_filters_and_logprobs():
     logits = torch.tensor([[1.0, 3.0, 2.0, 9.0]])  # id 3 is padding (vocab_size 3)
     greedy = SamplingParams(temperature=0.0)
-    tokens, lps = sample_tokens(logits, 3, [greedy], [torch.Generator()])
+    tokens, lps = sample_tokens(logits, 3, [greedy], [random.Random()])
     assert tokens == [1]  # the padded id never wins
     assert lps[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))  # raw, padded vocab
     rows = torch.tensor([[1.0, 3.0, 2.0], [0.0, 10.0, 0.0], [1.0, 2.0, 3.0]])
@@ -118,7 +120,7 @@ def test_sampling_filters_and_logprobs():
     assert torch.equal(kept[2], rows[2])  # row 3 unfiltered
     hot = filter_logits(rows[2:], torch.tensor([0.5]), torch.tensor([-1]), torch.tensor([1.0]))
     assert torch.equal(hot[0], rows[2] / 0.5)
-    gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+    gens = [random.Random(0) for _ in range(2)]
     warm = SamplingParams(temperature=1.0)
     many = torch.tensor([[0.0, 0.0, 0.0, 50.0]] * 2)
     tokens, _ = sample_tokens(many, 3, [warm, warm], gens)
@@ -129,20 +131,20 @@ def test_sampling_matches_the_distribution_and_is_batch_invariant():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = probs.log()[None].repeat(4000, 1)
     params = [SamplingParams(temperature=1.0)] * 4000
-    stream = torch.Generator().manual_seed(3)
+    stream = random.Random(3)
     tokens, _ = sample_tokens(logits, 4, params, [stream] * 4000)
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)  # ~4 sigma at n = 4000
     # A seeded request draws the same token alone or beside others, greedy or sampled ones.
     seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
     row = torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
-    alone, _ = sample_tokens(row, 8, [seeded], [torch.Generator().manual_seed(11)])
+    alone, _ = sample_tokens(row, 8, [seeded], [random.Random(11)])
     batch = torch.cat([torch.randn(2, 8), row])
     mixed, _ = sample_tokens(
         batch,
         8,
         [SamplingParams(temperature=0.0), SamplingParams(top_k=3), seeded],
-        [stream, stream, torch.Generator().manual_seed(11)],
+        [stream, stream, random.Random(11)],
     )
     assert mixed[2] == alone[0]
     with pytest.raises(ValueError, match="need as many params and generators"):
