@@ -229,13 +229,16 @@ class BatchedForward:
 
     @torch.no_grad()
     def _rope_tables(self, max_seq_len: int, dtype: torch.dtype):
-        """cos/sin ``[max_seq_len, 1, 1, rot]`` of the model's rotary module, scaled by mscale as
-        Megatron's attention does, on the compute device."""
+        """cos and signed sin ``[max_seq_len, 1, 1, rot]`` of the model's rotary module, scaled by
+        mscale as Megatron's attention does, on the compute device (``_rope``)."""
         emb = self.gpt.rotary_pos_emb(max_seq_len)
         freqs = (emb[0] if isinstance(emb, tuple) else emb)[:, 0].to(self.device)
         mscale = _yarn_get_concentration_factor_from_config(self.gpt.config)
         cos, sin = (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
-        return cos[:, None], sin[:, None]
+        # rotate_half(x) * sin == roll(x, rot / 2) * [-sin_first_half, sin_second_half]
+        half = sin.size(-1) // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos[:, None], signed[:, None]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)
@@ -277,7 +280,10 @@ class BatchedForward:
             else:
                 q = _rope(layer.q_norm(qkv[:, :, :rep]), cos, sin)
                 k = _rope(layer.k_norm(qkv[:, :, rep : rep + 1]), cos, sin)[:, :, 0]
-            self.cache.write(i, w_rows, w_pos, k[w_src], qkv[w_src, :, rep + 1])
+            v = qkv[:, :, rep + 1]
+            if index.shared:
+                k, v = k[w_src], v[w_src]
+            self.cache.write(i, w_rows, w_pos, k, v)
             if index.is_decode:
                 keys, values = self.cache.view(i, 0, n, index.max_key_len)
                 ctx = _attend_decode(q.reshape(n * ng, rep, hn), keys, values, bias, self.scale)
@@ -340,6 +346,8 @@ class _StepIndex:
     fresh: bool
     max_new: int
     max_key_len: int
+    shared: bool = False
+    """Some sequence's keys/values also go to other rows (the writes gather by source token)."""
 
     @classmethod
     def build(cls, batch: Batch) -> _StepIndex:
@@ -376,6 +384,7 @@ class _StepIndex:
             fresh=not any(batch.starts),
             max_new=max(lengths),
             max_key_len=max(key_len),
+            shared=any(batch.shared),
         )
 
     @classmethod
@@ -402,13 +411,13 @@ def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:
     return torch.bmm(probs, v_GLh).reshape(n, -1)
 
 
-def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``[T, ng, heads, hn]`` with per-token tables ``[T, 1, 1, rot]`` (Megatron's
-    non-interleaved formula; dims beyond ``rot`` pass through)."""
+def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``[T, ng, heads, hn]`` with per-token tables ``[T, 1, 1, rot]``: Megatron's
+    non-interleaved ``t * cos + cat(-x2, x1) * sin`` written as ``t * cos + roll(t) * signed_sin``
+    (the same products; three ops instead of six); dims beyond ``rot`` pass through."""
     rot = cos.size(-1)
     head, tail = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(head, 2, dim=-1)
-    rotated = head * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rotated = torch.addcmul(head * cos, head.roll(rot // 2, dims=-1), signed_sin)
     return rotated if tail.numel() == 0 else torch.cat((rotated, tail), dim=-1)
 
 
