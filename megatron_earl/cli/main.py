@@ -6,6 +6,7 @@
     megatron-earl bench reshard [--json]            # weight resharding vs all-gather
     megatron-earl bench engine                      # embedded engine vs HF generate, tokens/s
     megatron-earl bench peer [--pairs 3]            # the same GRPO workload: ours vs TRL
+    megatron-earl bench serve [--sources A,B]       # serve under 32 concurrent clients: p50/p99
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
@@ -29,6 +30,7 @@ _MODULES = {
     ("bench", "dispatch"): "megatron_earl.dispatch.bench",
     ("bench", "reshard"): "megatron_earl.redistribute.bench",
     ("bench", "engine"): "megatron_earl.rollout.bench",
+    ("bench", "serve"): "megatron_earl.rollout.bench_serve",
     ("serve",): "megatron_earl.rollout.server",
     ("plot",): "megatron_earl.orchestration.plot",
     ("plan",): "megatron_earl.selector.plan_cli",

@@ -70,6 +70,9 @@ class EngineBenchConfig:
     """Tensor-parallel processes of our engine (HF always runs in one process)."""
     agree_tokens: int = 8
     """First greedy tokens per request compared between the two engines."""
+    group_size: int = 1
+    """Requests sharing one prompt (1: every prompt distinct; 8: a GRPO group, as RL samples
+    8 completions per prompt -- our engine prefills a group's prompt once, HF every row)."""
     seed: int = 0
     """Seed of the weights, the prompts and our engine's sampling stream."""
 
@@ -80,7 +83,7 @@ class EngineBenchConfig:
             raise ValueError(f"new_tokens must be >= 2 (decode = N - 1), got {self.new_tokens}")
         small = {
             k: getattr(self, k)
-            for k in ("prompt_len", "repeats", "tp", "agree_tokens")
+            for k in ("prompt_len", "repeats", "tp", "agree_tokens", "group_size")
             if getattr(self, k) < 1
         }
         if small:
@@ -226,6 +229,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
         ),
         "batches": list(cfg.batches),
         "prompt_len": cfg.prompt_len,
+        "group_size": cfg.group_size,
         "new_tokens": cfg.new_tokens,
         "repeats": cfg.repeats,
         "ours_processes": cfg.tp,
@@ -241,6 +245,10 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
     return EngineBenchResult(settings, agreement, tuple(rows))
 
 
+def _groups(size: int) -> str:
+    return "every prompt distinct" if size == 1 else f"groups of {size} requests per prompt"
+
+
 def format_report(result: EngineBenchResult) -> str:
     """The human-readable report: settings, agreement, one line per batch and sampling mode."""
     s, a = result.settings, result.agreement
@@ -251,7 +259,8 @@ def format_report(result: EngineBenchResult) -> str:
         f"{s['ours_threads_per_process']} torch threads; HF: 1 process x {s['hf_threads']} torch "
         f"threads, {s['hf_attention']} attention, transformers {s['transformers']}; torch "
         f"{s['torch']}, {s['cores']} cores",
-        f"prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens per request (no stop), "
+        f"prompt {s['prompt_len']} tokens ({_groups(s['group_size'])}), {s['new_tokens']} new "
+        "tokens per request (no stop), "
         f"median of {s['repeats']} interleaved repeats",
         f"agreement: logits max |diff| {a.logits_max_diff:.2g} (tol {a.logits_tol:g}, max |logit| "
         f"{a.logits_max_abs:.2g}); first-token log p max |diff| {a.first_logprob_max_diff:.2g}; "
@@ -280,6 +289,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes of our engine")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=1, help="requests per prompt (8: GRPO groups)")
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
     return p.parse_args(argv)
 
@@ -300,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         tp=args.tp,
         seed=args.seed,
+        group_size=args.group_size,
     )
     result = measure(cfg)
     print(json.dumps(dataclasses.asdict(result)) if args.json else format_report(result))

@@ -112,7 +112,10 @@ async def drive(engine: Any, hf: Any, cfg: EngineBenchConfig) -> tuple[list[Benc
     gen = torch.Generator().manual_seed(cfg.seed + 2)
 
     def prompts(batch: int) -> torch.Tensor:
-        return torch.randint(0, cfg.model.vocab_size, (batch, cfg.prompt_len), generator=gen)
+        """Fresh random prompts, each repeated for ``group_size`` consecutive requests."""
+        distinct = -(-batch // cfg.group_size)
+        fresh = torch.randint(0, cfg.model.vocab_size, (distinct, cfg.prompt_len), generator=gen)
+        return fresh.repeat_interleave(cfg.group_size, dim=0)[:batch]
 
     warm = prompts(2)
     await pair.ours(warm, 2, False)
