@@ -423,7 +423,9 @@ class EmbeddedEngine:
             shared.append([])
         batch = Batch(tuple(rows), tuple(tokens), tuple(starts), tuple(map(tuple, shared)))
         logits = await self._run(Step("forward", batch, self._table.take_moves()))
-        self._accept(logits[seq_of], [entry for entry, _ in admitted])
+        # One row per sequence; each request reads its sequence's row (on the host: the
+        # boundary "engine logits" crosses once).
+        self._accept(runtime.to_host(logits)[seq_of], [entry for entry, _ in admitted])
 
     async def _decode(self) -> None:
         """Decode one token for every running row, in one forward."""
