@@ -165,7 +165,16 @@ def run_trl(args, settings_file: Path, weights: Path, name: str, nproc: int) -> 
         cmd, env = [sys.executable, "-m", module, *argv], None
     else:
         cmd, env = _torchrun(module, nproc, argv)
-    _run(cmd, root / f"{name}.log", env)
+    out.unlink(missing_ok=True)
+    try:
+        _run(cmd, root / f"{name}.log", env)
+    except RuntimeError as err:
+        # torchrun's gloo teardown sometimes aborts a rank after the run finished and rank 0
+        # wrote every step ("terminate called without an active exception"): keep that run.
+        done = out.is_file() and len(json.loads(out.read_text())["steps"]) == args.steps
+        if not done:
+            raise
+        print(f"warning: {name} exited with an error after completing: {err}".splitlines()[0])
     result = json.loads(out.read_text())
     return trl_summary(result), result
 

@@ -73,7 +73,8 @@ class EmbeddedEngineConfig:
     max_prefills_per_step: int = 64
     """Requests admitted (prefilled together in one forward) between two decode steps at most."""
     max_prefill_tokens: int = 8192
-    """Context tokens of one prefill forward at most (a longer context is prefilled alone)."""
+    """Padded tokens of one prefill forward at most (sequences x the longest uncached context;
+    a longer context is prefilled alone): bounds the prefill's activation memory."""
     seed: int = 0
     """Seed of the sampling stream of requests that bring no seed of their own."""
 
@@ -370,19 +371,21 @@ class EmbeddedEngine:
 
     async def _admit(self) -> None:
         """Prefill waiting requests in one forward, FIFO, as many as rows (after evicting parked
-        sessions, oldest first) and ``max_prefill_tokens`` allow; the rest wait. A request whose
-        session has a parked row that its context extends prefills only the new tokens;
-        requests with the same context (a GRPO group's prompt) share one prefill."""
+        sessions, oldest first) and ``max_prefill_tokens`` allow -- counted *padded*: sequences x
+        the longest, since the prefill's attention pads to the longest (a context over the budget
+        is prefilled alone); the rest wait. A request whose session has a parked row that its
+        context extends prefills only the new tokens; requests with the same context (a GRPO
+        group's prompt) share one prefill."""
         cfg, table = self.config, self._table
         admitted: list[tuple[_Request, int]] = []  # (entry, cached tokens reused)
-        tokens = 0
+        num_seqs = width = 0  # sequences the forward computes, the longest's new tokens
         first: dict[tuple[int, ...], int] = {}  # fresh context -> its first admitted request
         while self._waiting and len(admitted) < cfg.max_prefills_per_step:
             entry = self._waiting[0]
             context, session = entry.context, entry.request.session
             reused = table.reusable(session, context)
             cost = 0 if not reused and context in first else len(context) - reused
-            if admitted and tokens + cost > cfg.max_prefill_tokens:
+            if cost and admitted and (num_seqs + 1) * max(width, cost) > cfg.max_prefill_tokens:
                 break
             if not reused:
                 table.forget(session)
@@ -398,7 +401,8 @@ class EmbeddedEngine:
             if not reused:
                 first.setdefault(context, len(admitted))
             admitted.append((entry, reused))
-            tokens += cost
+            if cost:
+                num_seqs, width = num_seqs + 1, max(width, cost)
         if admitted:
             await self._prefill(admitted, first)
 
