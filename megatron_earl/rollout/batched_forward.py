@@ -1,7 +1,7 @@
 """The embedded engine's forward: Megatron's own modules run on a ragged batch with a row cache.
 
     fwd = BatchedForward(gpt_model, max_batch_size=64, max_seq_len=1024)
-    logits_kV = fwd(Batch.prefill(row0=3, contexts=[[5, 9, 2], [7, 1]]))     # 2 new requests
+    logits_kV = fwd(Batch(rows=(3, 4), tokens=((5, 9, 2), (7, 1)), starts=(0, 0)))  # prefill
     logits_nV = fwd(Batch.decode(lengths=[4, 3, 9], tokens=[11, 12, 13]))    # rows 0..2
 
 Why not ``GPTModel.forward``: Megatron's static inference path (0.16) batches statically -- one
@@ -81,8 +81,6 @@ class Batch:
             raise ValueError(f"shared needs one entry per sequence ({k}), got {len(self.shared)}")
         if any(not t for t in self.tokens):
             raise ValueError("every sequence of a step needs at least one new token")
-        if self.is_decode and self.rows != tuple(range(k)):
-            raise ValueError(f"a decode step covers rows 0..{k - 1} in order, got {self.rows}")
 
     @classmethod
     def decode(cls, lengths: Sequence[int], tokens: Sequence[int]) -> Batch:
@@ -90,7 +88,13 @@ class Batch:
 
     @functools.cached_property
     def is_decode(self) -> bool:
-        return all(len(t) == 1 for t in self.tokens) and not any(self.shared)
+        """One new token per row, rows ``0 .. n-1`` in order (a decode step; the forward reads
+        the cache as a view). A prefill of one-token contexts is not one."""
+        return (
+            all(len(t) == 1 for t in self.tokens)
+            and not any(self.shared)
+            and self.rows == tuple(range(len(self.rows)))
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -74,7 +74,8 @@ class EmbeddedEngineConfig:
     """Requests admitted (prefilled together in one forward) between two decode steps at most."""
     max_prefill_tokens: int = 8192
     """Padded tokens of one prefill forward at most (sequences x the longest uncached context;
-    a longer context is prefilled alone): bounds the prefill's activation memory."""
+    a longer context is prefilled alone): bounds the prefill's queries and activations (the
+    attention's keys also span a reused session's cached prefix, up to ``max_seq_len``)."""
     seed: int = 0
     """Seed of the sampling stream of requests that bring no seed of their own."""
 
@@ -109,6 +110,9 @@ class _Request:
     abort_message: str | None = None
     cached_tokens: int = 0
     """Context tokens taken over from the session's parked row (not prefilled again)."""
+    kv_version: int = -1
+    """Weight version its keys and values were computed with (prefill at admission); a row
+    whose prefix predates a weight update is not parked for reuse."""
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -397,7 +401,7 @@ class EmbeddedEngine:
                 break  # every row is running: wait for one to finish
             self._waiting.popleft()
             table.add(entry, len(context), takes)
-            entry.cached_tokens = reused
+            entry.cached_tokens, entry.kv_version = reused, self._version
             if not reused:
                 first.setdefault(context, len(admitted))
             admitted.append((entry, reused))
@@ -465,7 +469,8 @@ class EmbeddedEngine:
         for entry, reason in sorted(done, key=lambda d: -row_of[id(d[0])]):
             row, session = row_of[id(entry)], entry.request.session
             cached = entry.context[: table.lengths[row]]
-            table.release(row, None if session is None else (session, cached))
+            fresh = session is not None and entry.kv_version == self._version
+            table.release(row, (session, cached) if fresh else None)
             self._finish(entry, reason)
 
     def _finish_reason(self, entry: _Request) -> FinishReason | None:

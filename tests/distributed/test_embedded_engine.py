@@ -232,16 +232,36 @@ def _sharing_run(weights, prompts):
         turn2 = prompts[0] + first.output_ids + (7, 8, 9)
         reused = await eng.generate(GenerateRequest(turn2, greedy, session="s"))
         fresh = await eng.generate(GenerateRequest(turn2, greedy))
-        return group, first, reused, fresh
+        # A one-token prompt joining a running request is a prefill, not a decode step.
+        longer = SamplingParams(max_new_tokens=12, temperature=0.0)
+        running = asyncio.ensure_future(eng.generate(GenerateRequest(prompts[1], longer)))
+        while eng.num_running == 0:  # admitted (prefilled): it holds row 0
+            await asyncio.sleep(0.001)
+        tiny = await eng.generate(GenerateRequest((5,), greedy))
+        await running
+        # Weights loaded while a session's request runs: its row is not parked for reuse.
+        task = asyncio.ensure_future(eng.generate(GenerateRequest(prompts[0], longer, session="w")))
+        while eng.num_running == 0:  # prefilled with version 0's weights
+            await asyncio.sleep(0.001)
+        await eng.pause("in_place")  # the request keeps its row across the update
+        await eng.load_state_dict(weights, version=7)
+        await eng.resume()
+        before = await task
+        after = await eng.generate(
+            GenerateRequest(prompts[0] + before.output_ids + (7,), greedy, session="w")
+        )
+        return group, first, reused, fresh, tiny, after
 
     return run_engine(engine, driver)
 
 
 def test_shared_prefill_and_session_reuse_change_nothing(reference):
     weights, expected = reference
-    group, first, reused, fresh = run_distributed(
+    group, first, reused, fresh, tiny, after = run_distributed(
         _sharing_run, 1, args=(weights, _prompts()), timeout_s=120
     )[0]
+    assert len(tiny.output_ids) == 6
+    assert after.cached_tokens == 0 and after.weight_version == 7
     assert all(list(r.output_ids) == expected[2][:6] for r in group)
     for r in group:  # the rows decode in one batch: equal up to float summation order
         torch.testing.assert_close(
