@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+from megatron.core.transformer.identity_op import IdentityOp
 from torch import nn
 
 from megatron_earl import runtime
@@ -95,10 +96,6 @@ class Batch:
             and not any(self.shared)
             and self.rows == tuple(range(len(self.rows)))
         )
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
 
 
 def check_supported(gpt: nn.Module) -> None:
@@ -148,12 +145,8 @@ def check_supported(gpt: nn.Module) -> None:
 
 
 def _norm_or_none(module: nn.Module | None) -> nn.Module | None:
-    """A q/k layernorm, or None where Megatron put an ``IdentityOp`` (no q/k norm)."""
-    return (
-        module
-        if isinstance(module, nn.RMSNorm) or module is None
-        else (None if type(module).__name__ == "IdentityOp" else module)
-    )
+    """A q/k layernorm, or None where Megatron put none (``IdentityOp`` or None)."""
+    return None if module is None or isinstance(module, IdentityOp) else module
 
 
 def _rms(norm: nn.RMSNorm | None):

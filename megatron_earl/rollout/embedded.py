@@ -394,8 +394,7 @@ class EmbeddedEngine:
             if not reused:
                 table.forget(session)
             takes = session if reused else None
-            keep = {e.request.session for e, _ in admitted} | {session}
-            while not table.can_add(takes) and table.evict(keep):
+            while not table.can_add(takes) and table.evict(keep={session}):
                 pass
             if not table.can_add(takes):
                 break  # every row is running: wait for one to finish
