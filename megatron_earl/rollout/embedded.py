@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -56,6 +57,10 @@ from megatron_earl.rollout.kv_cache import RowTable
 from megatron_earl.rollout.sampling import sample_tokens
 
 T = TypeVar("T")
+
+MAX_FORWARD_FAILURES = 3
+"""Forwards failing in a row after which the engine is failed (a request-level cause fails one
+step; a persistent one, e.g. a device fault, should not fail every request forever)."""
 
 
 class RequestError(ValueError):
@@ -166,6 +171,7 @@ class EmbeddedEngine:
         """Running requests by cache row, their cached lengths, parked sessions."""
         self._paused = False
         self._failed: BaseException | None = None
+        self._forward_failures = 0
         self._ids = itertools.count()
         self._stream = random.Random(self.config.seed)
         self._wake: asyncio.Event | None = None
@@ -429,44 +435,91 @@ class EmbeddedEngine:
             starts.append(reused)
             shared.append([])
         batch = Batch(tuple(rows), tuple(tokens), tuple(starts), tuple(map(tuple, shared)))
-        logits = await self._run(Step("forward", batch, self._table.take_moves()))
-        # One row per sequence; each request reads its sequence's row (on the host: the
-        # boundary "engine logits" crosses once).
-        self._accept(runtime.to_host(logits)[seq_of], [entry for entry, _ in admitted])
+        entries = [entry for entry, _ in admitted]
+        logits = await self._forward_or_fail(batch, entries)
+        if logits is not None:
+            # One row per sequence; each request reads its sequence's row (on the host: the
+            # boundary "engine logits" crosses once).
+            self._accept(runtime.to_host(logits)[seq_of], entries)
 
     async def _decode(self) -> None:
         """Decode one token for every running row, in one forward."""
         table = self._table
         batch = Batch.decode(table.lengths, [entry.output_ids[-1] for entry in table.items])
-        logits = await self._run(Step("forward", batch, table.take_moves()))
-        table.lengths = [n + 1 for n in table.lengths]
-        self._accept(logits, list(table.items))
+        logits = await self._forward_or_fail(batch, list(table.items))
+        if logits is not None:
+            table.lengths = [n + 1 for n in table.lengths]
+            self._accept(logits, list(table.items))
+
+    async def _forward_or_fail(self, batch: Batch, entries: list[_Request]) -> torch.Tensor | None:
+        """The step's forward; when it raises (TP1), only ``entries`` -- the requests in it --
+        fail and the loop goes on. ``MAX_FORWARD_FAILURES`` failures in a row, or any with
+        tp > 1 (the peers may be out of step), fail the engine."""
+        try:
+            logits = await self._run(Step("forward", batch, self._table.take_moves()))
+        except Exception as err:
+            self._forward_failures += 1
+            if self._tp > 1 or self._forward_failures >= MAX_FORWARD_FAILURES:
+                raise
+            self._retire([(e, f"the engine's forward failed: {err!r}") for e in entries])
+            return None
+        self._forward_failures = 0
+        return logits
 
     def _accept(self, logits: torch.Tensor, entries: list[_Request]) -> None:
         """Sample one token per entry (logits row i = entries[i]) and retire the finished; a
-        finished request with a session parks its row for the session's next turn."""
-        params = [e.request.sampling for e in entries]
+        finished request with a session parks its row for the session's next turn. A request
+        whose sampling or stop check raises, or whose log-prob is not finite, fails alone."""
+        host = runtime.to_host(logits)
         # Sampling runs on the host with each request's own seeded random stream (reproducible
         # whatever the device): the step's logits cross once (boundary "engine logits").
-        tokens, logprobs = sample_tokens(
-            runtime.to_host(logits),
-            self.model_config.vocab_size,
-            params,
-            [e.generator for e in entries],
-        )
-        done: list[tuple[_Request, FinishReason]] = []
-        for entry, token, logprob in zip(entries, tokens, logprobs):
+        try:
+            drawn = list(zip(*self._sample(host, entries), strict=True))
+        except Exception:
+            drawn = [self._sample_alone(host[i : i + 1], e) for i, e in enumerate(entries)]
+        done: list[tuple[_Request, FinishReason | str]] = []
+        for entry, (token, logprob) in zip(entries, drawn):
+            if token is None:
+                done.append((entry, f"sampling failed: {logprob}"))
+                continue
+            if not math.isfinite(logprob):
+                done.append((entry, f"non-finite logits (log-prob {logprob}) at this step"))
+                continue
             entry.output_ids.append(token)
             entry.logprobs.append(logprob)
-            reason = self._finish_reason(entry)
+            try:
+                reason = self._finish_reason(entry)
+            except Exception as err:
+                reason = f"stop check failed: {err!r}"
             if reason is not None:
                 done.append((entry, reason))
-        if not done:
-            return
+        if done:
+            self._retire(done)
+
+    def _sample(self, host: torch.Tensor, entries: list[_Request]) -> tuple[list, list]:
+        params = [e.request.sampling for e in entries]
+        generators = [e.generator for e in entries]
+        return sample_tokens(host, self.model_config.vocab_size, params, generators)
+
+    def _sample_alone(self, host: torch.Tensor, entry: _Request) -> tuple[int | None, Any]:
+        try:
+            (token,), (logprob,) = self._sample(host, [entry])
+        except Exception as err:
+            return None, repr(err)
+        return token, logprob
+
+    def _retire(self, done: list[tuple[_Request, FinishReason | str]]) -> None:
+        """Release the rows of finished (a ``FinishReason``) and failed (a message) requests,
+        last row first; a finished request's session keeps its row parked when its keys and
+        values are of the current weights."""
         table = self._table
         row_of = {id(e): r for r, e in enumerate(table.items)}
         for entry, reason in sorted(done, key=lambda d: -row_of[id(d[0])]):
             row, session = row_of[id(entry)], entry.request.session
+            if isinstance(reason, str):
+                table.release(row)
+                self._fail(entry, reason)
+                continue
             cached = entry.context[: table.lengths[row]]
             fresh = session is not None and entry.kv_version == self._version
             table.release(row, (session, cached) if fresh else None)
@@ -486,6 +539,12 @@ class EmbeddedEngine:
         if len(entry.request.input_ids) + len(entry.output_ids) >= self.config.max_seq_len:
             return FinishReason(FinishType.LENGTH)
         return None
+
+    def _fail(self, entry: _Request, message: str) -> None:
+        if not entry.future.done():
+            entry.future.set_exception(
+                EngineError(f"request {entry.request.rid!r} failed: {message}")
+            )
 
     def _finish(self, entry: _Request, reason: FinishReason) -> None:
         if entry.future.done():

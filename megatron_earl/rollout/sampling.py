@@ -6,7 +6,9 @@ Log-probs: ``log_softmax`` of the *raw* logits (before temperature, top-k, top-p
 (``training.schedule.token_logprobs`` = ``-vocab_parallel_cross_entropy`` over the padded vocab),
 so the rollout/train mismatch of the same weights is ~1e-7 in fp32. The sampling distribution
 itself excludes the padded ids (``>= vocab_size``), applies temperature, then top-k, then top-p,
-each row with its own settings. Temperature 0 is greedy (argmax over the real vocabulary).
+each row with its own settings. Temperature 0 is greedy (argmax over the real vocabulary), and so
+is any temperature below ``SAMPLING_EPS`` (SGLang's rule; dividing by 1e-300 would overflow).
+A ``top_k`` over the vocabulary keeps it whole.
 
 Sampling is inverse-CDF: one uniform number per request from that request's own random stream
 (``random.Random``: its seed, or the engine's stream), scaled by the row's total mass and looked
@@ -66,11 +68,14 @@ def sample_tokens(
     logits_nV = logits_nV.float()
     real = logits_nV[:, :vocab_size]
     tokens = torch.argmax(real, dim=-1)
-    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    hot = [i for i, p in enumerate(params) if not p.greedy]
     if hot:
         rows = torch.tensor(hot, dtype=torch.long)
         settings = torch.tensor(
-            [[params[i].temperature, params[i].top_k, params[i].top_p] for i in hot],
+            [
+                [params[i].temperature, min(params[i].top_k, vocab_size), params[i].top_p]
+                for i in hot
+            ],
             dtype=torch.float64,
         )
         filtered = filter_logits(

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import math
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -42,6 +44,8 @@ from megatron_earl.rollout.engine import (
     GenerateResult,
     SamplingParams,
 )
+
+logger = logging.getLogger("megatron_earl.serve")
 
 GENERATE_FIELDS = frozenset(
     {
@@ -129,26 +133,46 @@ def _int_list(value: Any, what: str) -> list[int]:
 
 
 def sampling_from_json(raw: Any) -> SamplingParams:
-    """SGLang ``sampling_params`` -> ``SamplingParams``; ``BadRequest`` names what is invalid."""
+    """SGLang ``sampling_params`` -> ``SamplingParams``; ``BadRequest`` names what is invalid
+    (types, ranges and finiteness are checked here, so nothing reaches the engine loop that could
+    make it raise)."""
     raw = _check_fields(raw or {}, SAMPLING_FIELDS, "sampling_params")
     if raw.get("n", 1) != 1:
         raise BadRequest(f"sampling_params.n={raw['n']} is not supported; send n requests")
     if raw.get("min_p", 0.0) not in (0, 0.0):
         raise BadRequest("sampling_params.min_p is not supported by this server (use 0)")
     stop = raw.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple):
+        raise BadRequest(f"sampling_params.stop must be a string or a list of strings: {stop!r}")
+    fields = {
+        "max_new_tokens": _whole(raw.get("max_new_tokens", 128), "max_new_tokens"),
+        "temperature": _number(raw.get("temperature", 1.0), "temperature"),
+        "top_p": _number(raw.get("top_p", 1.0), "top_p"),
+        "top_k": _whole(raw.get("top_k", -1), "top_k"),
+        "stop_token_ids": tuple(_int_list(raw.get("stop_token_ids") or [], "stop_token_ids")),
+        "stop": tuple(stop),
+        "seed": raw.get("sampling_seed"),
+    }
     try:
-        return SamplingParams(
-            max_new_tokens=int(raw.get("max_new_tokens", 128)),
-            temperature=float(raw.get("temperature", 1.0)),
-            top_p=float(raw.get("top_p", 1.0)),
-            top_k=int(raw.get("top_k", -1)),
-            stop_token_ids=tuple(_int_list(raw.get("stop_token_ids") or [], "stop_token_ids")),
-            stop=stop,
-            seed=raw.get("sampling_seed"),
-        )
-    except (TypeError, ValueError) as err:
+        return SamplingParams(**fields)
+    except ValueError as err:
         raise BadRequest(f"invalid sampling_params: {err}") from None
+
+
+def _number(value: Any, name: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise BadRequest(f"sampling_params.{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _whole(value: Any, name: str) -> int:
+    """An integer (a float with an integral value too, as JSON encoders write 4.0)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"sampling_params.{name} must be an integer, got {value!r}")
+    return value
 
 
 def result_json(result: GenerateResult, text: str, return_logprob: bool) -> dict[str, Any]:
@@ -227,6 +251,11 @@ class Server:
             return _error(400, str(err))
         except RequestError as err:
             return _error(400, str(err))
+        except web.HTTPException:
+            raise
+        except Exception as err:  # a bug answered for this request only; the server goes on
+            logger.exception("%s failed", request.path)
+            return _error(500, f"{request.path} failed: {type(err).__name__}: {err}")
 
     async def _json(self, request: web.Request, allowed: frozenset[str], what: str) -> dict:
         if not request.can_read_body:
@@ -249,8 +278,13 @@ class Server:
         sampling = sampling_from_json(body.get("sampling_params"))
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
+            raise BadRequest(
+                f"rid must be a string or a list of {len(prompts)} strings (one per prompt), "
+                f"got {rid!r}"
+            )
         requests = []
-        for i, (ids, r) in enumerate(zip(prompts, rids, strict=True)):
+        for i, (ids, r) in enumerate(zip(prompts, rids)):
             name = (f"{r}-{i}" if batched and isinstance(rid, str) else r) or ""
             req = GenerateRequest(tuple(ids), sampling, str(name))
             self.engine.validate(req)
@@ -275,6 +309,8 @@ class Server:
                 raise BadRequest("this model has no tokenizer; send input_ids")
             texts = body["text"]
             batched = isinstance(texts, list)
+            if not all(isinstance(t, str) for t in (texts if batched else [texts])):
+                raise BadRequest(f"text must be a string or a list of strings, got {texts!r:.80}")
             return [list(t.encode()) for t in (texts if batched else [texts])], batched
         ids = body["input_ids"]
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -406,14 +442,33 @@ class Server:
                 if body.get("abort_all_requests"):
                     await self.engine.abort_all("aborted for a weight update")
                 full = full_state_dict(self.engine.model_chunks)
+                shapes = {name: (t.shape, t.dtype) for name, t in full.items()}
                 try:
                     apply(full)
                 except (KeyError, ValueError) as err:
                     raise BadRequest(f"weight update rejected: {err}") from None
+                _check_update(full, shapes)
                 await self.engine.load_state_dict(full, version)
             finally:
                 self.updating = False
         return web.json_response({"success": True, "message": f"weight version {version}"})
+
+
+def _check_update(full: dict[str, torch.Tensor], before: dict[str, tuple]) -> None:
+    """Refuse, before anything is loaded, tensors that would break the served model: unknown
+    names, other shapes, non-finite values (the served weights stay as they were)."""
+    unknown = sorted(set(full) - set(before))
+    if unknown:
+        raise BadRequest(f"weight update rejected: unknown parameters {unknown[:4]}")
+    for name, tensor in full.items():
+        shape, _ = before[name]
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != shape:
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+            raise BadRequest(
+                f"weight update rejected: {name} has shape {got}, the model's is {tuple(shape)}"
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise BadRequest(f"weight update rejected: {name} has non-finite values (NaN/inf)")
 
 
 def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]:

@@ -1,11 +1,20 @@
 """Bootstrap of a sandboxed run (``tools.sandbox``): runs in the child as ``python -I -c``
-before the user code, stdlib only. Applies the isolation layers in order (network namespace,
-uid drop, rlimits, audit hook), records which ones applied in ``.isolation.json``, then runs
-``main.py`` of the work directory as ``__main__``. Not imported by the package."""
+before the user code, stdlib only. Not imported by the package.
+
+Processes: this bootstrap B unshares the network and PID namespaces (``netns``, ``pidns``) and
+forks R, PID 1 of the new PID namespace; R applies the uid drop and rlimits, reports the layers
+applied on the report pipe (closed before any user code runs: the code cannot forge or block
+it), forks U, which installs the audit hook and runs ``main.py`` as ``__main__``. R waits for U
+and passes U's wait status to B on the status pipe; B ends the same way U did (exit status, or
+the same signal). When R ends -- after U, or when the parent kills the process group -- the
+kernel kills every process left in the namespace, including any that left the process group
+with ``setsid``. Without a PID namespace B runs U's part itself (no R, no status pipe).
+"""
 
 import json
 import os
 import resource
+import signal
 import sys
 import sysconfig
 
@@ -14,15 +23,43 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     work = os.path.realpath(cfg["workdir"])
     applied = []
+    report, status_r = cfg["report_fd"], None
 
-    if cfg["net_namespace"]:
+    if cfg["net_namespace"] or cfg["pid_namespace"]:
         import ctypes
 
         _libc = ctypes.CDLL(None, use_errno=True)
-        _flags = 0x40000000 if os.geteuid() == 0 else 0x40000000 | 0x10000000
-        if _libc.unshare(_flags) == 0:
-            applied.append("netns")
+        _user = 0 if os.geteuid() == 0 else 0x10000000  # CLONE_NEWUSER when unprivileged
+        for flag, name, wanted in (
+            (0x40000000, "netns", cfg["net_namespace"]),
+            (0x20000000, "pidns", cfg["pid_namespace"]),
+        ):
+            if wanted and _libc.unshare(flag | _user) == 0:
+                applied.append(name)
+                _user = 0  # one user namespace is enough
         del _libc
+
+    if "pidns" in applied:
+        status_r, status_w = os.pipe()
+        if os.fork() != 0:  # B: wait for R's report of U's end and end the same way
+            os.close(status_w)
+            os.close(report)
+            raw = b""
+            while chunk := os.read(status_r, 64):
+                raw += chunk
+            try:
+                status = int(raw)
+            except ValueError:  # R died before it could report: killed with the group
+                os._exit(137)
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+                os._exit(128 + sig)  # a signal whose default action does not end a process
+            os._exit(os.waitstatus_to_exitcode(status))
+        os.close(status_r)
+        status_r = status_w  # R keeps the write end
 
     if cfg["uid"] is not None:
         os.setgroups([])
@@ -118,13 +155,26 @@ def main() -> None:
             elif event.startswith(_blocked):
                 raise PermissionError(f"sandbox: {event} refused")
 
-        with open(os.path.join(work, ".isolation.json"), "w") as _f:
-            json.dump([*applied, "audit"], _f)
-        sys.addaudithook(_hook)
+        applied.append("audit")
     else:
-        with open(os.path.join(work, ".isolation.json"), "w") as _f:
-            json.dump(applied, _f)
+        _hook = None
 
+    os.write(report, json.dumps(applied).encode())
+    os.close(report)
+    if status_r is not None:  # R: run U and report how it ended
+        pid = os.fork()
+        if pid != 0:
+            while True:
+                try:
+                    _, status = os.waitpid(pid, 0)
+                    break
+                except InterruptedError:
+                    continue
+            os.write(status_r, str(status).encode())
+            os._exit(0)
+        os.close(status_r)
+    if _hook is not None:
+        sys.addaudithook(_hook)
     del cfg, applied
     with open(os.path.join(work, "main.py")) as _f:
         _code = compile(_f.read(), "main.py", "exec")

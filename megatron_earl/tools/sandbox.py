@@ -22,14 +22,26 @@ Layers, strongest first, each recorded in ``SandboxResult.isolation`` when it wa
             enforced. This layer is in-process: Python code cannot remove the hook, but native
             code (an extension module already importable) could bypass it; the kernel layers
             above do not have that weakness.
+``pidns``  ``unshare(CLONE_NEWPID)``: the code runs under a reaper that is PID 1 of a fresh PID
+            namespace; when the reaper ends (after the code, or killed with the group) the kernel
+            kills every process left in the namespace -- also one that left the process group
+            with ``setsid``. Every process the call started is gone when it returns.
 Always: wall-clock timeout, after which (and after every run) the child's whole process group
-is killed with SIGKILL. A process that calls ``setsid`` to leave the group escapes that kill
+is killed with SIGKILL. Without ``pidns`` a process that calls ``setsid`` escapes that kill
 (``setsid`` is not an audit event); with ``uid`` it stays bounded by ``RLIMIT_NPROC``/CPU.
+
+Nothing the code can touch is read back: the layers applied come over a pipe the bootstrap
+closes before the code starts, stdout/stderr are read asynchronously with a size cap, and after
+the kill the readers get ``READ_GRACE_S`` to drain before they are dropped (a descendant that
+escaped the kill may hold the pipes open; its output is cut there). The work directory is
+removed off the event loop, so a file the code left behind (a named pipe, a huge tree) cannot
+block the caller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pwd
@@ -48,6 +60,10 @@ import psutil
 from megatron_earl.tools.base import TOOLS, Tool
 
 _CHILD = Path(__file__).with_name("_sandbox_child.py").read_text()
+READ_GRACE_S = 1.0
+"""After the kill, how long stdout/stderr readers may drain before they are dropped."""
+CLEANUP_TIMEOUT_S = 10.0
+"""Removing the work directory (in a thread) is waited for at most this long."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,9 @@ class SandboxConfig:
     """stdout/stderr kept per stream; the rest is dropped."""
     net_namespace: bool = True
     """Run in a fresh network namespace when the kernel allows."""
+    pid_namespace: bool = True
+    """Run under a reaper in a fresh PID namespace when the kernel allows (no process outlives
+    the call)."""
     drop_privileges: bool = True
     """As root, run the code as ``sandbox_user``."""
     sandbox_user: str = "nobody"
@@ -143,11 +162,27 @@ def _interpreter(config: SandboxConfig, drop: bool) -> tuple[str, bool]:
     return sys.executable, False
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
-    kept = bytearray()
+async def _read_capped(stream: asyncio.StreamReader, cap: int, kept: bytearray) -> None:
+    """Read ``stream`` to its end into ``kept`` (at most ``cap`` bytes kept; the rest dropped)."""
     while chunk := await stream.read(65536):
         kept += chunk[: max(0, cap - len(kept))]
-    return bytes(kept)
+
+
+def _read_report(fd: int) -> list[str]:
+    """The layers the bootstrap applied, from the report pipe (non-blocking: every writer is gone
+    or never wrote; anything else than a JSON list of strings reads as no layer)."""
+    os.set_blocking(fd, False)
+    raw = b""
+    try:
+        while len(raw) < 4096 and (chunk := os.read(fd, 4096)):
+            raw += chunk
+    except BlockingIOError:
+        pass
+    try:
+        layers = json.loads(raw)
+    except ValueError:
+        return []
+    return layers if isinstance(layers, list) and all(isinstance(x, str) for x in layers) else []
 
 
 def _kill_group(pgid: int) -> None:
@@ -158,16 +193,18 @@ def _kill_group(pgid: int) -> None:
 
 
 async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
-    """Run ``code`` in a sandboxed child process; never raises for what the code does."""
+    """Run ``code`` in a sandboxed child process; never raises for what the code does, and
+    returns within ``wall_timeout_s + READ_GRACE_S`` (plus the removal of its directory)."""
     config = config or SandboxConfig()
     workdir = tempfile.mkdtemp(prefix="earl-sandbox-")
     start = time.monotonic()
+    report_r, report_w = os.pipe()
     try:
         Path(workdir, "main.py").write_text(code)
         is_root = os.geteuid() == 0
         python, use_uid = _interpreter(config, is_root and config.drop_privileges)
         uid = gid = None
-        nproc = config.max_processes
+        nproc = config.max_processes + 1  # + the PID-namespace reaper
         if use_uid:
             user = pwd.getpwnam(config.sandbox_user)
             uid, gid = user.pw_uid, user.pw_gid
@@ -178,9 +215,11 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             nproc += sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"].real == me)
         child_cfg = {
             "workdir": workdir,
+            "report_fd": report_w,
             "uid": uid,
             "gid": gid,
             "net_namespace": config.net_namespace,
+            "pid_namespace": config.pid_namespace,
             "cpu": config.cpu_time_s,
             "memory": config.memory_mb * 2**20,
             "nproc": nproc if (uid is not None or not is_root) else None,
@@ -196,22 +235,27 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONIOENCODING": "utf-8",
         }
-        proc = await asyncio.create_subprocess_exec(
-            python,
-            "-I",
-            "-c",
-            _CHILD,
-            json.dumps(child_cfg),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            cwd=workdir,
-            env=env,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                python,
+                "-I",
+                "-c",
+                _CHILD,
+                json.dumps(child_cfg),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                cwd=workdir,
+                env=env,
+                pass_fds=(report_w,),
+            )
+        finally:
+            os.close(report_w)
+        kept = (bytearray(), bytearray())
         readers = [
-            asyncio.ensure_future(_read_capped(s, config.max_output_bytes))
-            for s in (proc.stdout, proc.stderr)
+            asyncio.ensure_future(_read_capped(s, config.max_output_bytes, k))
+            for s, k in zip((proc.stdout, proc.stderr), kept)
         ]
         # Poll ``returncode`` rather than ``proc.wait()``: on Python 3.11 ``wait()`` also waits
         # for the pipes to close, which leftover children of the code keep open.
@@ -223,19 +267,27 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             timed_out = proc.returncode is None
             _kill_group(proc.pid)  # the process group: leftover children of the code too
         await proc.wait()
-        out, err = await asyncio.gather(*readers)
-        applied = Path(workdir, ".isolation.json")
-        isolation = json.loads(applied.read_text()) if applied.exists() else []
+        _, pending = await asyncio.wait(readers, timeout=READ_GRACE_S)
+        for reader in pending:  # pipes still held open by a process that escaped the kill
+            reader.cancel()
         return SandboxResult(
-            out.decode(errors="replace"),
-            err.decode(errors="replace"),
+            bytes(kept[0]).decode(errors="replace"),
+            bytes(kept[1]).decode(errors="replace"),
             None if timed_out else proc.returncode,
             timed_out,
             time.monotonic() - start,
-            isolation,
+            _read_report(report_r),
         )
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        os.close(report_r)
+        await _remove(workdir)
+
+
+async def _remove(workdir: str) -> None:
+    """Remove the work directory in a thread, waiting at most ``CLEANUP_TIMEOUT_S``."""
+    removal = asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(removal), CLEANUP_TIMEOUT_S)
 
 
 @TOOLS.register("python")

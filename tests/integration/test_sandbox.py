@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -76,6 +80,19 @@ def test_refuses_access_outside_its_directory(tmp_path):
     assert r.ok and r.stdout.strip() == "inside"
 
 
+def _sandbox_processes() -> list[psutil.Process]:
+    """Living processes of any sandboxed run (the bootstrap's argument names its work directory;
+    forked children keep the command line)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+            "earl-sandbox-" in a for a in cmdline
+        ):
+            found.append(proc)
+    return found
+
+
 def test_fork_bomb_is_contained():
     code = (
         "import os, time\n"
@@ -93,16 +110,11 @@ def test_fork_bomb_is_contained():
     start = time.monotonic()
     r = sandbox(code, max_processes=8, wall_timeout_s=10)
     assert time.monotonic() - start < 10, "the main process should end on its own"
-    first, pids = r.stdout.splitlines()[:2] if r.stdout else ("", "")
+    first = r.stdout.splitlines()[0] if r.stdout else ""
     assert first.startswith("refused after"), (r.stdout, r.stderr)
     assert int(first.split()[2]) <= 8
     time.sleep(0.2)
-    alive = [
-        int(p)
-        for p in pids.split()
-        if psutil.pid_exists(int(p)) and psutil.Process(int(p)).status() != psutil.STATUS_ZOMBIE
-    ]
-    assert not alive, f"children survived the sandbox: {alive}"
+    assert not _sandbox_processes(), "children survived the sandbox"
 
 
 def test_recursive_fork_bomb_is_killed():
@@ -150,3 +162,74 @@ def test_python_tool():
         asyncio.run(tool.execute({"code": "1/0"})) == "error: ZeroDivisionError: division by zero"
     )
     assert tool.validate({"code": 1}) is not None
+
+
+def _bounded(code: str, limit_s: float, **limits) -> object:
+    """``sandbox(code)`` in a daemon thread: the result, or a failure when the call has not
+    returned after ``limit_s`` (a caller frozen by the code); leftover sandbox processes are
+    killed either way."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(sandbox(code, **limits)), daemon=True)
+    start = time.monotonic()
+    thread.start()
+    thread.join(limit_s)
+    took = time.monotonic() - start
+    for proc in _sandbox_processes():
+        proc.kill()
+    assert box, f"run_python did not return within {limit_s}s: the code froze its caller"
+    return box[0], took
+
+
+def test_files_left_by_the_code_cannot_block_the_caller():
+    # Named pipes where the parent used to read results back (.isolation.json) and over the
+    # code's own main.py: reading any of them would block until a writer appears.
+    code = (
+        "import os\n"
+        "for name in ('.isolation.json', 'main.py', 'out.txt'):\n"
+        "    if os.path.exists(name):\n"
+        "        os.remove(name)\n"
+        "    os.mkfifo(name)\n"
+        "print('planted')\n"
+    )
+    r, took = _bounded(code, limit_s=15, wall_timeout_s=3)
+    assert r.ok and r.stdout.strip() == "planted", r.stderr
+    assert {"rlimits", "audit"} <= set(r.isolation), r.isolation
+    assert took < 3 + 5
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory the sandbox user can write (pytest's tmp_path is private to root)."""
+    where = Path(tempfile.mkdtemp(prefix="earl-beat-"))
+    where.chmod(0o777)
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_no_process_outlives_the_call(shared_dir):
+    # A grandchild that leaves the process group (setsid), keeps stdout open and writes a
+    # heartbeat outside the work directory (audit hook off: the kernel layers alone).
+    beat = shared_dir / "beat"
+    beat.touch()
+    beat.chmod(0o666)
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        while True:\n"
+        f"            open({str(beat)!r}, 'a').write('.')\n"
+        "            time.sleep(0.05)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.3)\n"
+        "print('parent done')\n"
+    )
+    r, took = _bounded(code, limit_s=15, wall_timeout_s=5, audit_hook=False)
+    if "pidns" not in r.isolation and os.geteuid() != 0:
+        pytest.skip("PID namespaces unavailable here: a setsid process can outlive the call")
+    assert r.ok and "parent done" in r.stdout and took < 5, (r.stdout, r.stderr, took)
+    size = beat.stat().st_size
+    assert size > 0, "the grandchild never ran"
+    time.sleep(0.3)
+    assert beat.stat().st_size == size, "a sandboxed process outlived the call"
+    assert not _sandbox_processes()

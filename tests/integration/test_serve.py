@@ -221,3 +221,87 @@ def test_killed_server_requests_fail_over(servers):
         await pool.close()
 
     asyncio.run(body())
+
+
+# Values that pass a naive validation and used to break the engine loop for good (issue 22,
+# item 2): each must get a 400 naming the field while a request in flight and the next one are
+# served and /health stays 200.
+LOOP_BREAKERS = {
+    "temperature NaN": ('{"temperature": NaN}', "temperature must be a finite number"),
+    "temperature inf": ('{"temperature": Infinity}', "temperature must be a finite number"),
+    "top_p NaN": ('{"top_p": NaN}', "top_p must be a finite number"),
+    "stop of ints": ('{"stop": [1, 2]}', "stop must be a list of non-empty strings"),
+    "stop of a dict": ('{"stop": {"a": 1}}', "stop must be a string or a list"),
+    "stop_token_ids of str": ('{"stop_token_ids": ["a"]}', "stop_token_ids must be a list"),
+    "seed str": ('{"sampling_seed": "x"}', "seed must be an integer"),
+    "seed float": ('{"sampling_seed": 1.5}', "seed must be an integer"),
+    "max_new_tokens inf": ('{"max_new_tokens": Infinity}', "max_new_tokens must be an integer"),
+    "max_new_tokens NaN": ('{"max_new_tokens": NaN}', "max_new_tokens must be an integer"),
+    "top_k 1.5": ('{"top_k": 1.5}', "top_k must be an integer"),
+}
+
+
+def test_loop_breaking_values_get_400_and_the_engine_keeps_serving(servers):
+    url = servers[1].url
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    long = {"input_ids": list(PROMPT), "sampling_params": {"max_new_tokens": 60, "temperature": 0}}
+
+    async def body():
+        async with aiohttp.ClientSession(headers=headers) as s:
+            in_flight = asyncio.create_task(s.post(url + "/generate", json=long))
+            for name, (sampling, needle) in LOOP_BREAKERS.items():
+                data = '{"input_ids": [1, 2], "sampling_params": ' + sampling + "}"
+                async with s.post(url + "/generate", data=data) as resp:
+                    text = await resp.text()
+                    assert resp.status == 400 and needle in text, (name, resp.status, text)
+                async with s.get(url + "/health") as resp:
+                    assert resp.status == 200, name
+            for bad in ({"rid": {"a": 1}}, {"text": 5, "input_ids": None}):
+                async with s.post(url + "/generate", json={"input_ids": [1], **bad}) as resp:
+                    assert resp.status == 400, (bad, await resp.text())
+            async with await in_flight as resp:
+                assert resp.status == 200
+                assert len((await resp.json())["output_ids"]) == 60
+            # Finite but extreme: 1e-300 is greedy (SGLang's rule), 1e308 and a top_k far over
+            # the vocabulary sample from the whole vocabulary.
+            outs = {}
+            for temp, top_k in ((0.0, -1), (1e-300, -1), (1e308, 10**30)):
+                sp = {"max_new_tokens": 8, "temperature": temp, "top_k": top_k}
+                async with s.post(
+                    url + "/generate", json={"input_ids": list(PROMPT), "sampling_params": sp}
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    outs[temp] = (await resp.json())["output_ids"]
+            assert outs[1e-300] == outs[0.0] and len(outs[1e308]) == 8
+
+    asyncio.run(body())
+
+
+def test_weight_update_with_non_finite_or_misshapen_values_is_refused(servers):
+    from megatron_earl.models.hf_mapping import global_shapes
+    from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
+
+    full = {k: torch.zeros(s) for k, s in global_shapes(MODEL).items()}
+    name, tensor = next(iter(hf_named_tensors(full, MODEL)))
+    cases = {
+        "non-finite values": [(name, torch.full_like(tensor, float("nan")))],
+        "shape": [(name, torch.zeros(3, 3))],
+    }
+
+    async def body():
+        client = _client(servers[1])
+        before = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        async with aiohttp.ClientSession() as s:
+            for needle, tensors in cases.items():
+                async with s.post(
+                    servers[1].url + "/update_weights_from_tensor",
+                    json={"serialized_named_tensors": [serialize_named_tensors(tensors)]},
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                ) as resp:
+                    text = await resp.text()
+                    assert resp.status == 400 and needle in text, text
+        after = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        assert after.output_ids == before.output_ids  # the served weights did not change
+        await client.close()
+
+    asyncio.run(body())

@@ -1,0 +1,117 @@
+"""A request that fails inside the embedded engine's loop fails alone (issue 22, item 2).
+
+* A forward that raises (fault injected into the prefill of one request, as an out-of-memory on a
+  long prompt would) fails only the requests of that step: a request already decoding finishes
+  with exactly the tokens it gets without the fault, later requests are served, the engine stays
+  healthy. Three failing forwards in a row fail the engine (a persistent fault is not hidden).
+* Non-finite weights (a diverged update loaded by an external reshard) fail each request with a
+  message naming non-finite logits; the engine stays healthy and serves again once finite
+  weights are loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.testing.distributed import run_distributed
+
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=128,
+    make_vocab_size_divisible_by=64,
+)
+POISON = 77
+"""A prompt starting with this token makes the injected forward raise."""
+
+
+def _engine():
+    from megatron_earl import runtime
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.parallel.layout import ParallelLayout
+    from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    initialize_layout(ParallelLayout())
+    runtime.seed(5)
+    chunks = build_model(MODEL)
+    engine = EmbeddedEngine(chunks, MODEL, EmbeddedEngineConfig(max_batch_size=4, max_seq_len=64))
+    real = engine._forward
+
+    def faulty(batch):
+        if not batch.is_decode and any(t[0] == POISON for t in batch.tokens):
+            raise RuntimeError("injected: out of memory in the prefill")
+        return real(batch)
+
+    engine._forward = faulty
+    return engine
+
+
+def _forward_failure_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import EngineError, GenerateRequest
+
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    engine = _engine()
+
+    async def driver(eng):
+        alone = await eng.generate(GenerateRequest((1, 2, 3), greedy))
+        running = asyncio.create_task(eng.generate(GenerateRequest((1, 2, 3), greedy)))
+        while eng.num_running == 0:
+            await asyncio.sleep(0.001)
+        with pytest.raises(EngineError, match="injected: out of memory"):
+            await eng.generate(GenerateRequest((POISON, 5), greedy))
+        survivor = await running
+        after = await eng.generate(GenerateRequest((4, 5), greedy))
+        healthy = await eng.health()
+        for _ in range(3):  # a persistent fault fails the engine
+            with pytest.raises(EngineError):
+                await eng.generate(GenerateRequest((POISON, 6), greedy))
+        return alone, survivor, after, healthy, await eng.health()
+
+    return run_engine(engine, driver)
+
+
+def _nan_weights_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.redistribute.geometry import full_state_dict
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import EngineError, GenerateRequest
+
+    engine = _engine()
+    good = {k: v.clone() for k, v in full_state_dict(engine.model_chunks).items()}
+    bad = {k: torch.full_like(v, float("nan")) for k, v in good.items()}
+    request = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4, temperature=1.0))
+
+    async def driver(eng):
+        before = await eng.generate(request)
+        await eng.load_state_dict(bad, 1)
+        with pytest.raises(EngineError, match="non-finite logits"):
+            await eng.generate(request)
+        healthy = await eng.health()
+        await eng.load_state_dict(good, 2)
+        return before, healthy, await eng.generate(request)
+
+    return run_engine(engine, driver)
+
+
+def test_failed_forward_fails_only_its_requests():
+    alone, survivor, after, healthy, finally_healthy = run_distributed(
+        _forward_failure_run, 1, timeout_s=120
+    )[0]
+    assert survivor.output_ids == alone.output_ids and len(alone.output_ids) == 24
+    assert len(after.output_ids) == 24 and healthy
+    assert not finally_healthy
+
+
+def test_non_finite_weights_fail_requests_not_the_engine():
+    before, healthy, after = run_distributed(_nan_weights_run, 1, timeout_s=120)[0]
+    assert healthy
+    assert len(before.output_ids) == len(after.output_ids) == 4 and after.weight_version == 2
