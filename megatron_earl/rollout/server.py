@@ -16,9 +16,11 @@ Endpoints (shapes of SGLang 0.5.x): ``/generate`` (``input_ids`` or ``text``, ba
 ``/update_weights_from_tensor`` (portable payload, see ``weight_sync``),
 ``/update_weights_from_disk``
 (a full-state checkpoint file), ``/pause_generation``, ``/continue_generation``, ``/abort_request``.
-Bound to 127.0.0.1 by default; with ``--api-key`` every control endpoint (all but generate, health
-and info) needs ``Authorization: Bearer KEY``. Bad input gets a 4xx with
-``{"error": {"message": ...}}``; a generate request during a weight update gets 503.
+Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with ``--api-key``
+every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
+guards the weight/control endpoints instead. Bodies over ``--max-body-mb`` (weight updates:
+``--max-weight-body-mb``) get 413. Bad input gets a 4xx with ``{"error": {"message": ...}}``; a
+generate request during a weight update gets 503.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from megatron_earl.rollout.engine import (
     GenerateResult,
     SamplingParams,
 )
+from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
 
 logger = logging.getLogger("megatron_earl.serve")
 
@@ -93,17 +96,6 @@ TENSOR_UPDATE_FIELDS = frozenset(
 )
 DISK_UPDATE_FIELDS = frozenset(
     {"rid", "model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"}
-)
-_OPEN = (
-    "/generate",
-    "/health",
-    "/health_generate",
-    "/get_model_info",
-    "/model_info",
-    "/get_server_info",
-    "/server_info",
-    "/get_load",
-    "/get_weight_version",
 )
 
 
@@ -203,10 +195,20 @@ def finish_json(reason: FinishReason, length: int) -> dict[str, Any]:
 class Server:
     """HTTP front of one embedded engine (TP1, scheduler rank)."""
 
-    def __init__(self, engine: EmbeddedEngine, model_path: str, api_key: str | None = None):
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        model_path: str,
+        api_key: str | None = None,
+        *,
+        admin_api_key: str | None = None,
+        limits: RequestLimits | None = None,
+    ):
         self.engine = engine
         self.model_path = model_path
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.limits = limits or RequestLimits()
         self.updating = False
         self._update_lock = asyncio.Lock()
         vocab = engine.model_config.vocab_size
@@ -218,7 +220,10 @@ class Server:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        app = web.Application(
+            middlewares=[self._middleware],
+            client_max_size=max(self.limits.max_body_bytes, self.limits.max_weight_body_bytes),
+        )
         routes = [
             ("*", "/generate", self.generate),
             ("GET", "/health", self.health),
@@ -242,11 +247,24 @@ class Server:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
-        if self.api_key and request.path not in _OPEN:
-            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
-                return _error(401, f"{request.path} needs 'Authorization: Bearer <api key>'")
+        header = request.headers.get("Authorization")
+        if not allowed(request.method, request.path, header, self.api_key, self.admin_api_key):
+            kind = "admin key" if request.path in ADMIN_PATHS and self.admin_api_key else "api key"
+            return _error(401, f"{request.path} needs 'Authorization: Bearer <{kind}>'")
+        limit = self.limits.for_path(request.path)
+        if request.content_length is not None and request.content_length > limit:
+            return _error(
+                413,
+                f"request body of {request.content_length} bytes exceeds the limit of "
+                f"{limit} bytes for {request.path}",
+            )
+        request = request.clone(client_max_size=limit)  # also bounds bodies without a length
         try:
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(
+                413, f"request body exceeds the limit of {limit} bytes for {request.path}"
+            )
         except BadRequest as err:
             return _error(400, str(err))
         except RequestError as err:
@@ -500,7 +518,14 @@ def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]
 
 async def serve(args: argparse.Namespace) -> None:
     engine, _ = build_engine(args)
-    server = Server(engine, args.checkpoint or "random", args.api_key)
+    limits = RequestLimits(args.max_body_mb << 20, args.max_weight_body_mb << 20)
+    server = Server(
+        engine,
+        args.checkpoint or "random",
+        args.api_key,
+        admin_api_key=args.admin_api_key,
+        limits=limits,
+    )
     engine.detokenize = server.detokenize if server.byte_tokenizer else None
     await engine.start()
     runner = web.AppRunner(server.app(), access_log=None)
@@ -519,7 +544,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron-earl serve", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="required on control endpoints when set")
+    p.add_argument(
+        "--api-key", default=None, help="required on every endpoint but health probes when set"
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="required (instead of --api-key) on the admin endpoints: weight updates, flush, "
+        "pause/continue, abort",
+    )
+    p.add_argument("--max-body-mb", type=int, default=16, help="request body limit (MiB)")
+    p.add_argument(
+        "--max-weight-body-mb", type=int, default=2048, help="weight-update body limit (MiB)"
+    )
     p.add_argument("--model-config", default=None, help="JSON file of ModelConfig fields")
     p.add_argument(
         "--model-path",

@@ -305,3 +305,45 @@ def test_weight_update_with_non_finite_or_misshapen_values_is_refused(servers):
         await client.close()
 
     asyncio.run(body())
+
+
+def test_every_endpoint_but_health_probes_needs_the_key(servers):
+    """Routes are read off the server's own app, so a new endpoint is covered automatically."""
+    from megatron_earl.rollout.server import Server
+    from megatron_earl.rollout.server_auth import OPEN_PREFIXES, RequestLimits
+
+    shell = Server.__new__(Server)  # only to list the routes: no engine behind it
+    shell.limits = RequestLimits()
+    routes = {
+        (r.method if r.method != "*" else "POST", r.resource.canonical)
+        for r in shell.app().router.routes()
+    }
+    assert len(routes) > 10
+
+    async def body():
+        async with aiohttp.ClientSession() as s:
+            for method, path in sorted(routes):
+                for headers in ({}, {"Authorization": f"Bearer {API_KEY}-wrong"}):
+                    async with s.request(method, servers[1].url + path, headers=headers) as resp:
+                        if path.startswith(OPEN_PREFIXES):
+                            assert resp.status in (200, 503), (method, path, resp.status)
+                        else:
+                            assert resp.status == 401, (method, path, resp.status)
+
+    asyncio.run(body())
+
+
+def test_oversized_body_gets_413_and_nothing_else_changes(servers):
+    big = json.dumps({"input_ids": [1] * (9 << 20)})  # ~27 MiB > the 16 MiB default
+
+    async def body():
+        async with aiohttp.ClientSession() as s:
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            async with s.post(servers[1].url + "/generate", data=big, headers=headers) as resp:
+                assert resp.status == 413 and "exceeds the limit" in await resp.text()
+        client = _client(servers[1])
+        ok = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        assert len(ok.output_ids) == 12
+        await client.close()
+
+    asyncio.run(body())

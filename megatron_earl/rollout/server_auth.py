@@ -1,0 +1,81 @@
+"""Who may call which ``serve`` endpoint, and how large a request may be: SGLang's rules.
+
+Authorization follows SGLang 0.5.23's ``sglang.srt.utils.auth.decide_request_auth`` (read from
+the pinned wheel; the decision table is in ``megatron_earl/docs/engines.md``):
+
+* health, readiness and metrics paths (prefixes ``/health``, ``/ready``, ``/metrics``) are always
+  open, so probes (the router's, Kubernetes') need no secret; ``OPTIONS`` too;
+* *admin* endpoints (SGLang's ``AuthLevel.ADMIN_OPTIONAL``: weight updates, flush, pause/continue,
+  abort, memory release) need the admin key when one is set, else the API key when one is set,
+  else nothing;
+* every other endpoint (generation, model/server info, load, ...) needs the API key when one is
+  set (an admin key alone leaves them open, as in SGLang).
+
+Keys travel as ``Authorization: Bearer KEY`` and are compared in constant time. A refusal is 401
+(wrong or missing key). Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+ADMIN_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weight_version",
+        "/get_weights_by_name",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+    }
+)
+WEIGHT_PATHS = frozenset(
+    {"/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed"}
+)
+"""Endpoints whose bodies may be as large as a weight bucket."""
+
+
+def _bearer_matches(header: str | None, key: str) -> bool:
+    if not header:
+        return False
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
+def allowed(
+    method: str, path: str, header: str | None, api_key: str | None, admin_key: str | None
+) -> bool:
+    """Whether a request with ``Authorization: header`` may call ``method path``."""
+    if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+        return True
+    if path in ADMIN_PATHS:
+        key = admin_key or api_key
+        return key is None or _bearer_matches(header, key)
+    return api_key is None or _bearer_matches(header, api_key)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Body sizes ``serve`` reads at most (larger bodies get 413 before they are read)."""
+
+    max_body_bytes: int = 16 << 20
+    """Any endpoint but the weight updates (16 MiB: ~2M token ids of JSON)."""
+    max_weight_body_bytes: int = 2 << 30
+    """The weight-update endpoints (a base64 bucket of the default 512 MiB is ~683 MiB)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_weight_body_bytes"):
+            if getattr(self, name) < 1024:
+                raise ValueError(f"{name} must be >= 1024 bytes, got {getattr(self, name)}")
+
+    def for_path(self, path: str) -> int:
+        return self.max_weight_body_bytes if path in WEIGHT_PATHS else self.max_body_bytes
