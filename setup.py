@@ -42,6 +42,8 @@ setup(
         # _generate_single_turn are experimental/private: tested with 1.16 only).
         "bench": ["trl>=1.16,<1.17", "transformers>=4.56.2", "safetensors>=0.4"],
         "tensorboard": ["tensorboard>=2.14"],
+        # SGLang's Rust router in front of the engines (rollout.router); runs on CPU.
+        "router": ["sglang-router>=0.3.2,<0.4"],
         "dev": [
             "pytest>=8,<10",
             "pytest-timeout>=2.3",
@@ -51,6 +53,7 @@ setup(
             "transformers>=4.51",
             "safetensors>=0.4",
             "trl>=1.16,<1.17",  # tests/integration/test_bench_peer.py (installs in < 1 min)
+            "sglang-router>=0.3.2,<0.4",  # tests/integration/test_router.py (a Rust wheel)
         ],
     },
     entry_points={"console_scripts": ["megatron-earl=megatron_earl.cli.main:main"]},

@@ -38,6 +38,9 @@ SGLANG_PINNED = "0.5.23"
 """The SGLang release whose request shapes this client follows (and the contract test reads)."""
 
 _RETRY_STATUS = (502, 503, 504)
+ROUTER_UPSTREAM_ERROR = "call_upstream_request_error"
+"""Error code of SGLang's router when the engine it chose failed mid-request (HTTP 500): the
+request did not complete anywhere, so it is retried (through the router: on another engine)."""
 
 
 class EngineRequestError(EngineError):
@@ -139,6 +142,9 @@ class SGLangClient:
         """Generate calls currently outstanding on this server (the pool's load signal)."""
         self.on_request: Callable[[str, str, Any], None] | None = None
         """Called with (method, path, json body) before every request is sent (tests, tracing)."""
+        self.retries = 0
+        """Attempts repeated after a connection error, timeout, 502/503/504 or a router's
+        upstream failure (reported in the rollout metrics)."""
         self._version = -1
         self._session: aiohttp.ClientSession | None = None
         self._ids = itertools.count()
@@ -323,6 +329,7 @@ class SGLangClient:
         last: str = ""
         for attempt in range(retries + 1):
             if attempt:
+                self.retries += 1
                 delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s)
                 await asyncio.sleep(delay * random.uniform(0.75, 1.25))
             if self.on_request is not None:
@@ -336,7 +343,9 @@ class SGLangClient:
                     timeout=timeout,
                 ) as resp:
                     text = await resp.text()
-                    if resp.status in _RETRY_STATUS:
+                    if resp.status in _RETRY_STATUS or (
+                        resp.status == 500 and ROUTER_UPSTREAM_ERROR in text
+                    ):
                         last = f"HTTP {resp.status}: {text[:300]}"
                         continue
                     if resp.status >= 400:
