@@ -37,8 +37,10 @@ import torch
 from aiohttp import web
 
 from megatron_earl.rollout.weight_group import (
+    FLATTENED,
     LOAD_FORMATS,
     NamedTensor,
+    flattened_sizes,
     join_weight_update_group,
     receive_bucket,
 )
@@ -269,6 +271,8 @@ class WeightEndpoints:
             ):
                 raise ValueError(f"shapes must be lists of non-negative integers: {shapes!r:.200}")
             check_metadata(names, dtypes, shapes, self._expected())
+            if load_format == FLATTENED:
+                flattened_sizes(names, dtypes, shapes)
         except ValueError as err:
             self._drop_group(name)  # its sender has no receiver for this bucket
             raise BadRequest(

@@ -15,7 +15,8 @@ device). A peer that never joins ends in a ``TimeoutError`` naming the rendezvou
 
 Wire format per bucket (SGLang's ``update_weights_from_distributed``): ``load_format`` None ->
 one broadcast per tensor, in the order of ``names``; ``"flattened_bucket"`` -> one broadcast of
-the bucket's bytes (uint8), tensors back to back in that order.
+the bucket's bytes (uint8), tensors back to back in that order, each at an offset its dtype's
+size divides (SGLang's ``FlattenedTensorBucket`` refuses others; ``flattened_sizes``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,23 @@ def join_weight_update_group(
         raise RuntimeError(f"{where}: cannot join: {err}") from None
 
 
+def flattened_sizes(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> list[int]:
+    """Byte sizes of a flattened bucket's tensors; ``ValueError`` naming the first tensor whose
+    offset its dtype's size does not divide (e.g. float32 after an odd count of bfloat16)."""
+    sizes, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if offset % dtype.itemsize:
+            raise ValueError(
+                f"flattened bucket: {name} ({str(dtype).removeprefix('torch.')}) would start at "
+                f"byte {offset}, not a multiple of {dtype.itemsize}; order or split the bucket"
+            )
+        sizes.append(torch.Size(shape).numel() * dtype.itemsize)
+        offset += sizes[-1]
+    return sizes
+
+
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -87,6 +105,8 @@ def broadcast_bucket(
     """Send one bucket from rank 0 (the trainer). Call it while the engines handle the
     bucket's ``update_weights_from_distributed`` request (they receive it)."""
     if load_format == FLATTENED:
+        flattened_sizes([n for n, _ in bucket], [t.dtype for _, t in bucket],
+                        [t.shape for _, t in bucket])  # fmt: skip
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
         _broadcast(group, flat)
         return
@@ -104,7 +124,7 @@ def receive_bucket(
 ) -> list[NamedTensor]:
     """Receive one bucket on an engine rank (inverse of ``broadcast_bucket``)."""
     if load_format == FLATTENED:
-        sizes = [torch.Size(s).numel() * d.itemsize for d, s in zip(dtypes, shapes, strict=True)]
+        sizes = flattened_sizes(names, dtypes, shapes)
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         _broadcast(group, flat)
         out, offset = [], 0
