@@ -273,7 +273,9 @@ class WeightEndpoints:
             check_metadata(names, dtypes, shapes, self._expected())
             if load_format == FLATTENED:
                 flattened_sizes(names, dtypes, shapes)
-        except ValueError as err:
+            if body.get("weight_version") is not None:
+                int(body["weight_version"])  # checked again by _update, after the receive
+        except (ValueError, TypeError) as err:
             self._drop_group(name)  # its sender has no receiver for this bucket
             raise BadRequest(
                 f"update_weights_from_distributed refused, nothing received or changed: {err}; "

@@ -108,3 +108,14 @@ def test_flattened_buckets_keep_every_tensor_aligned():
     assert flattened_sizes(["a", "b"], [torch.float32, torch.bfloat16], [[3], [5]]) == [12, 10]
     with pytest.raises(ValueError, match=r"c \(float32\) would start at byte 10"):
         flattened_sizes(["b", "c"], [torch.bfloat16, torch.float32], [[5], [1]])
+
+
+def test_launcher_passes_weight_dirs_to_serve_only():
+    from megatron_earl.rollout.sglang_launcher import LaunchConfig, build_command
+
+    serve = LaunchConfig(
+        model_path="m", module="megatron_earl.rollout.server", weight_dirs=("/a", "/b")
+    )
+    assert build_command(serve)[-2:] == ["--weight-dirs", "/a,/b"]
+    with pytest.raises(ValueError, match="SGLang has no --weight-dirs"):
+        LaunchConfig(model_path="m", weight_dirs=("/a",))
