@@ -13,7 +13,7 @@ world size and the model, the tokenizer) run at start-up in ``orchestration.vali
     model        ModelConfig                     shape and numerics of the policy
     layouts      LayoutsConfig                   one layout string per phase ("tp2cp1pp1dp1")
     batch        BatchConfig                     prompts/samples per step, token budget
-    rollout      RolloutConfig                   engine, turn/context limits, sampling
+    rollout      RolloutConfig                   engine, turn/context limits, sampling, sglang
     env          EnvConfig                       environment name + kwargs
     train        TrainConfig(OptimConfig)        optimizer, policy loss, advantage estimator
     eval         EvalConfig                      held-out evaluation
@@ -34,6 +34,7 @@ from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase
 
 DEMO_TOKENIZER_VOCAB_SIZE = 320
@@ -157,6 +158,8 @@ class RolloutConfig:
     """Trajectories one rank drives concurrently."""
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=64))
     """Sampling of each model turn; ``sampling.max_new_tokens`` is the per-turn token limit."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """engine=sglang: how the trainer pushes weights to the engines (``config.sglang``)."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))

@@ -74,3 +74,16 @@ PHASES: tuple[Phase, ...] = tuple(Phase)
 """The phases of a step, in order."""
 ENGINE_KINDS: tuple[EngineKind, ...] = tuple(EngineKind)
 """Every rollout engine kind."""
+
+
+class WeightUpdate(Vocabulary):
+    """How the trainer pushes new weights to SGLang engines (``rollout.sglang.weight_update``;
+    SGLang's weight-update endpoints, ``rollout/weight_transports.py``)."""
+
+    TENSOR = "tensor"
+    """``update_weights_from_tensor``: serialized tensors over HTTP (colocated engines)."""
+    DISK = "disk"
+    """``update_weights_from_disk``: an HF directory on a filesystem the engines share."""
+    DISTRIBUTED = "distributed"
+    """``init_weights_update_group`` once, then ``update_weights_from_distributed`` per bucket
+    while the trainer broadcasts it over the group (NCCL on GPUs, gloo on CPU)."""

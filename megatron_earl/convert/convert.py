@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from megatron_earl.convert.dcp import (
 from megatron_earl.convert.families import (
     ConversionError,
     family_by_name,
+    family_for_model,
     family_of,
     hf_config_from_model,
     model_config_from_hf,
@@ -254,6 +255,30 @@ def mcore_to_hf(
                 if (Path(hf_config_dir) / name).is_file():
                     shutil.copy2(Path(hf_config_dir) / name, tmp / name)
     return model
+
+
+def export_hf(
+    named: Iterable[tuple[str, torch.Tensor]],
+    model: ModelConfig,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+) -> int:
+    """Write HF-named tensors (e.g. ``weight_sync.hf_named_tensors`` of a trainer's full
+    weights) as an HF safetensors directory with its ``config.json``, streaming: at most one
+    shard is held. Atomic like ``mcore_to_hf`` (a reader never sees a partial directory).
+    Returns the tensor bytes written. Local; the caller holds the tensors."""
+    cfg = hf_config_from_model(model, family_for_model(model))
+    dtype = None
+    with atomic_output_dir(out_dir) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        for name, tensor in named:
+            dtype = dtype or tensor.dtype
+            writer.add({name: tensor.detach().cpu()})
+        writer.finish()
+        cfg["dtype"] = str(dtype or model.torch_dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return writer.total_bytes
 
 
 def _check_mcore_shapes(metadata: dict[str, Any], model: ModelConfig) -> None:

@@ -112,6 +112,11 @@ class ShardedSafetensorsWriter:
         self._shards.append(sorted(self._buffer))
         self._buffer, self._buffer_bytes = {}, 0
 
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes added so far."""
+        return self._total
+
     def finish(self) -> None:
         """Write the last shard, give the shards their final names, write the index."""
         self._flush()

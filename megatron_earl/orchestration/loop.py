@@ -97,6 +97,8 @@ class RLLoop:
             layouts.pop(Phase.EXPERIENCE)
         self.policy = Policy.build(config.model, layouts, config.train.optim(), config.seed)
         self.backend = kind(config, self.policy, tokenizer)
+        self.sync_stats: dict[str, float] = {}
+        """What the last ``backend.sync_weights`` cost (logged as ``sync/<key>``)."""
         self.reference: ReferencePolicy | None = None
         """The frozen reference policy in the experience layout (``kl_coef > 0`` only); its
         weights are the policy's at the first experience phase (``freeze_reference``) unless
@@ -202,7 +204,7 @@ class RLLoop:
         trajectories and its source index (distinct per rank that holds trajectories; None on
         ranks that hold none)."""
         layout = layout or self.active[Phase.ROLLOUT]
-        self.backend.sync_weights(layout)
+        self.sync_stats = self.backend.sync_weights(layout)
         return self.backend.generate(prompts, agent, layout)
 
     def experience_work(self) -> bool:
@@ -326,6 +328,7 @@ class RLLoop:
             seed=cfg.seed * 1_000_003 + self.step,
         )
         selected: dict[str, float | str] = {}
+        self.sync_stats = {}
         with clock(Phase.ROLLOUT):
             if self.selected(Phase.ROLLOUT):
                 lengths = (
@@ -386,6 +389,7 @@ class RLLoop:
         metrics["time/step"] = time.perf_counter() - start
         metrics.update({f"layout/{p}": str(lay) for p, lay in self.active.items()})
         metrics.update(selected)
+        metrics.update({f"sync/{k}": v for k, v in self.sync_stats.items()})
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
         return metrics

@@ -132,6 +132,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             print(f"eval after RL: {summary['after']}", flush=True)
     if saving.interval == 0 or loop.step % saving.interval:
         _save(loop, saving, config, summary)
+    loop.backend.close()
     summary["steps"] = loop.step
     return summary
 

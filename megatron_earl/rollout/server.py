@@ -2,6 +2,7 @@
 
     megatron-earl serve --port 30000 [--model-config model.json] [--model-path full.pt]
         [--api-key KEY] [--host 127.0.0.1] [--max-batch-size 8] [--max-seq-len 1024] [--seed 0]
+        [--weight-dirs DIR[,DIR]] [--dist-timeout 300]
 
 The model: a ``ModelConfig`` (JSON file of its fields; default: the tiny default config), weights
 from ``--model-path`` (a ``torch.save``'d full Megatron state dict, ``geometry.full_state_dict``)
@@ -13,9 +14,11 @@ Endpoints (shapes of SGLang 0.5.x): ``/generate`` (``input_ids`` or ``text``, ba
 ``return_logprob``; ``stream`` answers with one SSE event then ``[DONE]``), ``/health``,
 ``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``,
 ``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
-``/update_weights_from_tensor`` (portable payload, see ``weight_sync``),
-``/update_weights_from_disk``
-(a full-state checkpoint file), ``/pause_generation``, ``/continue_generation``, ``/abort_request``.
+``/update_weights_from_tensor`` (portable payload, see ``weight_sync``), SGLang's distributed
+protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``) and ``/update_weights_from_disk`` (an HF safetensors directory
+or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
+``/pause_generation``, ``/continue_generation``, ``/abort_request``.
 Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with ``--api-key``
 every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
 guards the weight/control endpoints instead. Bodies over ``--max-body-mb`` (weight updates:
@@ -33,6 +36,7 @@ import math
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +50,7 @@ from megatron_earl.rollout.engine import (
     GenerateResult,
     SamplingParams,
 )
+from megatron_earl.rollout.serve_weights import WeightEndpoints, check_named
 from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
 
 logger = logging.getLogger("megatron_earl.serve")
@@ -93,9 +98,6 @@ TENSOR_UPDATE_FIELDS = frozenset(
         "selector",
         "torch_empty_cache",
     }
-)
-DISK_UPDATE_FIELDS = frozenset(
-    {"rid", "model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"}
 )
 
 
@@ -192,7 +194,7 @@ def finish_json(reason: FinishReason, length: int) -> dict[str, Any]:
     return {"type": "abort", "message": reason.message}
 
 
-class Server:
+class Server(WeightEndpoints):
     """HTTP front of one embedded engine (TP1, scheduler rank)."""
 
     def __init__(
@@ -203,12 +205,18 @@ class Server:
         *,
         admin_api_key: str | None = None,
         limits: RequestLimits | None = None,
+        weight_dirs: tuple[str, ...] = (),
+        dist_timeout_s: float = 300.0,
     ):
         self.engine = engine
         self.model_path = model_path
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.limits = limits or RequestLimits()
+        self.weight_dirs = tuple(Path(d).resolve() for d in weight_dirs)
+        """Directories ``update_weights_from_disk`` may read (symlinks resolved; none: off)."""
+        self.dist_timeout_s = dist_timeout_s
+        """How long a weight-update group waits for its other ranks to join."""
         self.updating = False
         self._update_lock = asyncio.Lock()
         vocab = engine.model_config.vocab_size
@@ -236,7 +244,10 @@ class Server:
             ("GET", "/get_weight_version", self.weight_version),
             ("*", "/flush_cache", self.flush_cache),
             ("POST", "/update_weights_from_tensor", self.update_from_tensor),
-            ("POST", "/update_weights_from_disk", self.update_from_disk),
+            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("POST", "/init_weights_update_group", self.init_weights_update_group),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
             ("POST", "/pause_generation", self.pause),
             ("POST", "/continue_generation", self.resume),
             ("POST", "/abort_request", self.abort),
@@ -425,8 +436,11 @@ class Server:
             named = deserialize_named_tensors(payloads[0])
             for name, _ in named:
                 hf_target(name, self.engine.model_config)
+            check_named(named, self._expected())
         except (ValueError, KeyError) as err:
-            raise BadRequest(f"update_weights_from_tensor: {err}") from None
+            raise BadRequest(
+                f"update_weights_from_tensor refused, nothing changed: {err}"
+            ) from None
 
         def apply(full: dict[str, torch.Tensor]) -> None:
             for name, tensor in named:
@@ -434,16 +448,14 @@ class Server:
 
         return await self._update(body, apply)
 
-    async def update_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._json(request, DISK_UPDATE_FIELDS, "update_weights_from_disk")
-        path = body.get("model_path")
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as err:
-            raise BadRequest(f"cannot load a full-state checkpoint from {path!r}: {err}") from None
-        return await self._update(body, lambda full: full.update(state))
-
-    async def _update(self, body: dict[str, Any], apply: Callable[[dict], None]) -> web.Response:
+    async def _update(
+        self,
+        body: dict[str, Any],
+        apply: Callable[[dict], None],
+        before: Callable[[], Awaitable[None]] | None = None,
+    ) -> web.Response:
+        """Apply a weight update to a copy of the full state, check it (``_check_update``), load
+        it. ``before`` runs first inside the update window (receiving a broadcast bucket)."""
         from megatron_earl.redistribute.geometry import full_state_dict
 
         version = self.engine.weight_version
@@ -457,6 +469,8 @@ class Server:
         async with self._update_lock:
             self.updating = True
             try:
+                if before is not None:
+                    await before()
                 if body.get("abort_all_requests"):
                     await self.engine.abort_all("aborted for a weight update")
                 full = full_state_dict(self.engine.model_chunks)
@@ -525,6 +539,8 @@ async def serve(args: argparse.Namespace) -> None:
         args.api_key,
         admin_api_key=args.admin_api_key,
         limits=limits,
+        weight_dirs=tuple(d for arg in args.weight_dirs for d in arg.split(",") if d),
+        dist_timeout_s=args.dist_timeout,
     )
     engine.detokenize = server.detokenize if server.byte_tokenizer else None
     await engine.start()
@@ -574,6 +590,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument(
+        "--weight-dirs",
+        action="append",
+        default=[],
+        metavar="DIR[,DIR]",
+        help="directories update_weights_from_disk may read (repeatable; default: none, "
+        "disk updates answer 403)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a weight-update group waits for its other ranks (default 300)",
+    )
     return p.parse_args(argv)
 
 
@@ -583,4 +613,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module, not this ``__main__`` copy: ``serve_weights`` raises this
+    # module's ``BadRequest``, which the middleware of a ``__main__`` copy would not catch.
+    from megatron_earl.rollout.server import main as imported_main
+
+    sys.exit(imported_main())

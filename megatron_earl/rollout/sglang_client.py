@@ -265,13 +265,17 @@ class SGLangClient:
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
         flush_cache: bool = False,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
+        """One bucket; the trainer broadcasts its tensors on the group meanwhile
+        (``weight_group.broadcast_bucket`` with the same ``load_format``)."""
         body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
             "flush_cache": flush_cache,
+            "load_format": load_format,
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)

@@ -42,6 +42,9 @@ class LaunchConfig:
     """``--api-key``: required by the server on its endpoints."""
     skip_server_warmup: bool = True
     """Skip SGLang's warm-up request (health is polled instead)."""
+    weight_dirs: tuple[str, ...] = ()
+    """``megatron-earl serve`` only: directories ``update_weights_from_disk`` may read
+    (``--weight-dirs``; none: disk updates refused). SGLang has no such flag."""
     extra_args: tuple[str, ...] = ()
     """Further arguments, appended verbatim."""
     module: str = "sglang.launch_server"
@@ -54,6 +57,11 @@ class LaunchConfig:
             raise ValueError(f"port must be in (0, 65536), got {self.port}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.weight_dirs and self.module == "sglang.launch_server":
+            raise ValueError(
+                f"weight_dirs {list(self.weight_dirs)}: SGLang has no --weight-dirs (it is "
+                "megatron-earl serve's restriction of update_weights_from_disk)"
+            )
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
@@ -83,6 +91,8 @@ def build_command(config: LaunchConfig) -> list[str]:
         cmd += ["--api-key", config.api_key]
     if config.skip_server_warmup:
         cmd.append("--skip-server-warmup")
+    if config.weight_dirs:
+        cmd += ["--weight-dirs", ",".join(config.weight_dirs)]
     return cmd + list(config.extra_args)
 
 

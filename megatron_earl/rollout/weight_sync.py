@@ -18,7 +18,10 @@ Transports (one function each):
   only): pass SGLang's serializer there.
 * ``distributed``: ``/init_weights_update_group`` once, then per bucket
   ``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer rank broadcasts
-  the tensors over that group (``broadcast_bucket``); NCCL in production.
+  the tensors over that group (``weight_group.broadcast_bucket``); NCCL in production.
+
+``rollout.weight_transports`` picks one of these per run (``rollout.sglang.weight_update``) and
+adds the disk protocol.
 
 To the embedded engine no push is needed: weights are resharded into ``engine.model_chunks``
 (``redistribute.weight_exec``) and ``engine.mark_weights_updated(version)`` records the version.
@@ -30,6 +33,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -194,11 +198,14 @@ async def push_weights_distributed(
     config: WeightSyncConfig | None = None,
     *,
     group_name: str = "weight_update_group",
+    load_format: str | None = None,
 ) -> PushStats:
     """Push over an already initialised weight-update group (``init_weights_update_group``).
 
     For each bucket the metadata goes over HTTP while ``broadcast_bucket(bucket)`` (run in a
-    thread) broadcasts the tensors from the trainer rank (src 0) to the engines' ranks.
+    daemon thread) broadcasts the tensors from the trainer rank (src 0) to the engines' ranks
+    (``load_format`` says how: ``weight_group``). An engine that refuses a bucket raises here at
+    once; ``serve`` then drops the group, which ends the pending broadcast with an error.
     """
     config = config or WeightSyncConfig()
     start = time.perf_counter()
@@ -217,10 +224,44 @@ async def push_weights_distributed(
                     shapes,
                     group_name=group_name,
                     weight_version=version if last else None,
+                    load_format=load_format,
                 )
                 for c in clients
             ]
-            await asyncio.gather(*requests, asyncio.to_thread(broadcast_bucket, bucket))
+            results = await asyncio.gather(
+                *requests, in_daemon_thread(broadcast_bucket, bucket), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:  # an engine's answer (e.g. a refusal) first: it says why a send failed
+                raise errors[0]
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             tensors += len(bucket)
     return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)
+
+
+def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread, as a future of the running loop. Unlike
+    ``asyncio.to_thread`` a call blocked in a collective whose peer went away does not hold up
+    ``asyncio.run``'s exit (the process's exit, with the error, is not delayed by it)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as err:  # handed to the awaiting coroutine
+            error = err
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, daemon=True, name=getattr(fn, "__name__", "worker")).start()
+    return future

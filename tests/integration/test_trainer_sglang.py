@@ -1,8 +1,11 @@
 """The trainer with SGLang engines (``rollout.engine=sglang``, the disaggregated setup): two
 ``megatron-earl serve`` processes stand in for SGLang servers (same native HTTP API). The trainer
-(2 ranks under torchrun) pushes its weights to both before each rollout (versions tagged), drives
+(2 ranks under torchrun) pushes its weights to both before each rollout (versions tagged, read
+back) with each of SGLang's protocols (``rollout.sglang.weight_update``: tensor, disk through a
+shared directory the servers allow, distributed over a gloo group with both servers), drives
 multi-turn rollouts on them from every rank, and trains on the result (the switching demo config:
-pinned layouts, the master in tp2; SGLang engines take no selected rollout layout)."""
+pinned layouts, the master in tp2; SGLang engines take no selected rollout layout). Push time and
+bytes are in the metrics of every step."""
 
 from __future__ import annotations
 
@@ -38,7 +41,13 @@ RUN = [
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def shared_dir(tmp_path_factory) -> Path:
+    """The directory the trainer writes HF weights into and the servers may read (disk)."""
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, shared_dir):
     tmp = tmp_path_factory.mktemp("engines")
     model = load_config(ROOT / "configs" / "demo_cpu_switching.yaml", RUN).model
     (tmp / "model.json").write_text(json.dumps(model.to_dict()))
@@ -48,6 +57,7 @@ def servers(tmp_path_factory):
                 model_path="random",
                 port=free_port(),
                 module="megatron_earl.rollout.server",
+                weight_dirs=(str(shared_dir),),
                 extra_args=(
                     "--model-config",
                     str(tmp / "model.json"),
@@ -83,7 +93,10 @@ def _version(url: str) -> int:
     return asyncio.run(get())
 
 
-def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(servers, tmp_path):
+@pytest.mark.parametrize("protocol", ["tensor", "disk", "distributed"])
+def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
+    servers, shared_dir, tmp_path, protocol
+):
     urls = ",".join(p.url for p in servers)
     result = subprocess.run(
         [
@@ -100,6 +113,8 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(servers, tmp_pat
             "name=sgl",
             "rollout.engine=sglang",
             f"rollout.engine_urls=[{urls}]",
+            f"rollout.sglang.weight_update={protocol}",
+            f"rollout.sglang.weight_dir={shared_dir / 'weights'}",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -113,6 +128,10 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(servers, tmp_pat
         assert record["rollout/trajectories"] == 16
         assert record["rollout/failed"] == 0
         assert record["layout/train"] == "tp2cp1pp1dp1"
-    check_documented(records, set())
+        assert record["sync/weight_push_s"] >= record["sync/weight_transfer_s"] > 0
+        assert record["sync/weight_push_bytes"] > 0 and record["sync/weight_push_buckets"] >= 1
+    check_documented(records, {"sglang"})
+    if protocol == "disk":  # the version the servers serve, the one before it removed
+        assert [p.name for p in (shared_dir / "weights").iterdir()] == ["v1"]
     # Pushed before the rollout of step 2: the weights after one optimizer step (version 1).
     assert [_version(p.url) for p in servers] == [1, 1]

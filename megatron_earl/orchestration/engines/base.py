@@ -8,6 +8,7 @@ methods whatever the kind (``docs/engines.md``):
     backend = kind(config, policy, tokenizer)
     backend.sync_weights(layout)                  # every step, before generating
     trajectories, source = backend.generate(prompts, agent, layout)
+    backend.close()                               # end of the run
 
 A new kind is one module with a ``RolloutBackend`` subclass decorated with
 ``@register_rollout_backend`` (imported by ``orchestration.engines``) and the engine name added to
@@ -76,7 +77,8 @@ class RolloutBackend(ABC):
     @abstractmethod
     def sync_weights(self, layout: ParallelLayout) -> dict[str, float]:
         """Bring the engines that generate in ``layout`` to the policy's weight version if they
-        are behind; returns what that cost (empty when nothing moved). Collective (world)."""
+        are behind; returns what that cost (empty when nothing moved; the loop logs each key
+        as ``sync/<key>``, ``docs/metrics.md``). Collective (world)."""
 
     @abstractmethod
     def generate(
@@ -94,6 +96,9 @@ class RolloutBackend(ABC):
     def retain(self, layouts: Iterable[ParallelLayout]) -> None:
         """Drop what was built for layouts not in ``layouts`` (the selector's past choices; the
         policy drops its copies of them). Local."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what the backend holds outside this process (end of the run). Every rank."""
 
 
 _REGISTRY: dict[str, type[RolloutBackend]] = {}

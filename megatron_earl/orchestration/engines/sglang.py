@@ -9,10 +9,11 @@ native HTTP API: the disaggregated setup. The job holds no rollout copy of the p
   drove them (the dispatcher's sources; the rank is the source index).
 - Weights: before a rollout whose engines serve an older version, the master weights are
   resharded onto rank 0 as whole tensors (the same point-to-point planner as any reshard, into
-  full-size destination pieces; rank 0 holds the model once) and pushed in buckets
-  (pause -> flush -> buckets via ``update_weights_from_tensor``, tagged with the version ->
-  continue). Streaming over ``update_weights_from_distributed`` is in ``rollout.weight_sync``
-  for setups that can open an NCCL group to the engines.
+  full-size destination pieces; rank 0 holds the model once) and pushed by the transport
+  ``rollout.sglang.weight_update`` chooses (``rollout.weight_transports``: ``tensor``,
+  ``disk`` or ``distributed``; each pause -> flush -> update -> continue, then the engines'
+  version is read back). Rank 0 keeps the transport for the run (the distributed one keeps its
+  process group with the engines until ``close``).
 
 The rollout layout cannot be selected per step with these engines (``problems``).
 
@@ -47,7 +48,8 @@ from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.pool import EnginePool
 from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.weight_sync import hf_named_tensors, push_weights
+from megatron_earl.rollout.weight_sync import hf_named_tensors
+from megatron_earl.rollout.weight_transports import WeightTransport, build_transport
 
 
 def gather_full_weights(
@@ -91,6 +93,8 @@ class SGLangBackend(RolloutBackend):
         self.urls = config.rollout.engine_urls
         self.version: int | None = None
         """Weight version the engines serve (None: never pushed by this run)."""
+        self.transport: WeightTransport | None = None
+        """Rank 0's weight transport (built at the first push)."""
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
@@ -126,9 +130,10 @@ class SGLangBackend(RolloutBackend):
         """Nothing is built per layout."""
 
     def sync_weights(self, layout: ParallelLayout) -> dict[str, float]:
-        """Push the master weights if the engines are behind (``weight_push_s``,
-        ``weight_push_bytes``, ``weight_push_buckets``). Ends with the train layout active.
-        Collective (world)."""
+        """Push the master weights if the engines are behind (``weight_push_s``: gather and
+        push; ``weight_transfer_s``: the push; ``weight_push_bytes``: tensor bytes each engine
+        received, or written to disk; ``weight_push_buckets``). Ends with the train layout
+        active. Collective (world)."""
         self.switch(layout)
         version = self.policy.version
         if self.version == version:
@@ -145,15 +150,36 @@ class SGLangBackend(RolloutBackend):
         return {"weight_push_s": time.perf_counter() - start, **stats}
 
     async def _push(self, full: dict[str, torch.Tensor], version: int) -> dict:
+        if self.transport is None:
+            self.transport = build_transport(
+                self.config.rollout.sglang, self.config.model, self.config.run_dir
+            )
         clients = [SGLangClient(url) for url in self.urls]
         try:
-            stats = await push_weights(clients, hf_named_tensors(full, self.config.model), version)
+            named = hf_named_tensors(full, self.config.model)
+            stats = await self.transport.push(clients, named, version)
         finally:
             await asyncio.gather(*(c.close() for c in clients))
         return {
+            "weight_transfer_s": stats.seconds,
             "weight_push_bytes": float(stats.bytes_sent),
-            "weight_push_buckets": stats.num_buckets,
+            "weight_push_buckets": float(stats.num_buckets),
         }
+
+    def close(self) -> None:
+        """Rank 0 releases its transport (the distributed group on the engines). Every rank."""
+        if self.transport is None:
+            return
+
+        async def close(transport: WeightTransport) -> None:
+            clients = [SGLangClient(url) for url in self.urls]
+            try:
+                await transport.close(clients)
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        asyncio.run(close(self.transport))
+        self.transport = None
 
     def generate(self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout):
         """Run this rank's prompts on the pool (local: the HTTP traffic is this rank's own)."""

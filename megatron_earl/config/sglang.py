@@ -1,0 +1,90 @@
+"""Settings of the trainer's SGLang engines (``rollout.sglang``): how weights reach them.
+
+    rollout:
+      engine: sglang
+      engine_urls: [http://10.0.0.2:30000, http://10.0.0.3:30000]
+      sglang:
+        weight_update: distributed      # tensor (default) | disk | distributed
+        bucket_bytes: 536870912
+
+``rollout/weight_transports.py`` implements each ``weight_update`` kind; its docstring and
+``docs/engines.md`` say what each needs from the engines (a shared directory they are allowed to
+read for ``disk``, a port of the trainer's rank 0 they can reach for ``distributed``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_earl.config.vocab import WeightUpdate
+
+PAUSE_MODES = ("retract", "in_place", "abort")
+GROUP_BACKENDS = ("gloo", "nccl")
+DISTRIBUTED_LOAD_FORMATS = ("tensors", "flattened_bucket")
+
+
+class SGLangConfigError(ValueError):
+    """An invalid ``rollout.sglang`` section."""
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """How the trainer pushes weights to its SGLang engines."""
+
+    weight_update: WeightUpdate = WeightUpdate.TENSOR
+    """ "tensor" (``update_weights_from_tensor``), "disk" (``update_weights_from_disk`` of an HF
+    directory) or "distributed" (``update_weights_from_distributed`` over a process group)."""
+    bucket_bytes: int = 512 << 20
+    """Tensor bytes per bucket at most (tensor and distributed; one tensor larger travels
+    alone)."""
+    pause_mode: str = "retract"
+    """``pause_generation`` mode around a push: "retract", "in_place" or "abort"."""
+    weight_dir: str | None = None
+    """disk: directory the trainer writes each version's HF directory into (``v<version>``,
+    the previous one removed after the engines loaded the new one); the engines must read it
+    at the same path (a shared filesystem) and allow it (serve: ``--weight-dirs``). None:
+    ``<run dir>/engine_weights``."""
+    group_backend: str | None = None
+    """distributed: "gloo" or "nccl"; None: "nccl" when the trainer computes on CUDA, else
+    "gloo"."""
+    group_address: str | None = None
+    """distributed: address of the trainer's rank 0 the engines connect to; None: 127.0.0.1
+    when every engine URL is on loopback, else this host's address on the route to the first
+    engine."""
+    group_port: int = 0
+    """distributed: port of the group's rendezvous on the trainer's rank 0; 0: a free port."""
+    group_timeout_s: float = 300.0
+    """distributed: how long joining the group and each broadcast may take."""
+    distributed_load_format: str = "tensors"
+    """distributed: "tensors" (one broadcast per tensor, SGLang's default) or
+    "flattened_bucket" (one broadcast of the bucket's bytes)."""
+    engine_tp: int = 1
+    """TP ranks of each engine (ranks it joins the group with; payloads per tensor push)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        try:
+            object.__setattr__(self, "weight_update", WeightUpdate(self.weight_update))
+        except ValueError as err:
+            problems.append(f"weight_update: {err}")
+        if self.bucket_bytes < 1:
+            problems.append(f"bucket_bytes ({self.bucket_bytes}) must be >= 1")
+        if self.pause_mode not in PAUSE_MODES:
+            problems.append(f"pause_mode {self.pause_mode!r} is not one of {PAUSE_MODES}")
+        if self.group_backend is not None and self.group_backend not in GROUP_BACKENDS:
+            problems.append(
+                f"group_backend {self.group_backend!r} is not one of {GROUP_BACKENDS} or null"
+            )
+        if not 0 <= self.group_port < 65536:
+            problems.append(f"group_port ({self.group_port}) must be in [0, 65536)")
+        if self.group_timeout_s <= 0:
+            problems.append(f"group_timeout_s ({self.group_timeout_s}) must be > 0")
+        if self.distributed_load_format not in DISTRIBUTED_LOAD_FORMATS:
+            problems.append(
+                f"distributed_load_format {self.distributed_load_format!r} is not one of "
+                f"{DISTRIBUTED_LOAD_FORMATS}"
+            )
+        if self.engine_tp < 1:
+            problems.append(f"engine_tp ({self.engine_tp}) must be >= 1")
+        if problems:
+            raise SGLangConfigError("sglang: " + "; ".join(problems))

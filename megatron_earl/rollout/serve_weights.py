@@ -1,0 +1,355 @@
+"""The weight-update endpoints of ``megatron-earl serve`` beyond ``update_weights_from_tensor``:
+SGLang's distributed protocol over gloo and ``update_weights_from_disk`` from an HF directory.
+
+    POST /init_weights_update_group        {master_address, master_port, rank_offset, world_size,
+                                            group_name, backend}        -> join the group
+    POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, load_format, ...}
+                                            -> receive one bucket broadcast by rank 0, apply it
+    POST /destroy_weights_update_group     {group_name}
+    POST /update_weights_from_disk         {model_path, load_format, weight_version, ...}
+
+``WeightEndpoints`` is mixed into ``server.Server`` (it uses the server's ``engine``,
+``_update`` and ``_json``). Rules, beyond SGLang's (which does neither check):
+
+- metadata first: every name must be a tensor of the served model, with its shape and dtype;
+  the first mismatch is refused (400, naming it) before a byte is received or anything changes,
+  so the old version keeps serving. The trainer's broadcast of a refused bucket has no receiver,
+  so the group is destroyed with the refusal (the trainer's send fails at once instead of
+  waiting for the group's timeout) and must be initialised again;
+- the group is joined in a thread (the HTTP loop keeps serving while the trainer joins); a
+  trainer that never joins gets a 400 naming the rendezvous after ``--dist-timeout`` seconds;
+- a disk update reads only below a directory given by ``--weight-dirs`` (symlinks resolved;
+  none by default): anything else is answered 403 and nothing is read. ``model_path`` is an HF
+  directory (``model.safetensors`` or a sharded index, as the streaming exporter
+  ``convert.export_hf`` writes it and SGLang loads it) or a ``torch.save``'d full Megatron state
+  file (the older form).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megatron_earl.rollout.weight_group import (
+    FLATTENED,
+    LOAD_FORMATS,
+    NamedTensor,
+    flattened_sizes,
+    join_weight_update_group,
+    receive_bucket,
+)
+
+logger = logging.getLogger("megatron_earl.serve")
+
+INIT_GROUP_FIELDS = frozenset(
+    {"rid", "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+)
+DISTRIBUTED_UPDATE_FIELDS = frozenset(
+    {
+        "rid",
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+        "selector",
+        "torch_empty_cache",
+    }
+)
+DESTROY_GROUP_FIELDS = frozenset({"rid", "group_name"})
+DISK_UPDATE_FIELDS = frozenset(
+    {
+        "rid",
+        "model_path",
+        "load_format",
+        "abort_all_requests",
+        "weight_version",
+        "is_async",
+        "torch_empty_cache",
+        "keep_pause",
+        "recapture_cuda_graph",
+        "token_step",
+        "flush_cache",
+        "manifest",
+    }
+)
+DISK_LOAD_FORMATS = (None, "auto", "safetensors", "pt")
+
+
+class Forbidden(PermissionError):
+    """The request is not allowed (HTTP 403)."""
+
+
+def expected_hf_tensors(model_config, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+    """{HF name: (shape, dtype)} of every tensor of the served model (computed on meta)."""
+    from megatron_earl.models.hf_mapping import full_megatron_to_hf, global_shapes
+
+    meta = {
+        k: torch.empty(s, dtype=dtype, device="meta")
+        for k, s in global_shapes(model_config).items()
+    }
+    return {
+        n: (tuple(t.shape), t.dtype) for n, t in full_megatron_to_hf(meta, model_config).items()
+    }
+
+
+def check_metadata(
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    expected: dict[str, tuple[tuple, torch.dtype]],
+) -> None:
+    """``ValueError`` naming the first tensor whose name, shape or dtype the model does not have."""
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if name not in expected:
+            raise ValueError(f"{name!r} is not a tensor of the served model")
+        want_shape, want_dtype = expected[name]
+        if tuple(shape) != want_shape:
+            raise ValueError(f"{name} has shape {tuple(shape)}, the model's is {want_shape}")
+        if dtype != want_dtype:
+            raise ValueError(
+                f"{name} has dtype {str(dtype).removeprefix('torch.')}, the model's is "
+                f"{str(want_dtype).removeprefix('torch.')}"
+            )
+
+
+def check_named(named: Iterable[NamedTensor], expected: dict) -> None:
+    named = list(named)
+    check_metadata(
+        [n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], expected
+    )
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return dtype
+
+
+def allowed_path(path: str, weight_dirs: Sequence[Path]) -> Path:
+    """``path`` resolved (symlinks followed); ``Forbidden`` unless it lies in a ``weight_dirs``."""
+    if not weight_dirs:
+        raise Forbidden(
+            "update_weights_from_disk is disabled: no directory is allowed (start serve with "
+            "--weight-dirs DIR[,DIR])"
+        )
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(d) for d in weight_dirs):
+        raise Forbidden(
+            f"model_path {path!r} (resolved: {resolved}) is outside the directories allowed by "
+            f"--weight-dirs {[str(d) for d in weight_dirs]}"
+        )
+    return resolved
+
+
+def read_weights(path: Path, load_format: str | None) -> tuple[str, Any]:
+    """("hf", [(name, tensor)]) of an HF safetensors directory, or ("full", state) of a
+    ``torch.save``'d full Megatron state file."""
+    from megatron_earl.convert.hf_io import HFReader
+
+    if path.is_dir():
+        if load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {load_format!r} does not read an HF directory")
+        reader = HFReader(path)
+        names = sorted(n for n in reader.names() if not n.endswith("rotary_emb.inv_freq"))
+        return "hf", list(reader.read(names).items())
+    if load_format not in (None, "auto", "pt"):
+        raise ValueError(f"load_format {load_format!r} does not read a full-state file")
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a full Megatron state dict")
+    return "full", state
+
+
+class WeightEndpoints:
+    """SGLang's distributed and disk weight updates (module docstring); mixed into ``Server``."""
+
+    weight_dirs: tuple[Path, ...] = ()
+    dist_timeout_s: float = 300.0
+
+    def _expected(self) -> dict[str, tuple[tuple, torch.dtype]]:
+        if getattr(self, "_expected_hf", None) is None:
+            dtype = next(self.engine.model_chunks[0].parameters()).dtype
+            self._expected_hf = expected_hf_tensors(self.engine.model_config, dtype)
+        return self._expected_hf
+
+    @property
+    def groups(self) -> dict[str, Any]:
+        if getattr(self, "_groups", None) is None:
+            self._groups: dict[str, Any] = {}
+        return self._groups
+
+    def _drop_group(self, name: str) -> None:
+        group = self.groups.pop(name, None)
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # already broken: dropping the object closes its sockets
+                logger.exception("shutdown of weight-update group %s", name)
+
+    # ------------------------------------------------------------------ distributed
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from megatron_earl.rollout.server import BadRequest
+
+        body = await self._json(request, INIT_GROUP_FIELDS, "init_weights_update_group")
+        missing = sorted({"master_address", "master_port", "rank_offset", "world_size"} - set(body))
+        if missing:
+            raise BadRequest(f"init_weights_update_group needs {missing}")
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if backend != "gloo":
+            raise BadRequest(
+                f"backend {backend!r}: megatron-earl serve runs on CPU and joins with 'gloo' "
+                "(SGLang on GPUs uses 'nccl')"
+            )
+        self._drop_group(name)  # SGLang replaces a group of the same name (a restarted trainer)
+        ints = {k: body[k] for k in ("master_port", "rank_offset", "world_size")}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints.values()):
+            raise BadRequest(f"master_port, rank_offset, world_size must be integers: {ints}")
+        if not 1 <= ints["rank_offset"] < ints["world_size"]:
+            raise BadRequest(
+                f"rank_offset {ints['rank_offset']} must be in [1, world_size="
+                f"{ints['world_size']}) (rank 0 is the trainer; this server has 1 TP rank)"
+            )
+        try:
+            group = await asyncio.to_thread(
+                join_weight_update_group,
+                str(body["master_address"]),
+                ints["master_port"],
+                ints["rank_offset"],
+                ints["world_size"],
+                name,
+                backend,
+                self.dist_timeout_s,
+            )
+        except (TimeoutError, RuntimeError, ValueError) as err:
+            raise BadRequest(f"Failed to initialize custom process group: {err}") from None
+        self.groups[name] = group
+        return web.json_response(
+            {"success": True, "message": "Succeeded to initialize custom process group."}
+        )
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        from megatron_earl.models.hf_mapping import apply_hf_tensor
+        from megatron_earl.rollout.server import BadRequest
+
+        body = await self._json(
+            request, DISTRIBUTED_UPDATE_FIELDS, "update_weights_from_distributed"
+        )
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise BadRequest(
+                f"weight-update group {name!r} does not exist (groups: {sorted(self.groups)}); "
+                "call init_weights_update_group first"
+            )
+        load_format = body.get("load_format")
+        try:
+            if load_format not in LOAD_FORMATS:
+                raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
+            names, shapes = body.get("names"), body.get("shapes")
+            raw_dtypes = body.get("dtypes")
+            lists = (names, raw_dtypes, shapes)
+            if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1:
+                raise ValueError("names, dtypes and shapes must be lists of one length")
+            if not names:
+                raise ValueError("names is empty")
+            dtypes = [parse_dtype(d) for d in raw_dtypes]
+            if not all(
+                isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
+                for s in shapes
+            ):
+                raise ValueError(f"shapes must be lists of non-negative integers: {shapes!r:.200}")
+            check_metadata(names, dtypes, shapes, self._expected())
+            if load_format == FLATTENED:
+                flattened_sizes(names, dtypes, shapes)
+            if body.get("weight_version") is not None:
+                int(body["weight_version"])  # checked again by _update, after the receive
+        except (ValueError, TypeError) as err:
+            self._drop_group(name)  # its sender has no receiver for this bucket
+            raise BadRequest(
+                f"update_weights_from_distributed refused, nothing received or changed: {err}; "
+                f"weight-update group {name!r} destroyed (initialise it again)"
+            ) from None
+        received: list[NamedTensor] = []
+
+        async def receive() -> None:
+            group = self.groups[name]
+            try:
+                received.extend(
+                    await asyncio.to_thread(
+                        receive_bucket, group, names, dtypes, shapes, load_format
+                    )
+                )
+            except RuntimeError as err:
+                self._drop_group(name)
+                raise BadRequest(
+                    f"receiving the bucket over weight-update group {name!r} failed: {err}; "
+                    "group destroyed, nothing changed"
+                ) from None
+
+        def apply(full: dict[str, torch.Tensor]) -> None:
+            for hf_name, tensor in received:
+                apply_hf_tensor(full, hf_name, tensor, self.engine.model_config)
+
+        return await self._update(body, apply, before=receive)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        from megatron_earl.rollout.server import BadRequest
+
+        body = await self._json(request, DESTROY_GROUP_FIELDS, "destroy_weights_update_group")
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise BadRequest(f"The group to be destroyed does not exist: {name!r}")
+        self._drop_group(name)
+        return web.json_response(
+            {"success": True, "message": "Succeeded to destroy custom process group."}
+        )
+
+    # ------------------------------------------------------------------ disk
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        from megatron_earl.models.hf_mapping import apply_hf_tensor
+        from megatron_earl.rollout.server import BadRequest
+
+        body = await self._json(request, DISK_UPDATE_FIELDS, "update_weights_from_disk")
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest(f"model_path must be a non-empty string, got {path!r}")
+        load_format = body.get("load_format")
+        if load_format not in DISK_LOAD_FORMATS:
+            raise BadRequest(f"load_format {load_format!r} is not one of {DISK_LOAD_FORMATS}")
+        try:
+            resolved = allowed_path(path, self.weight_dirs)
+        except Forbidden as err:
+            return _forbidden(str(err))
+        try:
+            kind, weights = await asyncio.to_thread(read_weights, resolved, load_format)
+            if kind == "hf":
+                check_named(weights, self._expected())
+        except Exception as err:
+            raise BadRequest(
+                f"update_weights_from_disk refused, nothing changed: cannot load {path!r}: {err}"
+            ) from None
+        if kind == "full":
+            return await self._update(body, lambda full: full.update(weights))
+
+        def apply(full: dict[str, torch.Tensor]) -> None:
+            for hf_name, tensor in weights:
+                apply_hf_tensor(full, hf_name, tensor, self.engine.model_config)
+
+        return await self._update(body, apply)
+
+
+def _forbidden(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": 403}}, status=403)

@@ -1,0 +1,140 @@
+"""The weight-update process group of SGLang's distributed protocol, on both of its sides.
+
+    # trainer (rank 0; hosts the rendezvous store) and, concurrently, each engine TP rank
+    # (rank = rank_offset + tp_rank, what SGLang's /init_weights_update_group does):
+    group = join_weight_update_group("10.0.0.1", 29600, rank, world_size, "weight_update_group",
+                                     "gloo", timeout_s=300)
+    broadcast_bucket(group, bucket, flattened=False)      # trainer: send; engines: receive_bucket
+
+The group is a standalone process group (its own TCP store under a ``PrefixStore`` named after
+the group, like SGLang's ``init_custom_process_group``): it never touches the default group of
+either side, so a trainer's torchrun world and a server's own world stay as they are. gloo on
+CPU (``megatron-earl serve``, CI), NCCL between GPUs (SGLang; the tensors must then be on the
+device). A peer that never joins ends in a ``TimeoutError`` naming the rendezvous after
+``timeout_s``, not in a hang.
+
+Wire format per bucket (SGLang's ``update_weights_from_distributed``): ``load_format`` None ->
+one broadcast per tensor, in the order of ``names``; ``"flattened_bucket"`` -> one broadcast of
+the bucket's bytes (uint8), tensors back to back in that order, each at an offset its dtype's
+size divides (SGLang's ``FlattenedTensorBucket`` refuses others; ``flattened_sizes``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+NamedTensor = tuple[str, torch.Tensor]
+FLATTENED = "flattened_bucket"
+LOAD_FORMATS = (None, FLATTENED)
+"""``load_format`` values of ``update_weights_from_distributed`` both sides implement."""
+
+
+def join_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host the store of) the group. Blocks until every rank joined, or raises
+    ``TimeoutError`` after ``timeout_s``. Every rank of the group calls it, concurrently."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} is not one of 'gloo', 'nccl'")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = (
+        f"weight-update group {group_name!r} at {master_address}:{master_port} "
+        f"(rank {rank} of {world_size})"
+    )
+    try:
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        store = dist.PrefixStore(group_name, store)
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    except (RuntimeError, dist.DistError) as err:
+        if "timeout" in str(err).lower() or "timed out" in str(err).lower():
+            raise TimeoutError(
+                f"{where}: not every rank joined within {timeout_s:g} s ({err})"
+            ) from None
+        raise RuntimeError(f"{where}: cannot join: {err}") from None
+
+
+def flattened_sizes(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> list[int]:
+    """Byte sizes of a flattened bucket's tensors; ``ValueError`` naming the first tensor whose
+    offset its dtype's size does not divide (e.g. float32 after an odd count of bfloat16)."""
+    sizes, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if offset % dtype.itemsize:
+            raise ValueError(
+                f"flattened bucket: {name} ({str(dtype).removeprefix('torch.')}) would start at "
+                f"byte {offset}, not a multiple of {dtype.itemsize}; order or split the bucket"
+            )
+        sizes.append(torch.Size(shape).numel() * dtype.itemsize)
+        offset += sizes[-1]
+    return sizes
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def broadcast_bucket(
+    group: dist.ProcessGroup, bucket: Sequence[NamedTensor], load_format: str | None = None
+) -> None:
+    """Send one bucket from rank 0 (the trainer). Call it while the engines handle the
+    bucket's ``update_weights_from_distributed`` request (they receive it)."""
+    if load_format == FLATTENED:
+        flattened_sizes([n for n, _ in bucket], [t.dtype for _, t in bucket],
+                        [t.shape for _, t in bucket])  # fmt: skip
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+        _broadcast(group, flat)
+        return
+    for _, tensor in bucket:
+        _broadcast(group, tensor.detach().contiguous())
+
+
+def receive_bucket(
+    group: dist.ProcessGroup,
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    load_format: str | None = None,
+    device: torch.device | str = "cpu",
+) -> list[NamedTensor]:
+    """Receive one bucket on an engine rank (inverse of ``broadcast_bucket``)."""
+    if load_format == FLATTENED:
+        sizes = flattened_sizes(names, dtypes, shapes)
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        _broadcast(group, flat)
+        out, offset = [], 0
+        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes, strict=True):
+            out.append((name, flat[offset : offset + size].view(dtype).reshape(shape)))
+            offset += size
+        return out
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        _broadcast(group, tensor)
+        out.append((name, tensor))
+    return out

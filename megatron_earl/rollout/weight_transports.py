@@ -1,0 +1,264 @@
+"""Weight transports from the trainer to SGLang engines, one class per SGLang protocol, chosen
+once by ``rollout.sglang.weight_update`` (``config.sglang``). The same ``SGLangClient`` calls
+drive a real SGLang server (GPU) and ``megatron-earl serve`` (CPU, CI).
+
+    transport = build_transport(settings, model_config, run_dir)   # on the trainer's rank 0
+    stats = asyncio.run(transport.push(clients, full, version))    # every step the engines lag
+    asyncio.run(transport.close(clients))                          # end of the run
+
+Every push follows SGLang users' order: ``pause_generation`` -> ``flush_cache`` -> the update ->
+``continue_generation``; then each engine's weight version is read back (``get_model_info``)
+and must be the pushed one (``EngineError`` naming the engine otherwise).
+
+- ``tensor``: ``update_weights_from_tensor`` per bucket (``weight_sync.push_weights``), portable
+  payload (``serialize_named_tensors``; a real SGLang needs its own serializer, colocated).
+- ``disk``: the HF directory ``<weight_dir>/v<version>`` written by the streaming exporter
+  (``convert.export_hf``), then ``update_weights_from_disk`` on every engine; the previous
+  version's directory is removed once the engines serve the new one. The engines must see the
+  directory at the same path and be allowed to read it (serve: ``--weight-dirs``).
+- ``distributed``: at the first push the trainer's rank 0 joins a process group with every
+  engine (``init_weights_update_group``; engine i's ranks start at ``1 + i * engine_tp``), then
+  per bucket ``update_weights_from_distributed`` while rank 0 broadcasts the tensors
+  (``weight_group.broadcast_bucket``). The group lives until ``close``.
+
+``PushStats.bytes_sent`` is the tensor bytes each engine receives (disk: bytes written once).
+Which ranks call: only the rank that holds the full tensors (rank 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import shutil
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import ClassVar
+from urllib.parse import urlparse
+
+import torch
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.sglang import SGLangConfig
+from megatron_earl.config.vocab import WeightUpdate
+from megatron_earl.rollout.engine import EngineError
+from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.weight_group import (
+    FLATTENED,
+    broadcast_bucket,
+    join_weight_update_group,
+)
+from megatron_earl.rollout.weight_sync import (
+    NamedTensor,
+    PushStats,
+    WeightSyncConfig,
+    in_daemon_thread,
+    paused,
+    push_weights,
+    push_weights_distributed,
+)
+
+GROUP_NAME = "megatron_earl_weights"
+
+
+class WeightTransport(ABC):
+    """One way of moving the trainer's weights into SGLang engines (module docstring)."""
+
+    kind: ClassVar[WeightUpdate]
+
+    def __init__(self, settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> None:
+        self.settings = settings
+        self.model = model
+        self.run_dir = run_dir
+        self.sync = WeightSyncConfig(
+            bucket_bytes=settings.bucket_bytes, pause_mode=settings.pause_mode
+        )
+
+    async def push(
+        self, clients: Sequence[SGLangClient], named: Iterable[NamedTensor], version: int
+    ) -> PushStats:
+        """Push ``named`` (HF names) to every engine as ``version``; checks the version each
+        engine reports afterwards."""
+        stats = await self._push(clients, named, version)
+        await check_versions(clients, version)
+        return stats
+
+    @abstractmethod
+    async def _push(
+        self, clients: Sequence[SGLangClient], named: Iterable[NamedTensor], version: int
+    ) -> PushStats: ...
+
+    async def close(self, clients: Sequence[SGLangClient]) -> None:  # noqa: B027 (optional)
+        """Release what the transport holds on the engines and here (end of the run)."""
+
+
+TRANSPORTS: dict[WeightUpdate, type[WeightTransport]] = {}
+
+
+def register_transport(cls: type[WeightTransport]) -> type[WeightTransport]:
+    TRANSPORTS[cls.kind] = cls
+    return cls
+
+
+def build_transport(settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> WeightTransport:
+    return TRANSPORTS[WeightUpdate(settings.weight_update)](settings, model, run_dir)
+
+
+async def check_versions(clients: Sequence[SGLangClient], version: int) -> None:
+    """Read every engine's weight version back; ``EngineError`` names one that differs."""
+    await asyncio.gather(*(c.get_model_info() for c in clients))
+    wrong = {c.base_url: c.weight_version for c in clients if c.weight_version != version}
+    if wrong:
+        raise EngineError(f"after pushing weight version {version}, engines report {wrong}")
+
+
+@register_transport
+class TensorTransport(WeightTransport):
+    kind = WeightUpdate.TENSOR
+
+    async def _push(self, clients, named, version):
+        return await push_weights(
+            clients, named, version, self.sync, engine_tp=self.settings.engine_tp
+        )
+
+
+@register_transport
+class DiskTransport(WeightTransport):
+    kind = WeightUpdate.DISK
+
+    def __init__(self, settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> None:
+        super().__init__(settings, model, run_dir)
+        self.dir = Path(settings.weight_dir or run_dir / "engine_weights").resolve()
+        self.current: Path | None = None
+
+    async def _push(self, clients, named, version):
+        from megatron_earl.convert.convert import export_hf
+
+        start = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        out = self.dir / f"v{version}"
+        if out.exists():  # a push of this version that did not complete (e.g. resumed run)
+            shutil.rmtree(out)
+        written = await asyncio.to_thread(export_hf, named, self.model, out)
+        async with paused(clients, self.sync):
+            await asyncio.gather(
+                *(c.update_weights_from_disk(str(out), weight_version=version) for c in clients)
+            )
+        previous, self.current = self.current, out
+        if previous is not None and previous != out:
+            shutil.rmtree(previous, ignore_errors=True)
+        return PushStats(1, 0, written, time.perf_counter() - start)
+
+    async def close(self, clients: Sequence[SGLangClient]) -> None:
+        """The last version's directory stays (engines may restart from it)."""
+
+
+@register_transport
+class DistributedTransport(WeightTransport):
+    kind = WeightUpdate.DISTRIBUTED
+
+    def __init__(self, settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> None:
+        super().__init__(settings, model, run_dir)
+        self.group = None
+        self.backend = settings.group_backend or (
+            "nccl" if torch.cuda.is_available() and _computes_on_cuda() else "gloo"
+        )
+        self.load_format = FLATTENED if settings.distributed_load_format == FLATTENED else None
+
+    async def _join(self, clients: Sequence[SGLangClient]) -> None:
+        """Rank 0 of the group here, engine i's TP ranks from ``1 + i * engine_tp``; all join
+        concurrently (the engines' HTTP calls return once the group stands)."""
+        s = self.settings
+        urls = [c.base_url for c in clients]
+        address = s.group_address or group_address(urls)
+        port = s.group_port or _free_port(address)
+        world = 1 + len(clients) * s.engine_tp
+        joins = [
+            c.init_weights_update_group(
+                address, port, 1 + i * s.engine_tp, world, GROUP_NAME, self.backend
+            )
+            for i, c in enumerate(clients)
+        ]
+        local = in_daemon_thread(
+            join_weight_update_group,
+            address,
+            port,
+            0,
+            world,
+            GROUP_NAME,
+            self.backend,
+            s.group_timeout_s,
+        )
+        results = await asyncio.gather(local, *joins, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise EngineError(
+                f"cannot form weight-update group {GROUP_NAME!r} at {address}:{port} with "
+                f"{urls}: {errors[0]}"
+            ) from errors[0]
+        self.group = results[0]
+
+    async def _push(self, clients, named, version):
+        if self.group is None:
+            await self._join(clients)
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        )
+
+        def send(bucket: list[NamedTensor]) -> None:
+            if device is not None:
+                bucket = [(n, t.to(device, non_blocking=True)) for n, t in bucket]
+            broadcast_bucket(self.group, bucket, self.load_format)
+
+        return await push_weights_distributed(
+            clients,
+            named,
+            version,
+            send,
+            self.sync,
+            group_name=GROUP_NAME,
+            load_format=self.load_format,
+        )
+
+    async def close(self, clients: Sequence[SGLangClient]) -> None:
+        """Destroy the group on the engines (errors ignored: an engine may be gone) and here."""
+        if self.group is None:
+            return
+        await asyncio.gather(
+            *(c.destroy_weights_update_group(GROUP_NAME) for c in clients),
+            return_exceptions=True,
+        )
+        self.group.shutdown()
+        self.group = None
+
+
+def _computes_on_cuda() -> bool:
+    from megatron_earl import runtime
+
+    return runtime.device().type == "cuda"
+
+
+def group_address(urls: Sequence[str]) -> str:
+    """127.0.0.1 when every engine is on loopback, else this host's address on the route to the
+    first engine (what it can connect back to)."""
+    hosts = [urlparse(u).hostname or "" for u in urls]
+    if all(h == "localhost" or _is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((hosts[0], 9))  # no packet is sent; picks the outgoing interface
+        return s.getsockname()[0]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,262 @@
+"""SGLang's weight-update protocols between the trainer's client code
+(``rollout.weight_transports``, the calls the RL loop makes) and ``megatron-earl serve``: a
+server that receives weights W by ``tensor``, ``disk`` (an HF directory from the streaming
+exporter) or ``distributed`` (a gloo group, per-tensor and flattened buckets) then generates
+exactly what a server started with W loaded directly generates, and reports the pushed version.
+Bad pushes are refused before anything changes (wrong names, shapes, dtypes; the trainer's
+pending broadcast fails at once), a group the trainer never joins times out with a clear error
+while the server keeps generating, and a disk update outside ``--weight-dirs`` (symlinks
+resolved) is answered 403 and loads nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.config.sglang import SGLangConfig
+from megatron_earl.convert.convert import export_hf
+from megatron_earl.models.hf_mapping import global_shapes
+from megatron_earl.rollout.engine import GenerateRequest
+from megatron_earl.rollout.sglang_client import EngineRequestError, SGLangClient
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.weight_sync import hf_named_tensors
+from megatron_earl.rollout.weight_transports import build_transport
+from megatron_earl.testing.distributed import free_port
+
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=256,
+    make_vocab_size_divisible_by=64,
+)
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+PROMPT = (5, 17, 99, 3, 42, 7)
+
+
+def weights(seed: int, model: ModelConfig = MODEL) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=gen) * 0.3 for k, s in global_shapes(model).items()}
+
+
+W = weights(11)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("protocols")
+    (tmp / "model.json").write_text(json.dumps(MODEL.to_dict()))
+    torch.save(W, tmp / "w.pt")
+    allowed = tmp / "allowed"
+    allowed.mkdir()
+    common = ("--model-config", str(tmp / "model.json"), "--max-seq-len", "64")
+    ref = LaunchConfig(
+        model_path=str(tmp / "w.pt"), port=free_port(), module="megatron_earl.rollout.server",
+        extra_args=common,
+    )  # fmt: skip
+    target = LaunchConfig(
+        model_path="random", port=free_port(), module="megatron_earl.rollout.server",
+        weight_dirs=(str(allowed),), extra_args=(*common, "--seed", "3", "--dist-timeout", "4"),
+    )  # fmt: skip
+    procs = [
+        ServerProcess(c, log_path=str(tmp / f"{n}.log"), env={"OMP_NUM_THREADS": "1"})
+        for n, c in (("ref", ref), ("target", target))
+    ]
+    try:
+        for proc in procs:
+            proc.wait_healthy(timeout_s=120)
+        yield {"ref": procs[0].url, "target": procs[1].url, "tmp": tmp, "allowed": allowed}
+    finally:
+        for proc in procs:
+            proc.stop(stop_timeout_s=20)
+
+
+async def _outputs(url: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    client = SGLangClient(url)
+    try:
+        result = await client.generate(GenerateRequest(PROMPT, GREEDY))
+    finally:
+        await client.close()
+    return result.output_ids, result.output_logprobs
+
+
+async def _version(url: str) -> int:
+    client = SGLangClient(url)
+    try:
+        await client.get_model_info()
+    finally:
+        await client.close()
+    return client.weight_version
+
+
+async def _push_with(transport, env, full, version: int, model=MODEL, close: bool = False):
+    client = SGLangClient(env["target"])
+    try:
+        return await transport.push([client], hf_named_tensors(full, model), version)
+    finally:
+        if close:
+            await transport.close([client])
+        await client.close()
+
+
+async def _push(env, settings: SGLangConfig, full, version: int, model: ModelConfig = MODEL):
+    """One push by a transport of its own (closed after)."""
+    transport = build_transport(settings, model, env["tmp"])
+    return await _push_with(transport, env, full, version, model, close=True)
+
+
+def _same_as_reference(env) -> bool:
+    async def both():
+        return await _outputs(env["ref"]), await _outputs(env["target"])
+
+    (ref_ids, ref_lp), (ids, lp) = asyncio.run(both())
+    if ids != ref_ids:
+        return False
+    assert lp == pytest.approx(ref_lp, abs=1e-6)
+    return True
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        SGLangConfig(weight_update="tensor", bucket_bytes=64 << 10),
+        SGLangConfig(weight_update="disk", weight_dir=None),
+        SGLangConfig(weight_update="distributed", bucket_bytes=64 << 10, group_timeout_s=30),
+        SGLangConfig(
+            weight_update="distributed",
+            distributed_load_format="flattened_bucket",
+            bucket_bytes=64 << 10,
+            group_timeout_s=30,
+        ),
+    ],
+    ids=["tensor", "disk", "distributed", "distributed-flattened"],
+)
+def test_pushed_weights_serve_like_weights_loaded_directly(env, settings):
+    if settings.weight_update == "disk":
+        settings = dataclasses.replace(settings, weight_dir=str(env["allowed"] / "engine"))
+    version = 100 + len(settings.weight_update)
+    transport = build_transport(settings, MODEL, env["tmp"])  # one per run, as the trainer's
+    asyncio.run(_push_with(transport, env, weights(5), version - 1))  # other weights first
+    assert not _same_as_reference(env)
+    stats = asyncio.run(_push_with(transport, env, W, version, close=True))
+    assert _same_as_reference(env)
+    assert asyncio.run(_version(env["target"])) == version
+    hf_bytes = sum(t.numel() * t.element_size() for _, t in hf_named_tensors(W, MODEL))
+    assert stats.bytes_sent == hf_bytes
+    if settings.weight_update != "disk":
+        assert stats.num_buckets > 1
+    else:  # only the newest version's directory is kept
+        assert sorted(p.name for p in Path(settings.weight_dir).iterdir()) == [f"v{version}"]
+
+
+def test_mismatched_pushes_are_refused_before_anything_changes(env):
+    asyncio.run(_push(env, SGLangConfig(), W, 7))
+    wider = dataclasses.replace(MODEL, ffn_hidden_size=96)
+    bf16 = {k: t.bfloat16() for k, t in W.items()}
+    distributed = SGLangConfig(weight_update="distributed", group_timeout_s=60)
+    cases = [  # (settings, weights, model, what the error names)
+        (distributed, weights(1, wider), wider, "has shape (96, 32), the model's is (64, 32)"),
+        (distributed, bf16, MODEL, "has dtype bfloat16, the model's is float32"),
+        (SGLangConfig(), bf16, MODEL, "has dtype bfloat16, the model's is float32"),
+        (SGLangConfig(), weights(1, wider), wider, "has shape (96, 32)"),
+    ]
+    for settings, full, model, needle in cases:
+        start = time.monotonic()
+        with pytest.raises(EngineRequestError, match=r"refused|rejected") as info:
+            asyncio.run(_push(env, settings, full, 8, model))
+        assert needle in str(info.value) and "HTTP 400" in str(info.value)
+        # the trainer's pending broadcast ended with the refusal, not at the group's timeout
+        assert time.monotonic() - start < 30
+        assert asyncio.run(_version(env["target"])) == 7
+        assert _same_as_reference(env)
+
+    async def raw_unknown_name() -> tuple[int, str]:
+        body = {"names": ["model.layers.9.mlp.up_proj.weight"], "dtypes": ["float32"],
+                "shapes": [[64, 32]], "group_name": "nope"}  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            async with s.post(env["target"] + "/update_weights_from_distributed", json=body) as r:
+                return r.status, await r.text()
+
+    status, text = asyncio.run(raw_unknown_name())
+    assert status == 400 and "'nope' does not exist" in text
+
+
+def test_group_the_trainer_never_joins_times_out_while_serving(env):
+    async def body():
+        client = SGLangClient(env["target"])
+        port = free_port()  # nobody listens: the trainer never joins
+        start = time.monotonic()
+        init = asyncio.create_task(
+            client.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
+        )
+        await asyncio.sleep(0.5)
+        served = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        served_after = time.monotonic() - start
+        with pytest.raises(EngineRequestError) as info:
+            await init
+        await client.close()
+        return served, served_after, time.monotonic() - start, str(info.value)
+
+    served, served_after, failed_after, message = asyncio.run(body())
+    assert len(served.output_ids) == 12 and served_after < failed_after
+    assert "not every rank joined within 4 s" in message and "HTTP 400" in message
+    assert failed_after < 20
+
+
+def test_disk_updates_only_inside_allowed_directories(env):
+    tmp, allowed = env["tmp"], env["allowed"]
+    asyncio.run(_push(env, SGLangConfig(), W, 20))
+    export_hf(hf_named_tensors(weights(2), MODEL), MODEL, tmp / "outside")
+    (allowed / "link").symlink_to(tmp / "outside", target_is_directory=True)
+    torch.save(weights(2), tmp / "outside.pt")
+    wider = dataclasses.replace(MODEL, ffn_hidden_size=96)
+    export_hf(hf_named_tensors(weights(2, wider), wider), wider, allowed / "wider")
+
+    async def post(path: str) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            body = {"model_path": path, "weight_version": "21"}
+            async with s.post(env["target"] + "/update_weights_from_disk", json=body) as r:
+                return r.status, await r.text()
+
+    for path, status, needle in [
+        (tmp / "outside", 403, "outside the directories allowed by --weight-dirs"),
+        (allowed / "link", 403, "resolved"),
+        (allowed / ".." / "outside", 403, "outside"),
+        (tmp / "outside.pt", 403, "outside"),
+        (allowed / "wider", 400, "down_proj.weight has shape (32, 96), the model's is (32, 64)"),
+        (allowed / "missing", 400, "cannot load"),
+    ]:
+        got, text = asyncio.run(post(str(path)))
+        assert got == status and needle in text, (path, got, text)
+        assert asyncio.run(_version(env["target"])) == 20
+        assert _same_as_reference(env)
+    # The older form, a full Megatron state file, loads from an allowed directory.
+    torch.save(weights(2), allowed / "other.pt")
+    got, text = asyncio.run(post(str(allowed / "other.pt")))
+    assert got == 200 and asyncio.run(_version(env["target"])) == 21
+    assert not _same_as_reference(env)
+    torch.save(W, allowed / "w.pt")
+    assert asyncio.run(post(str(allowed / "w.pt")))[0] == 200
+    assert _same_as_reference(env)
+
+
+def test_disk_updates_are_off_without_weight_dirs(env):
+    async def body():
+        client = SGLangClient(env["ref"])
+        try:
+            await client.update_weights_from_disk(str(env["tmp"] / "w.pt"), weight_version=3)
+        finally:
+            await client.close()
+
+    with pytest.raises(EngineRequestError, match=r"HTTP 403.*--weight-dirs"):
+        asyncio.run(body())
