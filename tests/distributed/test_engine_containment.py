@@ -5,8 +5,8 @@
   with exactly the tokens it gets without the fault, later requests are served, the engine stays
   healthy. Three failing forwards in a row fail the engine (a persistent fault is not hidden).
 * Non-finite weights (a diverged update loaded by an external reshard) fail each request with a
-  message naming non-finite logits; the engine stays healthy and serves again once finite
-  weights are loaded.
+  message naming non-finite logits (prompt log-probs too); the engine stays healthy and serves
+  again once finite weights are loaded.
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ def _nan_weights_run():
         await eng.load_state_dict(bad, 1)
         with pytest.raises(EngineError, match="non-finite logits"):
             await eng.generate(request)
+        scoring = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=0), logprob_start_len=0)
+        with pytest.raises(EngineError, match="prompt log-probs failed: non-finite logits"):
+            await eng.generate(scoring)
         healthy = await eng.health()
         await eng.load_state_dict(good, 2)
         return before, healthy, await eng.generate(request)

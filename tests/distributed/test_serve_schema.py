@@ -233,3 +233,40 @@ def test_stream_sends_one_event_per_sequence_then_done(served):
     items = [json.loads(e) for e in events[:-1]]
     assert sorted(it["index"] for it in items) == [0, 1]
     assert all(len(it["output_ids"]) == 4 for it in items)
+
+
+def _steps_run() -> list:
+    """The engine's forward batches for plain requests, then one asking for prompt log-probs."""
+    import asyncio
+
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import GenerateRequest
+    from megatron_earl.rollout.server import build_engine, parse_args
+
+    engine, _ = build_engine(parse_args(["--max-seq-len", "64"]))
+    real, batches = engine._forward, []
+
+    def recording(batch):
+        batches.append((batch.is_decode, batch.logits_from))
+        return real(batch)
+
+    engine._forward = recording
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5, seed=1)
+
+    async def driver(eng):
+        await asyncio.gather(*(eng.generate(GenerateRequest(tuple(PROMPT), params)) for _ in "ab"))
+        plain = len(batches)
+        await eng.generate(
+            GenerateRequest(tuple(PROMPT), params, logprob_start_len=3, top_logprobs_num=2)
+        )
+        return batches[:plain], batches[plain:]
+
+    return run_engine(engine, driver)
+
+
+def test_default_path_computes_no_extra_logits():
+    plain, asked = run_distributed(_steps_run, 1, timeout_s=120)[0]
+    assert all(logits_from == () for _, logits_from in plain) and len(plain) == 3
+    # only the prefill of the request that asks returns more than its last token's logits
+    assert asked[0] == (False, (3,)) and all(f == () for _, f in asked[1:])
