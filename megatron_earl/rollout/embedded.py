@@ -120,7 +120,11 @@ class _Request:
     """Weight version its keys and values were computed with (prefill at admission); a row
     whose prefix predates a weight update is not parked for reuse."""
     top_k: int = 0
-    """``request.top_logprobs_num`` (read once per token when set)."""
+    """``request.top_logprobs_num``."""
+    progress: Callable[[str, int, float], None] | None = None
+    """Called with (rid, token, log-prob) for each token but the last (streaming)."""
+    extras: bool = False
+    """``top_k`` or ``progress`` set: the one test a token pays on the default path."""
     input_logprobs: list[float] | None = None
     """Prompt log-probs (``request.logprob_start_len``), set by the prefill that computes them."""
     input_top: list = field(default_factory=list)
@@ -202,8 +206,14 @@ class EmbeddedEngine:
         """Requests holding a KV-cache row (at most ``max_batch_size``; the rest wait)."""
         return len(self._table.items)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Queue a request and wait for its result (scheduler rank, inside ``run_engine``)."""
+    async def generate(
+        self,
+        request: GenerateRequest,
+        progress: Callable[[str, int, float], None] | None = None,
+    ) -> GenerateResult:
+        """Queue a request and wait for its result (scheduler rank, inside ``run_engine``);
+        ``progress(rid, token, logprob)`` is called in the event loop as each token but the
+        last is sampled (streaming; an exception from it fails the request)."""
         self._check_running()
         self.validate(request)
         rid = request.rid or f"emb-{next(self._ids)}"
@@ -212,7 +222,8 @@ class EmbeddedEngine:
         seed = request.sampling.seed
         gen = self._stream if seed is None else random.Random(seed)
         entry = _Request(request, asyncio.get_running_loop().create_future(), gen)
-        entry.top_k = request.top_logprobs_num
+        entry.top_k, entry.progress = request.top_logprobs_num, progress
+        entry.extras = bool(entry.top_k or progress)
         self._waiting.append(entry)
         self._wake.set()
         try:
@@ -568,12 +579,15 @@ class EmbeddedEngine:
                 continue
             entry.output_ids.append(token)
             entry.logprobs.append(logprob)
-            if entry.top_k:
-                tops.append(row)
             try:
                 reason = self._finish_reason(entry)
+                if entry.extras:
+                    if entry.top_k:
+                        tops.append(row)
+                    if entry.progress is not None and reason is None:
+                        entry.progress(entry.request.rid, token, logprob)
             except Exception as err:
-                reason = f"stop check failed: {err!r}"
+                reason = f"stop check or progress failed: {err!r}"
             if reason is not None:
                 done.append((entry, reason))
         if tops:

@@ -326,6 +326,34 @@ class GeneratePlan:
             out["prompt_token_ids"] = list(request.input_ids)
         return out
 
+    def partial_json(
+        self,
+        index: int,
+        rid: str,
+        ids: list[int],
+        logprobs: list[float],
+        weight_version: int,
+        detokenize: Callable[[Sequence[int]], str],
+    ) -> dict[str, Any]:
+        """A streamed sequence so far (SGLang's intermediate event: ``finish_reason`` null;
+        the prompt and top log-probs come with the final event)."""
+        request, opts = self.requests[index], self.options[index]
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": None,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": str(weight_version),
+        }
+        if opts.return_logprob:
+            text_of = detokenize if self.return_text_in_logprobs else None
+            meta["output_token_logprobs"] = [
+                [lp, tok, text_of([tok]) if text_of else None] for lp, tok in zip(logprobs, ids)
+            ]
+            meta["output_token_logprobs_length"] = len(ids)
+        return {"text": detokenize(ids), "output_ids": list(ids), "meta_info": meta}
+
 
 def parse_generate(
     body: Any,

@@ -10,8 +10,8 @@ and out uses a byte-level stand-in tokenizer (id < 256 = that byte) when the voc
 ids, so stop strings work on a toy model.
 
 Endpoints (shapes of SGLang 0.5.x): ``/generate`` (SGLang's whole request schema, see
-``generate_api``: prompts, n samples, min_p, prompt and top log-probs; ``stream`` answers one
-SSE event per sequence as it finishes, then ``[DONE]``), ``/health``,
+``generate_api``: prompts, n samples, min_p, prompt and top log-probs; ``stream`` answers
+SGLang's cumulative SSE events, one per token, then ``[DONE]``), ``/health``,
 ``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``,
 ``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
 ``/update_weights_from_tensor`` (portable payload, see ``weight_sync``),
@@ -165,19 +165,41 @@ class Server:
         return web.json_response(plan.response(results, self.detokenize))
 
     async def _stream(self, request: web.Request, plan: GeneratePlan) -> web.StreamResponse:
-        """Server-sent events as SGLang streams them: ``data: {...}`` per result (with its
-        ``index`` in a batch) as each sequence finishes, then ``data: [DONE]``."""
+        """Server-sent events as SGLang streams them (its default, cumulative form): one
+        ``data: {...}`` event per sampled token with the text and ids so far (``finish_reason``
+        null), the last one the full result; ``index`` names the sequence of a list answer;
+        then ``data: [DONE]``. A failed sequence ends the stream with an ``error`` event."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        events: asyncio.Queue = asyncio.Queue()
+        so_far: list[tuple[list[int], list[float]]] = [([], []) for _ in plan.requests]
 
-        async def indexed(i: int, req: GenerateRequest) -> tuple[int, Any]:
-            return i, await self.engine.generate(req)
+        async def run(i: int, req: GenerateRequest) -> None:
+            def progress(rid: str, token: int, logprob: float) -> None:
+                events.put_nowait(("token", i, rid, token, logprob))
 
-        tasks = [asyncio.ensure_future(indexed(i, r)) for i, r in enumerate(plan.requests)]
+            try:
+                events.put_nowait(("done", i, await self.engine.generate(req, progress)))
+            except Exception as err:  # the stream ends with an error event
+                events.put_nowait(("error", i, err))
+
+        tasks = [asyncio.ensure_future(run(i, r)) for i, r in enumerate(plan.requests)]
+        remaining = len(tasks)
         try:  # a client gone: the requests left are cancelled (aborted in the engine)
-            for done in asyncio.as_completed(tasks):
-                i, result = await done
-                item = plan.result_json(i, result, self.detokenize)
+            while remaining:
+                kind, i, *rest = await events.get()
+                if kind == "token":
+                    ids, logprobs = so_far[i]
+                    ids.append(rest[1])
+                    logprobs.append(rest[2])
+                    version = self.engine.weight_version
+                    item = plan.partial_json(i, rest[0], ids, logprobs, version, self.detokenize)
+                elif kind == "done":
+                    item = plan.result_json(i, rest[0], self.detokenize)
+                    remaining -= 1
+                else:
+                    item = {"error": {"message": f"{rest[0]}", "code": 500}}
+                    remaining = 0
                 if plan.batched:
                     item["index"] = i
                 await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")

@@ -31,7 +31,7 @@ POISON = 77
 """A prompt starting with this token makes the injected forward raise."""
 
 
-def _engine():
+def _engine(faulty_prefill: bool = True):
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.layout import ParallelLayout
@@ -42,6 +42,8 @@ def _engine():
     runtime.seed(5)
     chunks = build_model(MODEL)
     engine = EmbeddedEngine(chunks, MODEL, EmbeddedEngineConfig(max_batch_size=4, max_seq_len=64))
+    if not faulty_prefill:
+        return engine
     real = engine._forward
 
     def faulty(batch):
@@ -118,3 +120,32 @@ def test_non_finite_weights_fail_requests_not_the_engine():
     before, healthy, after = run_distributed(_nan_weights_run, 1, timeout_s=120)[0]
     assert healthy
     assert len(before.output_ids) == len(after.output_ids) == 4 and after.weight_version == 2
+
+
+def _progress_failure_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import EngineError, GenerateRequest
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = _engine(faulty_prefill=False)
+    seen = []
+
+    def broken(rid, token, logprob):
+        raise RuntimeError("injected: stream writer gone")
+
+    async def driver(eng):
+        other = asyncio.create_task(eng.generate(GenerateRequest((1, 2, 3), greedy)))
+        with pytest.raises(EngineError, match=r"progress failed.*stream writer gone"):
+            await eng.generate(GenerateRequest((1, 2, 3), greedy), broken)
+        streamed = await eng.generate(GenerateRequest((1, 2, 3), greedy), lambda *a: seen.append(a))
+        return await other, streamed, list(seen), await eng.health()
+
+    return run_engine(engine, driver)
+
+
+def test_a_failing_progress_callback_fails_only_its_request():
+    other, streamed, seen, healthy = run_distributed(_progress_failure_run, 1, timeout_s=120)[0]
+    assert healthy and other.output_ids == streamed.output_ids and len(other.output_ids) == 6
+    # one call per token but the last, with the request's id, the token and its log-prob
+    assert [(t, lp) for _, t, lp in seen] == list(zip(other.output_ids, other.output_logprobs))[:5]

@@ -123,6 +123,7 @@ def _serve(config_path: str, neutral: str) -> dict:
             stream = {
                 "input_ids": [PROMPT, OTHER],
                 "stream": True,
+                "return_logprob": True,
                 "sampling_params": {"max_new_tokens": 4, "temperature": 0},
             }
             resp = await client.post("/generate", json=stream)
@@ -225,14 +226,24 @@ def test_max_new_tokens_0_scores_the_prompt(served):
             assert abs(entries[j][0] - float(r[j - 1, prompt[j]])) < TOL
 
 
-def test_stream_sends_one_event_per_sequence_then_done(served):
+def test_stream_sends_an_event_per_token_then_done(served):
     status, content_type, text = served["stream"]
     assert status == 200 and content_type.startswith("text/event-stream")
     events = [line[len("data: ") :] for line in text.split("\n\n") if line]
     assert events[-1] == "[DONE]"
     items = [json.loads(e) for e in events[:-1]]
-    assert sorted(it["index"] for it in items) == [0, 1]
-    assert all(len(it["output_ids"]) == 4 for it in items)
+    assert len(items) == 8  # 2 sequences x 4 tokens, SGLang's cumulative events
+    for index in (0, 1):
+        seq = [it for it in items if it["index"] == index]
+        final = seq[-1]
+        assert len(final["output_ids"]) == 4 and final["meta_info"]["finish_reason"] is not None
+        for n, it in enumerate(seq[:-1], start=1):
+            assert it["meta_info"]["finish_reason"] is None
+            assert it["output_ids"] == final["output_ids"][:n]
+            lps = it["meta_info"]["output_token_logprobs"]
+            assert lps == final["meta_info"]["output_token_logprobs"][:n]
+    _, plain = served["plain"]
+    assert [it for it in items if it["index"] == 0][-1]["output_ids"] == plain["output_ids"][:4]
 
 
 def _steps_run() -> list:
