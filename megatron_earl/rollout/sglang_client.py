@@ -5,7 +5,7 @@
 
 Requests follow SGLang's request dataclasses of the pinned release (``SGLANG_PINNED``;
 ``tests/unit/test_sglang_contract.py`` checks every body this client sends against
-``sglang/srt/managers/io_struct.py`` of that wheel). Token-in/token-out: ``input_ids`` in,
+``sglang/srt/managers/io_struct.py`` of that wheel, through the schema fixture). Token-in/token-out: ``input_ids`` in,
 ``output_ids`` + ``meta_info.output_token_logprobs`` out; nothing is re-tokenized.
 
 Failure handling: connection errors, timeouts and HTTP 502/503/504 are retried with exponential
@@ -35,7 +35,9 @@ from megatron_earl.rollout.engine import (
 )
 
 SGLANG_PINNED = "0.5.23"
-"""The SGLang release whose request shapes this client follows (and the contract test reads)."""
+"""The SGLang release whose request shapes this client and ``serve`` follow; its schema is the
+fixture ``tests/fixtures/sglang_schema_<version>.json`` (after a change of version:
+``python scripts/sglang_schema.py``, then the contract tests say what to adapt)."""
 
 _RETRY_STATUS = (502, 503, 504)
 
