@@ -5,8 +5,9 @@
 
 Requests follow SGLang's request dataclasses of the pinned release (``SGLANG_PINNED``;
 ``tests/unit/test_sglang_contract.py`` checks every body this client sends against
-``sglang/srt/managers/io_struct.py`` of that wheel, through the schema fixture). Token-in/token-out: ``input_ids`` in,
-``output_ids`` + ``meta_info.output_token_logprobs`` out; nothing is re-tokenized.
+``sglang/srt/managers/io_struct.py`` of that wheel, through the schema fixture).
+Token-in/token-out: ``input_ids`` in, ``output_ids`` + ``meta_info.output_token_logprobs`` out;
+nothing is re-tokenized.
 
 Failure handling: connection errors, timeouts and HTTP 502/503/504 are retried with exponential
 backoff (``max_retries``); a 4xx is the caller's error (``EngineRequestError``, not retried);
