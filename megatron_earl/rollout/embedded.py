@@ -590,8 +590,9 @@ class EmbeddedEngine:
                 reason = f"stop check or progress failed: {err!r}"
             if reason is not None:
                 done.append((entry, reason))
-        if tops:
-            done += self._output_top_logprobs(host, tops, entries)
+        if tops and (failed := self._output_top_logprobs(host, tops, entries)):
+            gone = {id(entry) for entry, _ in failed}  # retired once, with the failure
+            done = [d for d in done if id(d[0]) not in gone] + failed
         if done:
             self._retire(done)
 

@@ -98,7 +98,7 @@ def sample_tokens(
             settings[:, 0].float(),
             settings[:, 1].long(),
             settings[:, 2].float(),
-            settings[:, 3],
+            settings[:, 3] if any(params[i].min_p > 0 for i in hot) else None,
         )
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)

@@ -149,3 +149,33 @@ def test_a_failing_progress_callback_fails_only_its_request():
     assert healthy and other.output_ids == streamed.output_ids and len(other.output_ids) == 6
     # one call per token but the last, with the request's id, the token and its log-prob
     assert [(t, lp) for _, t, lp in seen] == list(zip(other.output_ids, other.output_logprobs))[:5]
+
+
+def _top_failure_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout import embedded
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import EngineError, GenerateRequest
+
+    def broken(*args):
+        raise RuntimeError("injected: top-k failed")
+
+    embedded._top_logprobs = broken
+    engine = _engine(faulty_prefill=False)
+
+    async def driver(eng):
+        plain = asyncio.create_task(
+            eng.generate(GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4)))
+        )
+        # finishes (length 1) in the very step whose top log-probs fail: retired once, failed
+        last = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=1), top_logprobs_num=2)
+        with pytest.raises(EngineError, match=r"top log-probs failed.*injected"):
+            await eng.generate(last)
+        return await plain, eng.num_running, await eng.health()
+
+    return run_engine(engine, driver)
+
+
+def test_failing_top_logprobs_fail_only_their_request():
+    plain, running, healthy = run_distributed(_top_failure_run, 1, timeout_s=120)[0]
+    assert len(plain.output_ids) == 4 and running == 0 and healthy
