@@ -169,6 +169,10 @@ class RolloutConfig:
         bad_urls = [u for u in self.engine_urls if not u.startswith(("http://", "https://"))]
         if bad_urls:
             problems.append(f"engine_urls {bad_urls} must start with http:// or https://")
+        if self.sampling.max_new_tokens < 1:
+            problems.append(
+                f"sampling.max_new_tokens must be >= 1 per turn, got {self.sampling.max_new_tokens}"
+            )
         if self.sampling.max_new_tokens > self.max_context:
             problems.append(
                 f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) > max_context "

@@ -18,13 +18,16 @@ class SamplingParams:
     """Sampling settings of one request (SGLang's ``sampling_params`` subset)."""
 
     max_new_tokens: int = 128
-    """Tokens to generate at most."""
+    """Tokens to generate at most; 0 only prefills (the prompt's log-probs, as SGLang)."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Keep the k most likely tokens; -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability (after temperature) is below ``min_p`` times the most
+    likely token's, in [0, 1]; 0 disables."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end generation (the matched id is kept in the output)."""
     stop: tuple[str, ...] = ()
@@ -36,16 +39,18 @@ class SamplingParams:
         for name in ("max_new_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):

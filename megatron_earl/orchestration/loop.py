@@ -193,6 +193,7 @@ class RLLoop:
             temperature=temperature,
             top_p=r.sampling.top_p,
             top_k=r.sampling.top_k,
+            min_p=r.sampling.min_p,
             sampling_seed=seed,
             max_concurrency_per_engine=r.max_concurrency,
         )

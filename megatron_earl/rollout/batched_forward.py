@@ -70,6 +70,9 @@ class Batch:
     shared: tuple[tuple[int, ...], ...] = ()
     """Per sequence, further rows that receive the same keys and values (requests with the
     identical context: a GRPO group's prompt is prefilled once); empty = none."""
+    logits_from: tuple[int, ...] = ()
+    """Per sequence, the index (within its new tokens) of the first token whose logits are
+    returned, up to its last (prompt log-probs); empty = the last token of each only."""
 
     def __post_init__(self) -> None:
         k = len(self.tokens)
@@ -82,6 +85,14 @@ class Batch:
             raise ValueError(f"shared needs one entry per sequence ({k}), got {len(self.shared)}")
         if any(not t for t in self.tokens):
             raise ValueError("every sequence of a step needs at least one new token")
+        if self.logits_from and (
+            len(self.logits_from) != k
+            or not all(0 <= f < len(t) for f, t in zip(self.logits_from, self.tokens))
+        ):
+            raise ValueError(
+                f"logits_from needs one index per sequence within its new tokens, got "
+                f"{self.logits_from} for {[len(t) for t in self.tokens]} new tokens"
+            )
 
     @classmethod
     def decode(cls, lengths: Sequence[int], tokens: Sequence[int]) -> Batch:
@@ -94,6 +105,7 @@ class Batch:
         return (
             all(len(t) == 1 for t in self.tokens)
             and not any(self.shared)
+            and not self.logits_from
             and self.rows == tuple(range(len(self.rows)))
         )
 
@@ -248,8 +260,9 @@ class BatchedForward:
 
     @torch.inference_mode()
     def __call__(self, batch: Batch) -> torch.Tensor:
-        """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence; the
-        new tokens' keys and values are written to the cache."""
+        """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence (with
+        ``batch.logits_from``: at its new tokens from that index on, sequence after sequence);
+        the new tokens' keys and values are written to the cache."""
         index = _StepIndex.build(batch)
         ids, pos_T, seq_T, local_T, last_k, key_len, new_len, rows_k, w_rows, w_pos, w_src = (
             runtime.to_device(t) for t in index.tensors
@@ -365,8 +378,11 @@ class _StepIndex:
                 w_rows.extend([target] * n)
                 w_pos.extend(positions)
                 w_src.extend(range(total, total + n))
+            if batch.logits_from:
+                last.extend(range(total + batch.logits_from[s], total + n))
+            else:
+                last.append(total + n - 1)
             total += n
-            last.append(total - 1)
         key_len = [start + n for start, n in zip(batch.starts, lengths)]
         long = torch.long
         tensors = tuple(

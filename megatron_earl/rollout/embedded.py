@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import math
 import random
@@ -118,6 +119,16 @@ class _Request:
     kv_version: int = -1
     """Weight version its keys and values were computed with (prefill at admission); a row
     whose prefix predates a weight update is not parked for reuse."""
+    top_k: int = 0
+    """``request.top_logprobs_num``."""
+    progress: Callable[[str, int, float], None] | None = None
+    """Called with (rid, token, log-prob) for each token but the last (streaming)."""
+    extras: bool = False
+    """``top_k`` or ``progress`` set: the one test a token pays on the default path."""
+    input_logprobs: list[float] | None = None
+    """Prompt log-probs (``request.logprob_start_len``), set by the prefill that computes them."""
+    input_top: list = field(default_factory=list)
+    output_top: list = field(default_factory=list)
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -195,16 +206,24 @@ class EmbeddedEngine:
         """Requests holding a KV-cache row (at most ``max_batch_size``; the rest wait)."""
         return len(self._table.items)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Queue a request and wait for its result (scheduler rank, inside ``run_engine``)."""
+    async def generate(
+        self,
+        request: GenerateRequest,
+        progress: Callable[[str, int, float], None] | None = None,
+    ) -> GenerateResult:
+        """Queue a request and wait for its result (scheduler rank, inside ``run_engine``);
+        ``progress(rid, token, logprob)`` is called in the event loop as each token but the
+        last is sampled (streaming; an exception from it fails the request)."""
         self._check_running()
         self.validate(request)
         rid = request.rid or f"emb-{next(self._ids)}"
         if request.rid != rid:
-            request = GenerateRequest(request.input_ids, request.sampling, rid, request.session)
+            request = dataclasses.replace(request, rid=rid)
         seed = request.sampling.seed
         gen = self._stream if seed is None else random.Random(seed)
         entry = _Request(request, asyncio.get_running_loop().create_future(), gen)
+        entry.top_k, entry.progress = request.top_logprobs_num, progress
+        entry.extras = bool(entry.top_k or progress)
         self._waiting.append(entry)
         self._wake.set()
         try:
@@ -247,6 +266,13 @@ class EmbeddedEngine:
             )
         if request.sampling.stop and self.detokenize is None:
             raise RequestError("stop strings need a detokenizer; this engine has none")
+        start, top = request.logprob_start_len, request.top_logprobs_num
+        if not (_is_int(start) and -1 <= start <= n):
+            raise RequestError(
+                f"logprob_start_len must be -1 or in [0, {n}] (prompt), got {start!r}"
+            )
+        if not (_is_int(top) and 0 <= top <= vocab):
+            raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {top!r}")
 
     # ------------------------------------------------------------------ control
 
@@ -389,12 +415,16 @@ class EmbeddedEngine:
         cfg, table = self.config, self._table
         admitted: list[tuple[_Request, int]] = []  # (entry, cached tokens reused)
         num_seqs = width = 0  # sequences the forward computes, the longest's new tokens
-        first: dict[tuple[int, ...], int] = {}  # fresh context -> its first admitted request
+        first: dict[tuple, int] = {}  # fresh (context, prompt start) -> its first admitted
         while self._waiting and len(admitted) < cfg.max_prefills_per_step:
             entry = self._waiting[0]
             context, session = entry.context, entry.request.session
+            start = _prompt_start(entry)
             reused = table.reusable(session, context)
-            cost = 0 if not reused and context in first else len(context) - reused
+            if start is not None:  # the prompt's logits from `start` on are computed
+                reused = min(reused, start)
+            key = (context, start)
+            cost = 0 if not reused and key in first else len(context) - reused
             if cost and admitted and (num_seqs + 1) * max(width, cost) > cfg.max_prefill_tokens:
                 break
             if not reused:
@@ -408,23 +438,23 @@ class EmbeddedEngine:
             table.add(entry, len(context), takes)
             entry.cached_tokens, entry.kv_version = reused, self._version
             if not reused:
-                first.setdefault(context, len(admitted))
+                first.setdefault(key, len(admitted))
             admitted.append((entry, reused))
             if cost:
                 num_seqs, width = num_seqs + 1, max(width, cost)
         if admitted:
             await self._prefill(admitted, first)
 
-    async def _prefill(
-        self, admitted: list[tuple[_Request, int]], first: dict[tuple[int, ...], int]
-    ) -> None:
-        """One forward over the admitted requests' uncached tokens (rows ``[n - k, n)``)."""
+    async def _prefill(self, admitted: list[tuple[_Request, int]], first: dict[tuple, int]) -> None:
+        """One forward over the admitted requests' uncached tokens (rows ``[n - k, n)``); a
+        request asking for prompt log-probs gets the logits of its prompt from its
+        ``logprob_start_len`` on (only then: ``Batch.logits_from``)."""
         row0 = len(self._table.items) - len(admitted)
         seq_of: list[int] = []  # the batch sequence of each admitted request
-        rows, tokens, starts, shared = [], [], [], []
+        rows, tokens, starts, shared, froms = [], [], [], [], []
         for i, (entry, reused) in enumerate(admitted):
-            context = entry.context
-            owner = None if reused else first[context]
+            context, start = entry.context, _prompt_start(entry)
+            owner = None if reused else first[(context, start)]
             if owner is not None and owner != i:  # the same context: share the owner's prefill
                 shared[seq_of[owner]].append(row0 + i)
                 seq_of.append(seq_of[owner])
@@ -434,13 +464,64 @@ class EmbeddedEngine:
             tokens.append(context[reused:])
             starts.append(reused)
             shared.append([])
-        batch = Batch(tuple(rows), tuple(tokens), tuple(starts), tuple(map(tuple, shared)))
+            froms.append(len(context) - reused - 1 if start is None else start - reused)
+        prompt = any(f < len(t) - 1 for f, t in zip(froms, tokens))
+        batch = Batch(
+            tuple(rows),
+            tuple(tokens),
+            tuple(starts),
+            tuple(map(tuple, shared)),
+            tuple(froms) if prompt else (),
+        )
         entries = [entry for entry, _ in admitted]
         logits = await self._forward_or_fail(batch, entries)
-        if logits is not None:
-            # One row per sequence; each request reads its sequence's row (on the host: the
-            # boundary "engine logits" crosses once).
-            self._accept(runtime.to_host(logits)[seq_of], entries)
+        if logits is None:
+            return
+        # On the host: the boundary "engine logits" crosses once.
+        host = runtime.to_host(logits)
+        ended: dict[int, FinishReason | str] = {}  # entries that take no token from this step
+        if prompt:
+            ends = list(itertools.accumulate(len(t) - f for t, f in zip(tokens, froms)))
+            ended = self._prompt_logprobs(host, ends, seq_of, entries)
+            host = host[[end - 1 for end in ends]]
+        for i, entry in enumerate(entries):
+            if entry.request.sampling.max_new_tokens == 0 and i not in ended:
+                ended[i] = FinishReason(FinishType.LENGTH)  # prefill only
+        # One row per sequence; each request reads its sequence's row.
+        self._accept(host[seq_of], entries, ended)
+
+    def _prompt_logprobs(
+        self, host: torch.Tensor, ends: list[int], seq_of: list[int], entries: list[_Request]
+    ) -> dict[int, str]:
+        """Set the prompt log-probs (and top log-probs) of the entries that asked, from their
+        sequence's logit rows ``[end - (len - start), end - 1)`` (positions ``start .. len-2``
+        predict tokens ``start+1 .. len-1``); returns {entry index: why it failed}."""
+        failed: dict[int, str] = {}
+        done: dict[tuple[int, int], tuple] = {}  # (sequence, top_k) -> result: shared prefills
+        for i, entry in enumerate(entries):
+            start = _prompt_start(entry)
+            if start is None:
+                continue
+            prompt, s = entry.request.input_ids, seq_of[i]
+            key = (s, entry.top_k)
+            try:
+                if key not in done:
+                    rows = host[ends[s] - (len(prompt) - start) : ends[s] - 1]
+                    done[key] = self._logprobs_at(rows, prompt[start + 1 :], entry.top_k)
+                entry.input_logprobs, entry.input_top = done[key]
+            except Exception as err:
+                failed[i] = f"prompt log-probs failed: {err}"
+        return failed
+
+    def _logprobs_at(self, logits_mV: torch.Tensor, targets: Sequence[int], top_k: int) -> tuple:
+        """log p(targets[j]) under row j (raw logits, padded vocabulary, as the sampled tokens'
+        log-probs) and each row's ``top_k`` most likely real-vocabulary tokens."""
+        logprobs = torch.log_softmax(logits_mV.float(), dim=-1)
+        values = logprobs.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0]
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError("non-finite logits")
+        top = _top_logprobs(logprobs, self.model_config.vocab_size, top_k) if top_k else []
+        return values.tolist(), top
 
     async def _decode(self) -> None:
         """Decode one token for every running row, in one forward."""
@@ -466,10 +547,17 @@ class EmbeddedEngine:
         self._forward_failures = 0
         return logits
 
-    def _accept(self, logits: torch.Tensor, entries: list[_Request]) -> None:
+    def _accept(
+        self,
+        logits: torch.Tensor,
+        entries: list[_Request],
+        ended: dict[int, FinishReason | str] | None = None,
+    ) -> None:
         """Sample one token per entry (logits row i = entries[i]) and retire the finished; a
         finished request with a session parks its row for the session's next turn. A request
-        whose sampling or stop check raises, or whose log-prob is not finite, fails alone."""
+        whose sampling or stop check raises, or whose log-prob is not finite, fails alone.
+        ``ended``: entries (index) retired as they are, without a token (a finish reason, or a
+        message: failed)."""
         host = runtime.to_host(logits)
         # Sampling runs on the host with each request's own seeded random stream (reproducible
         # whatever the device): the step's logits cross once (boundary "engine logits").
@@ -478,7 +566,11 @@ class EmbeddedEngine:
         except Exception:
             drawn = [self._sample_alone(host[i : i + 1], e) for i, e in enumerate(entries)]
         done: list[tuple[_Request, FinishReason | str]] = []
-        for entry, (token, logprob) in zip(entries, drawn):
+        tops: list[int] = []  # rows of entries that want their output top log-probs
+        for row, (entry, (token, logprob)) in enumerate(zip(entries, drawn)):
+            if ended and row in ended:
+                done.append((entry, ended[row]))
+                continue
             if token is None:
                 done.append((entry, f"sampling failed: {logprob}"))
                 continue
@@ -489,12 +581,35 @@ class EmbeddedEngine:
             entry.logprobs.append(logprob)
             try:
                 reason = self._finish_reason(entry)
+                if entry.extras:
+                    if entry.top_k:
+                        tops.append(row)
+                    if entry.progress is not None and reason is None:
+                        entry.progress(entry.request.rid, token, logprob)
             except Exception as err:
-                reason = f"stop check failed: {err!r}"
+                reason = f"stop check or progress failed: {err!r}"
             if reason is not None:
                 done.append((entry, reason))
+        if tops and (failed := self._output_top_logprobs(host, tops, entries)):
+            gone = {id(entry) for entry, _ in failed}  # retired once, with the failure
+            done = [d for d in done if id(d[0]) not in gone] + failed
         if done:
             self._retire(done)
+
+    def _output_top_logprobs(
+        self, host: torch.Tensor, rows: list[int], entries: list[_Request]
+    ) -> list[tuple[_Request, str]]:
+        """Append each entry's top log-probs of this step (rows of ``host``); the entries whose
+        computation fails are returned to be retired with the message."""
+        try:
+            k = max(entries[r].top_k for r in rows)
+            logprobs = torch.log_softmax(host[rows].float(), dim=-1)
+            top = _top_logprobs(logprobs, self.model_config.vocab_size, k)
+        except Exception as err:
+            return [(entries[r], f"top log-probs failed: {err!r}") for r in rows]
+        for r, pairs in zip(rows, top):
+            entries[r].output_top.append(pairs[: entries[r].top_k])
+        return []
 
     def _sample(self, host: torch.Tensor, entries: list[_Request]) -> tuple[list, list]:
         params = [e.request.sampling for e in entries]
@@ -559,6 +674,9 @@ class EmbeddedEngine:
                 weight_version=self._version,
                 prompt_tokens=len(req.input_ids),
                 cached_tokens=entry.cached_tokens,
+                input_logprobs=tuple(entry.input_logprobs or ()),
+                input_top_logprobs=tuple(entry.input_top),
+                output_top_logprobs=tuple(entry.output_top),
             )
         )
 
@@ -577,6 +695,26 @@ class EmbeddedEngine:
         for src, dst, length in step.moves:
             self._forward.move_row(src, dst, length)
         return self._forward(step.batch)
+
+
+def _prompt_start(entry: _Request) -> int | None:
+    """First prompt position whose logits the request's prefill must return (its prompt
+    log-probs), or None: not asked, nothing to compute (start >= len - 1), or already computed
+    (a retracted request prefilled again)."""
+    start = entry.request.logprob_start_len
+    if 0 <= start < len(entry.request.input_ids) - 1 and entry.input_logprobs is None:
+        return start
+    return None
+
+
+def _top_logprobs(logprobs_mV: torch.Tensor, vocab_size: int, k: int) -> list[tuple]:
+    """Per row, the ``k`` most likely real-vocabulary tokens as ((log-prob, id), ...)."""
+    values, ids = logprobs_mV[:, :vocab_size].topk(min(k, vocab_size), dim=-1)
+    return [tuple(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def run_engine(

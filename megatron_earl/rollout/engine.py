@@ -47,6 +47,17 @@ class GenerateRequest:
     """Request id (for abort and routing); the engine assigns one when empty."""
     session: str | None = None
     """Trajectory id: engine pools route a session to the same engine (prefix cache)."""
+    logprob_start_len: int = -1
+    """Prompt position from which the prompt tokens' log-probs are returned (SGLang's
+    ``logprob_start_len``; -1: none). Costs the logits of those positions in the prefill."""
+    top_logprobs_num: int = 0
+    """Most likely tokens returned with their log-probs at each returned position (prompt
+    positions from ``logprob_start_len``, every output token); 0: none."""
+
+
+TopLogprobs = tuple[tuple[float, int], ...]
+"""(log-prob, token id) pairs of one position, most likely first (same distribution as
+``output_logprobs``: the raw logits over the padded vocabulary; ids of the real vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,14 @@ class GenerateResult:
     """Length of ``input_ids``."""
     cached_tokens: int = 0
     """Prompt tokens served from the engine's prefix cache."""
+    input_logprobs: tuple[float, ...] = ()
+    """log p(input_ids[i] | input_ids[:i]) for i = logprob_start_len + 1 .. len(input_ids) - 1
+    (SGLang's ``meta_info.input_token_logprobs`` without its leading null); empty when not
+    asked."""
+    input_top_logprobs: tuple[TopLogprobs, ...] = ()
+    """The ``top_logprobs_num`` most likely tokens at the positions of ``input_logprobs``."""
+    output_top_logprobs: tuple[TopLogprobs, ...] = ()
+    """The ``top_logprobs_num`` most likely tokens at each output position."""
 
 
 class EngineError(RuntimeError):

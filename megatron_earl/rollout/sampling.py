@@ -6,9 +6,11 @@ Log-probs: ``log_softmax`` of the *raw* logits (before temperature, top-k, top-p
 (``training.schedule.token_logprobs`` = ``-vocab_parallel_cross_entropy`` over the padded vocab),
 so the rollout/train mismatch of the same weights is ~1e-7 in fp32. The sampling distribution
 itself excludes the padded ids (``>= vocab_size``), applies temperature, then top-k, then top-p,
-each row with its own settings. Temperature 0 is greedy (argmax over the real vocabulary), and so
-is any temperature below ``SAMPLING_EPS`` (SGLang's rule; dividing by 1e-300 would overflow).
-A ``top_k`` over the vocabulary keeps it whole.
+then min-p (SGLang's rule: drop a token whose probability after temperature is below ``min_p``
+times the most likely one's; done on the scaled logits as ``logit < max + log(min_p)``, only when
+some row of the step asks for it), each row with its own settings. Temperature 0 is greedy
+(argmax over the real vocabulary), and so is any temperature below ``SAMPLING_EPS`` (SGLang's
+rule; dividing by 1e-300 would overflow). A ``top_k`` over the vocabulary keeps it whole.
 
 Sampling is inverse-CDF: one uniform number per request from that request's own random stream
 (``random.Random``: its seed, or the engine's stream), scaled by the row's total mass and looked
@@ -31,11 +33,19 @@ from megatron_earl.config.sampling import SamplingParams
 
 
 def filter_logits(
-    logits_nVr: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits_nVr: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Temperature, then top-k (``top_k < 1`` = off), then top-p, per row; ``temperature > 0``.
-    Filtered-out entries are ``-inf``."""
+    """Temperature, then top-k (``top_k < 1`` = off), then top-p, then min-p (None or 0 = off),
+    per row; ``temperature > 0``. Filtered-out entries are ``-inf``."""
     scaled = logits_nVr.float() / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf keeps all.
+        floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p.float())[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     vocab = scaled.size(-1)
     k_on, p_on = (top_k >= 1) & (top_k < vocab), top_p < 1.0
     if not bool(k_on.any()) and not bool(p_on.any()):
@@ -73,13 +83,22 @@ def sample_tokens(
         rows = torch.tensor(hot, dtype=torch.long)
         settings = torch.tensor(
             [
-                [params[i].temperature, min(params[i].top_k, vocab_size), params[i].top_p]
+                [
+                    params[i].temperature,
+                    min(params[i].top_k, vocab_size),
+                    params[i].top_p,
+                    params[i].min_p,
+                ]
                 for i in hot
             ],
             dtype=torch.float64,
         )
         filtered = filter_logits(
-            real[rows], settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()
+            real[rows],
+            settings[:, 0].float(),
+            settings[:, 1].long(),
+            settings[:, 2].float(),
+            settings[:, 3] if any(params[i].min_p > 0 for i in hot) else None,
         )
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)

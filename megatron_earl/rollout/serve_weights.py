@@ -200,7 +200,7 @@ class WeightEndpoints:
     # ------------------------------------------------------------------ distributed
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from megatron_earl.rollout.server import BadRequest
+        from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(request, INIT_GROUP_FIELDS, "init_weights_update_group")
         missing = sorted({"master_address", "master_port", "rank_offset", "world_size"} - set(body))
@@ -242,7 +242,7 @@ class WeightEndpoints:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         from megatron_earl.models.hf_mapping import apply_hf_tensor
-        from megatron_earl.rollout.server import BadRequest
+        from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(
             request, DISTRIBUTED_UPDATE_FIELDS, "update_weights_from_distributed"
@@ -305,7 +305,7 @@ class WeightEndpoints:
         return await self._update(body, apply, before=receive)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        from megatron_earl.rollout.server import BadRequest
+        from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(request, DESTROY_GROUP_FIELDS, "destroy_weights_update_group")
         name = body.get("group_name", "weight_update_group")
@@ -320,7 +320,7 @@ class WeightEndpoints:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         from megatron_earl.models.hf_mapping import apply_hf_tensor
-        from megatron_earl.rollout.server import BadRequest
+        from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(request, DISK_UPDATE_FIELDS, "update_weights_from_disk")
         path = body.get("model_path")

@@ -10,8 +10,9 @@ or seeded random (``--seed``). One process, TP1 (world of one). Tokens are token
 and out uses a byte-level stand-in tokenizer (id < 256 = that byte) when the vocabulary has >= 256
 ids, so stop strings work on a toy model.
 
-Endpoints (shapes of SGLang 0.5.x): ``/generate`` (``input_ids`` or ``text``, batch of prompts,
-``return_logprob``; ``stream`` answers with one SSE event then ``[DONE]``), ``/health``,
+Endpoints (shapes of SGLang 0.5.x): ``/generate`` (SGLang's whole request schema, see
+``generate_api``: prompts, n samples, min_p, prompt and top log-probs; ``stream`` answers
+SGLang's cumulative SSE events, one per token, then ``[DONE]``), ``/health``,
 ``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``,
 ``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
 ``/update_weights_from_tensor`` (portable payload, see ``weight_sync``), SGLang's distributed
@@ -32,7 +33,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -44,49 +44,19 @@ from aiohttp import web
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, RequestError
-from megatron_earl.rollout.engine import (
-    FinishReason,
-    GenerateRequest,
-    GenerateResult,
-    SamplingParams,
+from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_earl.rollout.generate_api import (
+    GENERATE_FIELDS,
+    BadRequest,
+    GeneratePlan,
+    parse_generate,
 )
+from megatron_earl.rollout.generate_api import check_fields as _check_fields
 from megatron_earl.rollout.serve_weights import WeightEndpoints, check_named
 from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
 
 logger = logging.getLogger("megatron_earl.serve")
 
-GENERATE_FIELDS = frozenset(
-    {
-        "rid",
-        "text",
-        "input_ids",
-        "sampling_params",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",
-        "return_text_in_logprobs",
-        "stream",
-        "log_metrics",
-        "session_id",
-    }
-)
-SAMPLING_FIELDS = frozenset(
-    {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-        "no_stop_trim",
-        "n",
-        "sampling_seed",
-        "spaces_between_special_tokens",
-    }
-)
 TENSOR_UPDATE_FIELDS = frozenset(
     {
         "rid",
@@ -101,97 +71,8 @@ TENSOR_UPDATE_FIELDS = frozenset(
 )
 
 
-class BadRequest(ValueError):
-    """Client error; the message goes back with HTTP 400."""
-
-
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
-
-
-def _check_fields(body: Any, allowed: frozenset[str], what: str) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise BadRequest(f"{what} must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown} in {what}; accepted: {sorted(allowed)}")
-    return body
-
-
-def _int_list(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise BadRequest(f"{what} must be a list of integers")
-    return value
-
-
-def sampling_from_json(raw: Any) -> SamplingParams:
-    """SGLang ``sampling_params`` -> ``SamplingParams``; ``BadRequest`` names what is invalid
-    (types, ranges and finiteness are checked here, so nothing reaches the engine loop that could
-    make it raise)."""
-    raw = _check_fields(raw or {}, SAMPLING_FIELDS, "sampling_params")
-    if raw.get("n", 1) != 1:
-        raise BadRequest(f"sampling_params.n={raw['n']} is not supported; send n requests")
-    if raw.get("min_p", 0.0) not in (0, 0.0):
-        raise BadRequest("sampling_params.min_p is not supported by this server (use 0)")
-    stop = raw.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, list | tuple):
-        raise BadRequest(f"sampling_params.stop must be a string or a list of strings: {stop!r}")
-    fields = {
-        "max_new_tokens": _whole(raw.get("max_new_tokens", 128), "max_new_tokens"),
-        "temperature": _number(raw.get("temperature", 1.0), "temperature"),
-        "top_p": _number(raw.get("top_p", 1.0), "top_p"),
-        "top_k": _whole(raw.get("top_k", -1), "top_k"),
-        "stop_token_ids": tuple(_int_list(raw.get("stop_token_ids") or [], "stop_token_ids")),
-        "stop": tuple(stop),
-        "seed": raw.get("sampling_seed"),
-    }
-    try:
-        return SamplingParams(**fields)
-    except ValueError as err:
-        raise BadRequest(f"invalid sampling_params: {err}") from None
-
-
-def _number(value: Any, name: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise BadRequest(f"sampling_params.{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _whole(value: Any, name: str) -> int:
-    """An integer (a float with an integral value too, as JSON encoders write 4.0)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"sampling_params.{name} must be an integer, got {value!r}")
-    return value
-
-
-def result_json(result: GenerateResult, text: str, return_logprob: bool) -> dict[str, Any]:
-    """A ``GenerateResult`` in SGLang's ``/generate`` response shape."""
-    meta: dict[str, Any] = {
-        "id": result.rid,
-        "finish_reason": finish_json(result.finish_reason, len(result.output_ids)),
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": len(result.output_ids),
-        "cached_tokens": result.cached_tokens,
-        "weight_version": str(result.weight_version),
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)
-        ]
-    return {"text": text, "output_ids": list(result.output_ids), "meta_info": meta}
-
-
-def finish_json(reason: FinishReason, length: int) -> dict[str, Any]:
-    if reason.type.value == "stop":
-        return {"type": "stop", "matched": reason.matched}
-    if reason.type.value == "length":
-        return {"type": "length", "length": length}
-    return {"type": "abort", "message": reason.message}
 
 
 class Server(WeightEndpoints):
@@ -298,53 +179,65 @@ class Server(WeightEndpoints):
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's ``/generate`` (``generate_api``: the schema, the response shape)."""
         body = await self._json(request, GENERATE_FIELDS, "the /generate request")
         if self.updating:
             return _error(503, "a weight update is in progress; retry shortly")
-        if (body.get("input_ids") is None) == (body.get("text") is None):
-            raise BadRequest("give exactly one of input_ids or text")
-        prompts, batched = self._prompts(body)
-        sampling = sampling_from_json(body.get("sampling_params"))
-        rid = body.get("rid")
-        rids = rid if isinstance(rid, list) else [rid] * len(prompts)
-        if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
-            raise BadRequest(
-                f"rid must be a string or a list of {len(prompts)} strings (one per prompt), "
-                f"got {rid!r}"
-            )
-        requests = []
-        for i, (ids, r) in enumerate(zip(prompts, rids)):
-            name = (f"{r}-{i}" if batched and isinstance(rid, str) else r) or ""
-            req = GenerateRequest(tuple(ids), sampling, str(name))
+        tokenize = (lambda t: list(t.encode())) if self.byte_tokenizer else None
+        max_seq = self.engine.config.max_seq_len
+        plan = parse_generate(body, max_seq_len=max_seq, tokenize=tokenize)
+        for req in plan.requests:
             self.engine.validate(req)
-            requests.append(req)
-        results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
-        logprob = bool(body.get("return_logprob"))
-        out = [result_json(r, self.detokenize(r.output_ids), logprob) for r in results]
-        payload: Any = out if batched else out[0]
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for item in out:
-                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        return web.json_response(payload)
+        if plan.stream:
+            return await self._stream(request, plan)
+        results = await asyncio.gather(*(self.engine.generate(r) for r in plan.requests))
+        return web.json_response(plan.response(results, self.detokenize))
 
-    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
-        if body.get("text") is not None:
-            if not self.byte_tokenizer:
-                raise BadRequest("this model has no tokenizer; send input_ids")
-            texts = body["text"]
-            batched = isinstance(texts, list)
-            if not all(isinstance(t, str) for t in (texts if batched else [texts])):
-                raise BadRequest(f"text must be a string or a list of strings, got {texts!r:.80}")
-            return [list(t.encode()) for t in (texts if batched else [texts])], batched
-        ids = body["input_ids"]
-        if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            return [_int_list(p, "input_ids[i]") for p in ids], True
-        return [_int_list(ids, "input_ids")], False
+    async def _stream(self, request: web.Request, plan: GeneratePlan) -> web.StreamResponse:
+        """Server-sent events as SGLang streams them (its default, cumulative form): one
+        ``data: {...}`` event per sampled token with the text and ids so far (``finish_reason``
+        null), the last one the full result; ``index`` names the sequence of a list answer;
+        then ``data: [DONE]``. A failed sequence ends the stream with an ``error`` event."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events: asyncio.Queue = asyncio.Queue()
+        so_far: list[tuple[list[int], list[float]]] = [([], []) for _ in plan.requests]
+
+        async def run(i: int, req: GenerateRequest) -> None:
+            def progress(rid: str, token: int, logprob: float) -> None:
+                events.put_nowait(("token", i, rid, token, logprob))
+
+            try:
+                events.put_nowait(("done", i, await self.engine.generate(req, progress)))
+            except Exception as err:  # the stream ends with an error event
+                events.put_nowait(("error", i, err))
+
+        tasks = [asyncio.ensure_future(run(i, r)) for i, r in enumerate(plan.requests)]
+        remaining = len(tasks)
+        try:  # a client gone: the requests left are cancelled (aborted in the engine)
+            while remaining:
+                kind, i, *rest = await events.get()
+                if kind == "token":
+                    ids, logprobs = so_far[i]
+                    ids.append(rest[1])
+                    logprobs.append(rest[2])
+                    version = self.engine.weight_version
+                    item = plan.partial_json(i, rest[0], ids, logprobs, version, self.detokenize)
+                elif kind == "done":
+                    item = plan.result_json(i, rest[0], self.detokenize)
+                    remaining -= 1
+                else:
+                    item = {"error": {"message": f"{rest[0]}", "code": 500}}
+                    remaining = 0
+                if plan.batched:
+                    item["index"] = i
+                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+        finally:
+            for task in tasks:
+                task.cancel()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     # ------------------------------------------------------------------ health and info
 

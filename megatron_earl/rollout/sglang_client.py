@@ -5,8 +5,9 @@
 
 Requests follow SGLang's request dataclasses of the pinned release (``SGLANG_PINNED``;
 ``tests/unit/test_sglang_contract.py`` checks every body this client sends against
-``sglang/srt/managers/io_struct.py`` of that wheel). Token-in/token-out: ``input_ids`` in,
-``output_ids`` + ``meta_info.output_token_logprobs`` out; nothing is re-tokenized.
+``sglang/srt/managers/io_struct.py`` of that wheel, through the schema fixture).
+Token-in/token-out: ``input_ids`` in, ``output_ids`` + ``meta_info.output_token_logprobs`` out;
+nothing is re-tokenized.
 
 Failure handling: connection errors, timeouts and HTTP 502/503/504 are retried with exponential
 backoff (``max_retries``); a 4xx is the caller's error (``EngineRequestError``, not retried);
@@ -35,7 +36,9 @@ from megatron_earl.rollout.engine import (
 )
 
 SGLANG_PINNED = "0.5.23"
-"""The SGLang release whose request shapes this client follows (and the contract test reads)."""
+"""The SGLang release whose request shapes this client and ``serve`` follow; its schema is the
+fixture ``tests/fixtures/sglang_schema_<version>.json`` (after a change of version:
+``python scripts/sglang_schema.py``, then the contract tests say what to adapt)."""
 
 _RETRY_STATUS = (502, 503, 504)
 ROUTER_UPSTREAM_ERROR = "call_upstream_request_error"
@@ -94,6 +97,8 @@ def sampling_params_json(request: GenerateRequest) -> dict[str, Any]:
         out["stop_token_ids"] = list(s.stop_token_ids)
     if s.stop:
         out["stop"] = list(s.stop)
+    if s.min_p:
+        out["min_p"] = s.min_p
     if s.seed is not None:
         out["sampling_seed"] = s.seed
     return out
@@ -129,7 +134,16 @@ def parse_generate_response(body: dict[str, Any], rid: str) -> GenerateResult:
         weight_version=parse_version(meta.get("weight_version")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
+        # SGLang's prompt entries start with a null log-prob (the first position returned)
+        input_logprobs=tuple(float(e[0]) for e in (meta.get("input_token_logprobs") or [])[1:]),
+        input_top_logprobs=tuple(_tops(t) for t in (meta.get("input_top_logprobs") or [])[1:]),
+        output_top_logprobs=tuple(_tops(t) for t in meta.get("output_top_logprobs") or []),
     )
+
+
+def _tops(entries: Any) -> tuple[tuple[float, int], ...]:
+    """One position of SGLang's top log-probs: [[logprob, id, text], ...] -> ((logprob, id),)."""
+    return tuple((float(e[0]), int(e[1])) for e in entries or ())
 
 
 class SGLangClient:
@@ -166,9 +180,11 @@ class SGLangClient:
             "input_ids": list(request.input_ids),
             "sampling_params": sampling_params_json(request),
             "return_logprob": True,
-            "logprob_start_len": -1,
+            "logprob_start_len": request.logprob_start_len,
             "stream": False,
         }
+        if request.top_logprobs_num:
+            body["top_logprobs_num"] = request.top_logprobs_num
         self.in_flight += 1
         try:
             out = await self._call("POST", "/generate", body, self.config.request_timeout_s)

@@ -5,8 +5,8 @@
   with exactly the tokens it gets without the fault, later requests are served, the engine stays
   healthy. Three failing forwards in a row fail the engine (a persistent fault is not hidden).
 * Non-finite weights (a diverged update loaded by an external reshard) fail each request with a
-  message naming non-finite logits; the engine stays healthy and serves again once finite
-  weights are loaded.
+  message naming non-finite logits (prompt log-probs too); the engine stays healthy and serves
+  again once finite weights are loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ POISON = 77
 """A prompt starting with this token makes the injected forward raise."""
 
 
-def _engine():
+def _engine(faulty_prefill: bool = True):
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.layout import ParallelLayout
@@ -42,6 +42,8 @@ def _engine():
     runtime.seed(5)
     chunks = build_model(MODEL)
     engine = EmbeddedEngine(chunks, MODEL, EmbeddedEngineConfig(max_batch_size=4, max_seq_len=64))
+    if not faulty_prefill:
+        return engine
     real = engine._forward
 
     def faulty(batch):
@@ -95,6 +97,9 @@ def _nan_weights_run():
         await eng.load_state_dict(bad, 1)
         with pytest.raises(EngineError, match="non-finite logits"):
             await eng.generate(request)
+        scoring = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=0), logprob_start_len=0)
+        with pytest.raises(EngineError, match="prompt log-probs failed: non-finite logits"):
+            await eng.generate(scoring)
         healthy = await eng.health()
         await eng.load_state_dict(good, 2)
         return before, healthy, await eng.generate(request)
@@ -115,3 +120,62 @@ def test_non_finite_weights_fail_requests_not_the_engine():
     before, healthy, after = run_distributed(_nan_weights_run, 1, timeout_s=120)[0]
     assert healthy
     assert len(before.output_ids) == len(after.output_ids) == 4 and after.weight_version == 2
+
+
+def _progress_failure_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import EngineError, GenerateRequest
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    engine = _engine(faulty_prefill=False)
+    seen = []
+
+    def broken(rid, token, logprob):
+        raise RuntimeError("injected: stream writer gone")
+
+    async def driver(eng):
+        other = asyncio.create_task(eng.generate(GenerateRequest((1, 2, 3), greedy)))
+        with pytest.raises(EngineError, match=r"progress failed.*stream writer gone"):
+            await eng.generate(GenerateRequest((1, 2, 3), greedy), broken)
+        streamed = await eng.generate(GenerateRequest((1, 2, 3), greedy), lambda *a: seen.append(a))
+        return await other, streamed, list(seen), await eng.health()
+
+    return run_engine(engine, driver)
+
+
+def test_a_failing_progress_callback_fails_only_its_request():
+    other, streamed, seen, healthy = run_distributed(_progress_failure_run, 1, timeout_s=120)[0]
+    assert healthy and other.output_ids == streamed.output_ids and len(other.output_ids) == 6
+    # one call per token but the last, with the request's id, the token and its log-prob
+    assert [(t, lp) for _, t, lp in seen] == list(zip(other.output_ids, other.output_logprobs))[:5]
+
+
+def _top_failure_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout import embedded
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import EngineError, GenerateRequest
+
+    def broken(*args):
+        raise RuntimeError("injected: top-k failed")
+
+    embedded._top_logprobs = broken
+    engine = _engine(faulty_prefill=False)
+
+    async def driver(eng):
+        plain = asyncio.create_task(
+            eng.generate(GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4)))
+        )
+        # finishes (length 1) in the very step whose top log-probs fail: retired once, failed
+        last = GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=1), top_logprobs_num=2)
+        with pytest.raises(EngineError, match=r"top log-probs failed.*injected"):
+            await eng.generate(last)
+        return await plain, eng.num_running, await eng.health()
+
+    return run_engine(engine, driver)
+
+
+def test_failing_top_logprobs_fail_only_their_request():
+    plain, running, healthy = run_distributed(_top_failure_run, 1, timeout_s=120)[0]
+    assert len(plain.output_ids) == 4 and running == 0 and healthy

@@ -238,6 +238,11 @@ LOOP_BREAKERS = {
     "max_new_tokens inf": ('{"max_new_tokens": Infinity}', "max_new_tokens must be an integer"),
     "max_new_tokens NaN": ('{"max_new_tokens": NaN}', "max_new_tokens must be an integer"),
     "top_k 1.5": ('{"top_k": 1.5}', "top_k must be an integer"),
+    "min_p NaN": ('{"min_p": NaN}', "min_p must be a finite number"),
+    "min_p over 1": ('{"min_p": 1.5}', "min_p must be in [0, 1]"),
+    "n zero": ('{"n": 0}', "sampling_params.n=0"),
+    "n str": ('{"n": "2"}', "sampling_params.n must be an integer"),
+    "penalty": ('{"frequency_penalty": 0.5}', "not supported by this server"),
 }
 
 
@@ -256,7 +261,14 @@ def test_loop_breaking_values_get_400_and_the_engine_keeps_serving(servers):
                     assert resp.status == 400 and needle in text, (name, resp.status, text)
                 async with s.get(url + "/health") as resp:
                     assert resp.status == 200, name
-            for bad in ({"rid": {"a": 1}}, {"text": 5, "input_ids": None}):
+            for bad in (
+                {"rid": {"a": 1}},
+                {"text": 5, "input_ids": None},
+                {"return_logprob": True, "logprob_start_len": 99},
+                {"return_logprob": True, "top_logprobs_num": 10**9},
+                {"top_logprobs_num": "3"},
+                {"lora_path": "adapter"},
+            ):
                 async with s.post(url + "/generate", json={"input_ids": [1], **bad}) as resp:
                     assert resp.status == 400, (bad, await resp.text())
             async with await in_flight as resp:

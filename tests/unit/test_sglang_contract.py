@@ -1,21 +1,26 @@
-"""Contract test: every request body the SGLang client sends fits SGLang's own request classes.
+"""Contract tests against the pinned SGLang release's request schema, both directions.
 
-The classes are read (``ast``, never imported) from ``sglang/srt/managers/io_struct.py`` and
-``sglang/srt/sampling/sampling_params.py`` of the pinned wheel (``SGLANG_PINNED``), downloaded with
-pip into a cache directory (``$MEGATRON_EARL_CACHE`` or ``~/.cache/megatron_earl``). Each body may
-only use fields the class declares and must give every field without a default. The client talks
-to a small in-process recorder (the real server is exercised in tests/integration/test_serve.py).
-Skipped, with the reason, when the wheel cannot be fetched.
+* Our client -> SGLang: every request body the SGLang client sends fits SGLang's own request
+  classes (only fields the class declares, every field without a default given). The client
+  talks to a small in-process recorder (the real server is exercised in
+  tests/integration/test_serve.py).
+* SGLang -> ``serve``: ``/generate`` accepts exactly the fields of SGLang's ``GenerateReqInput``
+  and ``SamplingParams`` (and of its HTTP contract ``sglang/api/v1/api_types.py``), and a body
+  giving every one of them at its SGLang default parses (no 400). What the RL fields do is
+  checked against the model in tests/distributed/test_serve_schema.py.
+
+The schema comes from ``tests/fixtures/sglang_schema_<SGLANG_PINNED>.json``, written by
+``scripts/sglang_schema.py`` from the wheel's sources (``ast``, never imported), so these tests
+run without the wheel; when the wheel is cached (``$MEGATRON_EARL_CACHE`` or
+``~/.cache/megatron_earl``) the fixture is also checked against a fresh parse.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import os
-import subprocess
-import sys
-import zipfile
+import dataclasses
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -24,8 +29,25 @@ from aiohttp import web
 
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest
+from megatron_earl.rollout.generate_api import (
+    GENERATE_FIELDS,
+    GENERATE_IGNORED,
+    GENERATE_IMPLEMENTED,
+    GENERATE_NEUTRAL,
+    ROUTER_ADDED,
+    SAMPLING_FIELDS,
+    SAMPLING_IGNORED,
+    SAMPLING_IMPLEMENTED,
+    SAMPLING_NEUTRAL,
+    parse_generate,
+)
 from megatron_earl.rollout.sglang_client import SGLANG_PINNED, ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import serialize_named_tensors
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("sglang_schema", REPO / "scripts/sglang_schema.py")
+sglang_schema = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sglang_schema)
 
 # Endpoint -> request class in io_struct.py (None: no body is sent).
 ENDPOINTS = {
@@ -44,67 +66,32 @@ ENDPOINTS = {
 }
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("MEGATRON_EARL_CACHE") or Path.home() / ".cache" / "megatron_earl"
-    return Path(root) / f"sglang-{SGLANG_PINNED}"
+def load_schema() -> dict[str, dict[str, dict]]:
+    """{"<source>.<class>": {field: {"has_default", "default"...}}} of the pinned release."""
+    path = sglang_schema.fixture_path(SGLANG_PINNED)
+    assert path.exists(), f"{path} is missing; run python scripts/sglang_schema.py"
+    data = json.loads(path.read_text())
+    assert data["sglang_version"] == SGLANG_PINNED
+    return data["classes"]
 
 
 @pytest.fixture(scope="module")
-def sglang_sources() -> dict[str, str]:
-    cache = _cache_dir()
-    wheels = sorted(cache.glob("sglang-*.whl"))
-    if not wheels:
-        cache.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            "-d",
-            str(cache),
-            f"sglang=={SGLANG_PINNED}",
-        ]
-        try:
-            subprocess.run(cmd, check=True, timeout=300, capture_output=True)
-        except (subprocess.SubprocessError, OSError) as err:
-            pytest.skip(
-                f"cannot fetch the sglang=={SGLANG_PINNED} wheel from PyPI ({err}); "
-                "the contract test needs it"
-            )
-        wheels = sorted(cache.glob("sglang-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as zf:
-        return {
-            "io_struct": zf.read("sglang/srt/managers/io_struct.py").decode(),
-            "sampling": zf.read("sglang/srt/sampling/sampling_params.py").decode(),
-        }
+def schema() -> dict[str, dict[str, dict]]:
+    return load_schema()
 
 
-def class_fields(source: str) -> dict[str, dict[str, bool]]:
-    """{class: {field: has_default}} of every class in ``source``, including fields inherited
-    from classes of the same file."""
-    tree = ast.parse(source)
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-    out: dict[str, dict[str, bool]] = {}
-
-    def fields(name: str) -> dict[str, bool]:
-        if name in out:
-            return out[name]
-        node = classes[name]
-        result: dict[str, bool] = {}
-        for base in node.bases:
-            if isinstance(base, ast.Name) and base.id in classes:
-                result.update(fields(base.id))
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                result[stmt.target.id] = stmt.value is not None
-        out[name] = result
-        return result
-
-    for name in classes:
-        fields(name)
-    return out
+def test_fixture_equals_a_fresh_parse_of_the_cached_wheel():
+    wheel = sglang_schema.find_wheel(SGLANG_PINNED, download=False)
+    if wheel is None:
+        pytest.skip(
+            f"no cached sglang=={SGLANG_PINNED} wheel in {sglang_schema.cache_dir()}; the "
+            "contract tests use the committed fixture (python scripts/sglang_schema.py fetches "
+            "the wheel and rewrites it)"
+        )
+    fresh = sglang_schema.dumps(sglang_schema.parse_schema(sglang_schema.read_sources(wheel)))
+    assert sglang_schema.fixture_path().read_text() == fresh, (
+        "the fixture differs from the wheel: python scripts/sglang_schema.py"
+    )
 
 
 async def _record_client_requests() -> list[tuple[str, str, object]]:
@@ -161,9 +148,8 @@ async def _record_client_requests() -> list[tuple[str, str, object]]:
     return sent
 
 
-def test_client_requests_match_sglang_io_struct(sglang_sources):
-    io_classes = class_fields(sglang_sources["io_struct"])
-    sampling_fields = class_fields(sglang_sources["sampling"])["SamplingParams"]
+def test_client_requests_match_sglang_io_struct(schema):
+    sampling_fields = schema["sampling.SamplingParams"]
     sent = asyncio.run(_record_client_requests())
     assert {path for _, path, _ in sent} == set(ENDPOINTS), "every endpoint must be exercised"
     for method, path, body in sent:
@@ -171,11 +157,68 @@ def test_client_requests_match_sglang_io_struct(sglang_sources):
         if cls is None:
             assert body is None, f"{method} {path} sends no body in SGLang, got {body}"
             continue
-        fields = io_classes[cls]
+        fields = schema[f"io_struct.{cls}"]
         unknown = set(body) - set(fields)
         assert not unknown, f"{path}: fields {sorted(unknown)} are not in sglang {cls}"
-        missing = {f for f, has_default in fields.items() if not has_default} - set(body)
+        missing = {f for f, info in fields.items() if not info["has_default"]} - set(body)
         assert not missing, f"{path}: required fields {sorted(missing)} of {cls} not sent"
         if path == "/generate":
             extra = set(body["sampling_params"]) - set(sampling_fields)
             assert not extra, f"sampling_params {sorted(extra)} not in sglang SamplingParams"
+            extra = set(body["sampling_params"]) - set(schema["api.SamplingParams"])
+            assert not extra, f"sampling_params {sorted(extra)} rejected by sglang's HTTP contract"
+
+
+def _sglang_fields(schema, dataclass: str, api: str) -> dict[str, dict]:
+    """Fields of the dataclass and of the HTTP contract class (the dataclass's info first)."""
+    return {**schema[api], **schema[dataclass]}
+
+
+def _default(info: dict, api_info: dict | None):
+    """SGLang's default value of a field (the HTTP contract's when the dataclass's is not a
+    literal, e.g. ``top_k = TOP_K_ALL``)."""
+    if "default_source" in info and api_info is not None:
+        return api_info.get("default")
+    return info.get("default")
+
+
+def test_serve_accepts_exactly_sglangs_generate_fields(schema):
+    gen = _sglang_fields(schema, "io_struct.GenerateReqInput", "api.GenerateRequest")
+    samp = _sglang_fields(schema, "sampling.SamplingParams", "api.SamplingParams")
+    ours = GENERATE_FIELDS - set(ROUTER_ADDED)  # what the router adds is not SGLang's schema
+    assert not set(ROUTER_ADDED) & set(gen)
+    assert set(ours) == set(gen), (
+        f"serve lacks {sorted(set(gen) - ours)}, has extra {sorted(ours - set(gen))}"
+    )
+    assert set(SAMPLING_FIELDS) == set(samp), (
+        f"serve lacks {sorted(set(samp) - SAMPLING_FIELDS)}, "
+        f"has extra {sorted(SAMPLING_FIELDS - set(samp))}"
+    )
+    # each field in exactly one category
+    for parts in (
+        (GENERATE_IMPLEMENTED, set(GENERATE_IGNORED), set(GENERATE_NEUTRAL)),
+        (SAMPLING_IMPLEMENTED, set(SAMPLING_IGNORED), set(SAMPLING_NEUTRAL)),
+    ):
+        assert sum(map(len, parts)) == len(set().union(*parts))
+
+
+def neutral_body(schema) -> dict:
+    """A /generate body giving every field of SGLang's schema at SGLang's default."""
+    gen_api, samp_api = schema["api.GenerateRequest"], schema["api.SamplingParams"]
+    gen = _sglang_fields(schema, "io_struct.GenerateReqInput", "api.GenerateRequest")
+    samp = _sglang_fields(schema, "sampling.SamplingParams", "api.SamplingParams")
+    body = {name: _default(info, gen_api.get(name)) for name, info in gen.items()}
+    sampling = {name: _default(info, samp_api.get(name)) for name, info in samp.items()}
+    body.update(input_ids=[1, 2, 3], sampling_params=sampling)
+    return body
+
+
+def test_every_sglang_field_at_its_default_is_accepted(schema):
+    body = neutral_body(schema)
+    plan = parse_generate(body, max_seq_len=1024)
+    plain = parse_generate({"input_ids": [1, 2, 3]}, max_seq_len=1024)
+    (request,), (expected,) = plan.requests, plain.requests
+    assert request.sampling.top_k == 1 << 30  # SGLang's TOP_K_ALL: the whole vocabulary
+    sampling = dataclasses.replace(request.sampling, top_k=-1)
+    assert dataclasses.replace(request, sampling=sampling) == expected
+    assert plan.options == plain.options and not plan.batched and not plan.stream

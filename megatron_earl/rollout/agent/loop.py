@@ -60,6 +60,7 @@ class AgentLoopConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     sampling_seed: int | None = None
     """When set, every request gets a distinct deterministic seed derived from it."""
     env_timeout_s: float = 60.0
@@ -299,6 +300,7 @@ class AgentLoop:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
+            min_p=cfg.min_p,
             stop_token_ids=self.tokenizer.stop_ids,
             seed=seed,
         )
