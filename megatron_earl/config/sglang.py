@@ -6,6 +6,7 @@
       sglang:
         weight_update: distributed      # tensor (default) | disk | distributed
         bucket_bytes: 536870912
+        router_url: http://10.0.0.1:30100   # SGLang's router in front of the engines (optional)
 
 ``rollout/weight_transports.py`` implements each ``weight_update`` kind; its docstring and
 ``docs/engines.md`` say what each needs from the engines (a shared directory they are allowed to
@@ -14,6 +15,7 @@ read for ``disk``, a port of the trainer's rank 0 they can reach for ``distribut
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from megatron_earl.config.vocab import WeightUpdate
@@ -60,6 +62,17 @@ class SGLangConfig:
     "flattened_bucket" (one broadcast of the bucket's bytes)."""
     engine_tp: int = 1
     """TP ranks of each engine (ranks it joins the group with; payloads per tensor push)."""
+    router_url: str | None = None
+    """SGLang's router (``sglang-router``) in front of ``rollout.engine_urls``: generation goes
+    through it (its policy balances the requests and retries those of a failed engine); weight
+    pushes and pause/flush/continue still go to every engine directly. None: the trainer's own
+    engine pool routes (least loaded, sticky trajectories, failover)."""
+    api_key_env: str = "SGLANG_API_KEY"
+    """Environment variable holding the engines' (and the router's) ``--api-key``, sent as
+    ``Authorization: Bearer``; unset or empty: no key. Keys are never written in the config."""
+    admin_api_key_env: str = "SGLANG_ADMIN_API_KEY"
+    """Environment variable holding the engines' ``--admin-api-key`` (weight updates and control
+    calls); unset or empty: those calls use the API key."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,5 +99,20 @@ class SGLangConfig:
             )
         if self.engine_tp < 1:
             problems.append(f"engine_tp ({self.engine_tp}) must be >= 1")
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            problems.append(f"router_url {self.router_url!r} must start with http:// or https://")
+        for name in ("api_key_env", "admin_api_key_env"):
+            if not getattr(self, name).isidentifier():
+                problems.append(
+                    f"{name} {getattr(self, name)!r} is not an environment variable name"
+                )
         if problems:
             raise SGLangConfigError("sglang: " + "; ".join(problems))
+
+    def api_key(self) -> str | None:
+        """The engines' API key from ``api_key_env`` (None when unset or empty)."""
+        return os.environ.get(self.api_key_env) or None
+
+    def admin_api_key(self) -> str | None:
+        """The key of weight updates and control calls: the admin key, else the API key."""
+        return os.environ.get(self.admin_api_key_env) or self.api_key()

@@ -385,6 +385,11 @@ class RLLoop:
         train_mismatch = train_metrics.pop("logprob_mismatch", 0.0)
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns, train_mismatch))
+        engine_stats = self.backend.rollout_stats()
+        if engine_stats:
+            counts = torch.tensor(list(engine_stats.values()), dtype=torch.float64)
+            dist.all_reduce(counts, group=host_group())
+            metrics.update({f"rollout/{k}": float(v) for k, v in zip(engine_stats, counts)})
         metrics.update({f"time/{k}": v for k, v in clock.wall.items()})
         metrics.update({f"time_busy/{k}": v for k, v in clock.min_busy().items()})
         metrics["time/step"] = time.perf_counter() - start

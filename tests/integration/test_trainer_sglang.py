@@ -5,12 +5,16 @@ back) with each of SGLang's protocols (``rollout.sglang.weight_update``: tensor,
 shared directory the servers allow, distributed over a gloo group with both servers), drives
 multi-turn rollouts on them from every rank, and trains on the result (the switching demo config:
 pinned layouts, the master in tp2; SGLang engines take no selected rollout layout). Push time and
-bytes are in the metrics of every step."""
+bytes are in the metrics of every step. The servers require an API key (the trainer reads it from
+``SGLANG_API_KEY``); with the distributed protocol the rollouts go through SGLang's real router
+(``sglang-router``) in front of both servers, as a disaggregated job runs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +22,14 @@ from pathlib import Path
 import pytest
 
 from megatron_earl.config.loader import load_config
-from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.router import RouterConfig, RouterProcess
+from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.testing.distributed import free_port
 from tests.integration.metrics_doc import check_documented
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY = "trainer-test-key"
 RUN = [
     "steps=2",
     "sft.steps=0",
@@ -57,6 +63,7 @@ def servers(tmp_path_factory, shared_dir):
                 model_path="random",
                 port=free_port(),
                 module="megatron_earl.rollout.server",
+                api_key=KEY,
                 weight_dirs=(str(shared_dir),),
                 extra_args=(
                     "--model-config",
@@ -83,7 +90,7 @@ def servers(tmp_path_factory, shared_dir):
 
 def _version(url: str) -> int:
     async def get() -> int:
-        client = SGLangClient(url)
+        client = SGLangClient(url, ClientConfig(api_key=KEY))
         try:
             await client.get_model_info()
             return client.weight_version
@@ -98,29 +105,43 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
     servers, shared_dir, tmp_path, protocol
 ):
     urls = ",".join(p.url for p in servers)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_earl.cli.main",
-            "train",
-            "--nproc",
-            "2",
-            "--config",
-            str(ROOT / "configs" / "demo_cpu_switching.yaml"),
-            *RUN,
-            f"output_dir={tmp_path}",
-            "name=sgl",
-            "rollout.engine=sglang",
-            f"rollout.engine_urls=[{urls}]",
-            f"rollout.sglang.weight_update={protocol}",
-            f"rollout.sglang.weight_dir={shared_dir / 'weights'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    with contextlib.ExitStack() as stack:
+        extra = []
+        if protocol == "distributed":
+            router = stack.enter_context(
+                RouterProcess(
+                    RouterConfig(port=free_port(), api_key=KEY),
+                    [p.url for p in servers],
+                    log_path=str(tmp_path / "router.log"),
+                )
+            )
+            router.wait_ready(timeout_s=60)
+            extra.append(f"rollout.sglang.router_url={router.url}")
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_earl.cli.main",
+                "train",
+                "--nproc",
+                "2",
+                "--config",
+                str(ROOT / "configs" / "demo_cpu_switching.yaml"),
+                *RUN,
+                f"output_dir={tmp_path}",
+                "name=sgl",
+                "rollout.engine=sglang",
+                f"rollout.engine_urls=[{urls}]",
+                f"rollout.sglang.weight_update={protocol}",
+                f"rollout.sglang.weight_dir={shared_dir / 'weights'}",
+                *extra,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "SGLANG_API_KEY": KEY},
+        )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "sgl" / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [1, 2]
@@ -130,6 +151,7 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
         assert record["layout/train"] == "tp2cp1pp1dp1"
         assert record["sync/weight_push_s"] >= record["sync/weight_transfer_s"] > 0
         assert record["sync/weight_push_bytes"] > 0 and record["sync/weight_push_buckets"] >= 1
+        assert record["rollout/engine_retries"] == record["rollout/engine_failovers"] == 0
     check_documented(records, {"sglang"})
     if protocol == "disk":  # the version the servers serve, the one before it removed
         assert [p.name for p in (shared_dir / "weights").iterdir()] == ["v1"]

@@ -21,7 +21,7 @@ SCRIPTS = ROOT / "scripts"
 _RECORD = """#!/usr/bin/env bash
 "$FAKE_PYTHON" - "$(basename "$0")" "$@" <<'PY'
 import json, os, sys
-keep = ("SLURM_", "MASTER_", "NNODES", "NPROC_PER_NODE", "OMP_NUM_THREADS", "EARL_")
+keep = ("SLURM_", "MASTER_", "NNODES", "NPROC_PER_NODE", "OMP_NUM_THREADS", "EARL_", "SGLANG_API")
 env = {k: v for k, v in os.environ.items() if k.startswith(keep)}
 with open(os.path.join(os.environ["FAKE_LOG"]), "a") as f:
     f.write(json.dumps({"tool": sys.argv[1], "argv": sys.argv[2:], "env": env}) + "\\n")
@@ -224,6 +224,8 @@ def test_disaggregated_servers_then_trainer(fake_slurm):
     servers = [c for c in _calls(calls, "srun") if "sglang.launch_server" in c["argv"]]
     servers.sort(key=lambda c: c["argv"][c["argv"].index("--port") + 1])  # started with &
     assert len(servers) == 2
+    key = servers[0]["argv"][servers[0]["argv"].index("--api-key") + 1]
+    assert len(key) == 48 and key not in proc.stdout + proc.stderr  # generated, never printed
     for i, server in enumerate(servers):
         argv = server["argv"]
         assert argv[:4] == ["--nodes=1", "--ntasks=1", "--nodelist=node01", "--overlap"]
@@ -242,11 +244,21 @@ def test_disaggregated_servers_then_trainer(fake_slurm):
             "1",
             "--base-gpu-id",
             str(i),
+            "--api-key",
+            key,
             "--mem-fraction-static",
             "0.8",
         ]
     urls = ["http://node01:30000", "http://node01:30001"]
-    assert [c["argv"][-1] for c in _calls(calls, "curl")] == [f"{u}/health" for u in urls]
+    router_url = "http://node02:30100"  # on the trainer's first node
+    health = [c["argv"][-1] for c in _calls(calls, "curl")]
+    assert health == [f"{u}/health" for u in [*urls, router_url]]
+    (router,) = [c for c in _calls(calls, "srun") if "sglang_router.launch_router" in c["argv"]]
+    argv = router["argv"]
+    assert "--nodelist=node02" in argv
+    cmd = argv[argv.index(sys.executable) :]
+    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--host")] == urls
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware" and cmd[-2:] == ["--api-key", key]
     (trainer,) = [c for c in _calls(calls, "srun") if "bash" in c["argv"]]
     assert "--nodelist=node02,node03" in trainer["argv"] and "--ntasks=2" in trainer["argv"]
     runs = _calls(calls, "torchrun")
@@ -260,11 +272,13 @@ def test_disaggregated_servers_then_trainer(fake_slurm):
             "--master-addr=node02",
             "--master-port=24242",
         ]
-        assert argv[-3:] == [
+        assert argv[-4:] == [
             "layouts.train=tp2dp2",
             "rollout.engine=sglang",
             f"rollout.engine_urls=[{','.join(urls)}]",
+            f"rollout.sglang.router_url={router_url}",
         ]
+        assert run["env"]["SGLANG_API_KEY"] == key
 
 
 @pytest.mark.parametrize(

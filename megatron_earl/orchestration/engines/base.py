@@ -57,6 +57,11 @@ class RolloutBackend(ABC):
         self.policy = policy
         self.tokenizer = tokenizer
 
+    def rollout_stats(self) -> dict[str, float]:
+        """Counters of this rank's last rollout, summed over ranks into ``rollout/<name>``
+        metrics (the same keys on every rank); none by default."""
+        return {}
+
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
         """Why ``config`` cannot run with this kind (empty when it can). Pure; run at start-up

@@ -47,7 +47,7 @@ from megatron_earl.redistribute.weight_exec import reshard_weights
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.pool import EnginePool
-from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import hf_named_tensors
 from megatron_earl.rollout.weight_transports import WeightTransport, build_transport
 
@@ -95,6 +95,8 @@ class SGLangBackend(RolloutBackend):
         """Weight version the engines serve (None: never pushed by this run)."""
         self.transport: WeightTransport | None = None
         """Rank 0's weight transport (built at the first push)."""
+        self.stats: dict[str, float] = {"engine_retries": 0.0, "engine_failovers": 0.0}
+        """This rank's engine retries and failovers in the last rollout."""
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
@@ -154,7 +156,7 @@ class SGLangBackend(RolloutBackend):
             self.transport = build_transport(
                 self.config.rollout.sglang, self.config.model, self.config.run_dir
             )
-        clients = [SGLangClient(url) for url in self.urls]
+        clients = self._control_clients()
         try:
             named = hf_named_tensors(full, self.config.model)
             stats = await self.transport.push(clients, named, version)
@@ -172,7 +174,7 @@ class SGLangBackend(RolloutBackend):
             return
 
         async def close(transport: WeightTransport) -> None:
-            clients = [SGLangClient(url) for url in self.urls]
+            clients = self._control_clients()
             try:
                 await transport.close(clients)
             finally:
@@ -181,19 +183,41 @@ class SGLangBackend(RolloutBackend):
         asyncio.run(close(self.transport))
         self.transport = None
 
+    def _control_clients(self) -> list[SGLangClient]:
+        """One client per engine with the admin key (weight updates, pause/flush/continue)."""
+        key = self.config.rollout.sglang.admin_api_key()
+        return [SGLangClient(url, ClientConfig(api_key=key)) for url in self.urls]
+
+    def _generation_clients(self) -> list[SGLangClient]:
+        """The router when one is configured, else every engine (the pool routes)."""
+        sglang = self.config.rollout.sglang
+        urls = [sglang.router_url] if sglang.router_url else self.urls
+        return [SGLangClient(url, ClientConfig(api_key=sglang.api_key())) for url in urls]
+
     def generate(self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout):
         """Run this rank's prompts on the pool (local: the HTTP traffic is this rank's own)."""
         rank = dist.get_rank()
         tasks = prompts.tasks_for(rank, dist.get_world_size())
+        self.stats = {"engine_retries": 0.0, "engine_failovers": 0.0}
         if not tasks:
             return Rollout([], rank)
 
         async def run() -> list[Trajectory]:
-            pool = EnginePool([SGLangClient(url) for url in self.urls])
+            clients = self._generation_clients()
+            pool = EnginePool(clients)
             try:
                 batch = await AgentLoop(pool, self.tokenizer, agent).run_batch(tasks)
             finally:
                 await pool.close()
+                self.stats = {
+                    "engine_retries": float(sum(c.retries for c in clients)),
+                    "engine_failovers": float(pool.failovers),
+                }
             return batch.trajectories
 
         return Rollout(asyncio.run(run()), rank)
+
+    def rollout_stats(self) -> dict[str, float]:
+        """This rank's retried requests (connection errors, timeouts, 502/503/504, a router's
+        upstream failure) and requests moved to another engine, in the last rollout."""
+        return dict(self.stats)
