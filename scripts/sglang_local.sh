@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The disaggregated setup on one machine: N `megatron-earl serve` engines (SGLang's native HTTP
+# API, the embedded engine behind it) behind SGLang's router, and the trainer driving them with
+# rollout.engine=sglang -- what scripts/slurm_disaggregated.sbatch does across nodes with real
+# SGLang servers. Runs on CPU; every piece is a real process talking HTTP (and gloo for the
+# distributed weight update).
+#
+#   scripts/sglang_local.sh [CONFIG] [key=value ...]
+#   scripts/sglang_local.sh configs/demo_cpu_switching.yaml rollout.sglang.weight_update=distributed
+#
+# Environment: ENGINES (default 2), ROUTER (1: SGLang's router in front, default; 0: the
+# trainer's own engine pool), ROUTER_POLICY (default cache_aware), ENGINE_PORT (first port,
+# default 31000), ENGINE_BATCH (max batch per engine, default 64), SGLANG_API_KEY (default: one
+# generated for this run), OUT (logs and the shared weight directory, default
+# runs/sglang_local), NPROC, PYTHON, OMP_NUM_THREADS (as scripts/train_local.sh).
+# The engines start with random weights: the trainer pushes its own before the first rollout.
+set -euo pipefail
+
+CONFIG=${1:-configs/demo_cpu_switching.yaml}
+[[ $# -gt 0 ]] && shift
+PYTHON=${PYTHON:-python}
+ENGINES=${ENGINES:-2}
+ROUTER=${ROUTER:-1}
+ROUTER_POLICY=${ROUTER_POLICY:-cache_aware}
+ENGINE_PORT=${ENGINE_PORT:-31000}
+ENGINE_BATCH=${ENGINE_BATCH:-64}
+OUT=${OUT:-runs/sglang_local}
+if [[ ! -f "$CONFIG" ]]; then
+    echo "sglang_local.sh: config file '$CONFIG' does not exist" >&2
+    exit 2
+fi
+mkdir -p "$OUT/engines" "$OUT/weights"
+OUT=$(cd "$OUT" && pwd)
+if [[ -z "${SGLANG_API_KEY:-}" ]]; then
+    SGLANG_API_KEY=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(24))')
+fi
+export SGLANG_API_KEY
+
+# The engines' model and context limit, from the same config and overrides as the trainer.
+MAX_CONTEXT=$("$PYTHON" - "$CONFIG" "$OUT/engines/model.json" "$@" <<'PY'
+import json, sys
+from megatron_earl.config.loader import load_config
+config = load_config(sys.argv[1], sys.argv[3:])
+with open(sys.argv[2], "w") as f:
+    json.dump(config.model.to_dict(), f)
+print(config.rollout.max_context)
+PY
+)
+
+PIDS=()
+cleanup() {
+    if (( ${#PIDS[@]} )); then
+        kill "${PIDS[@]}" 2>/dev/null || true
+        wait "${PIDS[@]}" 2>/dev/null || true
+    fi
+}
+trap cleanup EXIT
+
+wait_up() {  # url what
+    for (( waited = 0; waited < 600; waited++ )); do
+        if curl -sf -o /dev/null "$1/health"; then
+            return 0
+        fi
+        sleep 0.5
+    done
+    echo "sglang_local.sh: $2 $1 not healthy after 300s (log in $OUT/engines)" >&2
+    exit 1
+}
+
+URLS=()
+for (( i = 0; i < ENGINES; i++ )); do
+    port=$(( ENGINE_PORT + i ))
+    OMP_NUM_THREADS=1 "$PYTHON" -m megatron_earl.rollout.server --model-path random \
+        --model-config "$OUT/engines/model.json" --host 127.0.0.1 --port "$port" \
+        --max-seq-len "$MAX_CONTEXT" --max-batch-size "$ENGINE_BATCH" \
+        --api-key "$SGLANG_API_KEY" --weight-dirs "$OUT/weights" \
+        > "$OUT/engines/engine$i.log" 2>&1 &
+    PIDS+=($!)
+    URLS+=("http://127.0.0.1:${port}")
+done
+for url in "${URLS[@]}"; do
+    wait_up "$url" engine
+done
+URL_LIST=$(IFS=,; echo "${URLS[*]}")
+OVERRIDES=("$@" "rollout.engine=sglang" "rollout.engine_urls=[${URL_LIST}]"
+           "rollout.sglang.weight_dir=$OUT/weights")
+
+if [[ "$ROUTER" == 1 ]]; then
+    ROUTER_URL="http://127.0.0.1:$(( ENGINE_PORT + ENGINES ))"
+    METRICS_PORT=$(( ENGINE_PORT + ENGINES + 1 ))
+    "$PYTHON" -m sglang_router.launch_router --worker-urls "${URLS[@]}" --host 127.0.0.1 \
+        --port "${ROUTER_URL##*:}" --policy "$ROUTER_POLICY" --api-key "$SGLANG_API_KEY" \
+        --prometheus-host 127.0.0.1 --prometheus-port "$METRICS_PORT" --log-level warn \
+        > "$OUT/engines/router.log" 2>&1 &
+    PIDS+=($!)
+    wait_up "$ROUTER_URL" router
+    OVERRIDES+=("rollout.sglang.router_url=${ROUTER_URL}")
+fi
+
+echo "sglang_local.sh: ${ENGINES} engines ${URL_LIST}${ROUTER_URL:+ behind the router $ROUTER_URL}"
+bash "$(dirname "$0")/train_local.sh" "$CONFIG" "${OVERRIDES[@]}"
