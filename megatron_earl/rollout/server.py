@@ -170,9 +170,16 @@ class Server(WeightEndpoints):
     async def _json(self, request: web.Request, allowed: frozenset[str], what: str) -> dict:
         if not request.can_read_body:
             return _check_fields({}, allowed, what)
+        timeout = self.limits.body_timeout(request.path)
         try:
-            body = await request.json()
-        except json.JSONDecodeError as err:
+            raw = await asyncio.wait_for(request.read(), timeout)
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=f"the request body of {request.path} was not received within {timeout:g}s"
+            ) from None
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise BadRequest(f"malformed JSON in {what}: {err}") from None
         return _check_fields(body, allowed, what)
 
@@ -188,6 +195,20 @@ class Server(WeightEndpoints):
         plan = parse_generate(body, max_seq_len=max_seq, tokenize=tokenize)
         for req in plan.requests:
             self.engine.validate(req)
+        queued = self.engine.num_requests
+        if queued + len(plan.requests) > self.limits.max_queued_requests:
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"the engine holds {queued} requests; {len(plan.requests)} "
+                        f"more would exceed --max-queued-requests "
+                        f"{self.limits.max_queued_requests}: retry later",
+                        "code": 429,
+                    }
+                },
+                status=429,
+                headers={"Retry-After": "1"},
+            )
         if plan.stream:
             return await self._stream(request, plan)
         results = await asyncio.gather(*(self.engine.generate(r) for r in plan.requests))
@@ -425,7 +446,12 @@ def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]
 
 async def serve(args: argparse.Namespace) -> None:
     engine, _ = build_engine(args)
-    limits = RequestLimits(args.max_body_mb << 20, args.max_weight_body_mb << 20)
+    limits = RequestLimits(
+        args.max_body_mb << 20,
+        args.max_weight_body_mb << 20,
+        body_timeout_s=args.body_timeout,
+        max_queued_requests=args.max_queued_requests,
+    )
     server = Server(
         engine,
         args.checkpoint or "random",
@@ -437,7 +463,9 @@ async def serve(args: argparse.Namespace) -> None:
     )
     engine.detokenize = server.detokenize if server.byte_tokenizer else None
     await engine.start()
-    runner = web.AppRunner(server.app(), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # requests in the engine (they would otherwise run to completion for nobody).
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     print(f"megatron-earl serve: listening on http://{args.host}:{args.port}", flush=True)
@@ -463,6 +491,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "pause/continue, abort",
     )
     p.add_argument("--max-body-mb", type=int, default=16, help="request body limit (MiB)")
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds to send a request body (408)"
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=4096,
+        help="sequences waiting or running at most; more get 429 with Retry-After",
+    )
     p.add_argument(
         "--max-weight-body-mb", type=int, default=2048, help="weight-update body limit (MiB)"
     )

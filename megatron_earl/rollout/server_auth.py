@@ -1,4 +1,4 @@
-"""Who may call which ``serve`` endpoint, and how large a request may be: SGLang's rules.
+"""Who may call which ``serve`` endpoint, and how large, slow or many its requests may be.
 
 Authorization follows SGLang 0.5.23's ``sglang.srt.utils.auth.decide_request_auth`` (read from
 the pinned wheel; the decision table is in ``megatron_earl/docs/engines.md``):
@@ -71,11 +71,24 @@ class RequestLimits:
     """Any endpoint but the weight updates (16 MiB: ~2M token ids of JSON)."""
     max_weight_body_bytes: int = 2 << 30
     """The weight-update endpoints (a base64 bucket of the default 512 MiB is ~683 MiB)."""
+    body_timeout_s: float = 30.0
+    """Time a client has to send a request body (then 408): a slow or stalled sender holds no
+    handler longer (weight updates get 10x)."""
+    max_queued_requests: int = 4096
+    """Sequences waiting or running in the engine at most; a ``/generate`` that would exceed it
+    gets 429 with ``Retry-After`` (nothing of it is queued)."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_weight_body_bytes"):
             if getattr(self, name) < 1024:
                 raise ValueError(f"{name} must be >= 1024 bytes, got {getattr(self, name)}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
 
     def for_path(self, path: str) -> int:
         return self.max_weight_body_bytes if path in WEIGHT_PATHS else self.max_body_bytes
+
+    def body_timeout(self, path: str) -> float:
+        return self.body_timeout_s * (10 if path in WEIGHT_PATHS else 1)

@@ -7,7 +7,9 @@ the other one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import aiohttp
 import pytest
@@ -56,6 +58,10 @@ def servers(tmp_path_factory):
                 str(MAX_SEQ),
                 "--max-batch-size",
                 "4",
+                "--body-timeout",
+                "2",
+                "--max-queued-requests",
+                "64",
             ),
         )
         procs.append(
@@ -357,5 +363,73 @@ def test_oversized_body_gets_413_and_nothing_else_changes(servers):
         ok = await client.generate(GenerateRequest(PROMPT, GREEDY))
         assert len(ok.output_ids) == 12
         await client.close()
+
+    asyncio.run(body())
+
+
+def test_slow_senders_time_out_and_health_stays_up(servers):
+    """Connections that never finish their body get 408 after --body-timeout (2 s here); while
+    20 of them are open, /health and /generate are answered."""
+    host, port = servers[1].url.removeprefix("http://").split(":")
+
+    async def slow() -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{"
+        )
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        return status
+
+    async def body():
+        senders = [asyncio.create_task(slow()) for _ in range(20)]
+        await asyncio.sleep(0.2)
+        client = _client(servers[1])
+        assert await client.health()
+        ok = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        await client.close()
+        return ok, await asyncio.gather(*senders)
+
+    start = time.monotonic()
+    ok, statuses = asyncio.run(body())
+    assert len(ok.output_ids) == 12
+    assert all(s.startswith(b"HTTP/1.1 408") for s in statuses), statuses[:2]
+    assert time.monotonic() - start < 8
+
+
+def test_full_queue_gets_429_and_a_gone_client_frees_the_engine(servers):
+    url = servers[1].url
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    many = {
+        "input_ids": [[1, 2, i] for i in range(60)],
+        "sampling_params": {"max_new_tokens": 90, "temperature": 0},
+    }
+
+    async def load(s) -> int:
+        async with s.get(url + "/get_load") as resp:
+            return (await resp.json())["num_reqs"]
+
+    async def body():
+        async with aiohttp.ClientSession(headers=headers) as s:
+            too_many = {**many, "input_ids": [[1, 2]] * 65}  # over --max-queued-requests 64
+            async with s.post(url + "/generate", json=too_many) as resp:
+                assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+                assert "max-queued-requests 64" in await resp.text()
+            # 60 sequences of 90 tokens, 4 at a time: seconds of work; the client goes away.
+            gone = asyncio.create_task(s.post(url + "/generate", json=many))
+            while await load(s) < 60:
+                await asyncio.sleep(0.02)
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+            start = time.monotonic()
+            while await load(s) > 0:
+                assert time.monotonic() - start < 3, "a gone client's requests kept running"
+                await asyncio.sleep(0.05)
+            short = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}
+            async with s.post(url + "/generate", json=short) as resp:
+                assert resp.status == 200, await resp.text()
 
     asyncio.run(body())
