@@ -38,7 +38,15 @@ TINY = [
     "logging.progress=false",
     "train.loss.kl_coef=0.001",
 ]
-WALL_CLOCK = ("time/", "time_busy/", "tokens_per_s", "train/tokens_per_s")
+WALL_CLOCK = (
+    "time/",
+    "time_busy/",
+    "tokens_per_s",
+    "train/tokens_per_s",
+    "sync/reshard_s",
+    "sync/weight_push_s",
+    "sync/weight_transfer_s",
+)
 
 
 def _run(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:

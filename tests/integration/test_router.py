@@ -108,6 +108,8 @@ def test_requests_through_the_router_survive_a_killed_engine(engines, tmp_path):
             tasks = [asyncio.create_task(client.generate(r)) for r in requests]
             deadline = time.monotonic() + 30
             while (held := await _load(engines[0].url)) == 0:  # the victim holds requests
+                failed = [t.exception() for t in tasks if t.done() and t.exception()]
+                assert not failed, f"requests failed before the kill: {failed[:2]}"
                 loads = [await _load(e.url) for e in engines]
                 assert time.monotonic() < deadline, f"the victim got no request; loads {loads}"
                 await asyncio.sleep(0.02)

@@ -42,7 +42,15 @@ TINY = [
     "logging.tensorboard=false",
     "logging.progress=false",
 ]
-WALL_CLOCK = ("time/", "time_busy/", "tokens_per_s", "train/tokens_per_s")
+WALL_CLOCK = (
+    "time/",
+    "time_busy/",
+    "tokens_per_s",
+    "train/tokens_per_s",
+    "sync/reshard_s",
+    "sync/weight_push_s",
+    "sync/weight_transfer_s",
+)
 
 
 def _command(config: str | Path, overrides: list[str]) -> list[str]:
