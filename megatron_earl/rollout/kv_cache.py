@@ -51,11 +51,31 @@ class RowCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (max_batch_size, num_groups, max_seq_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.shape = (max_batch_size, num_groups, max_seq_len, head_dim)
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the buffers, zeroed (at start-up and when a released cache is resumed)."""
+        self.keys = [self._zeros() for _ in range(self.num_layers)]
+        self.values = [self._zeros() for _ in range(self.num_layers)]
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        """Drop the buffers (``release_memory_occupation`` of ``kv_cache``): their memory is
+        freed once no step holds a view of them; ``allocate`` brings them back, empty of any
+        cached tokens. No forward may run in between."""
+        self.keys, self.values = [], []
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
 
     def buffers(self) -> list[torch.Tensor]:
         return [*self.keys, *self.values]
