@@ -216,6 +216,11 @@ class SGLangClient:
         self._version = parse_version(info.get("weight_version"))
         return info
 
+    async def get_server_info(self) -> dict[str, Any]:
+        """The server's ``/get_server_info`` (serve: its limits, pause state and the memory
+        it holds or has released)."""
+        return await self._call("GET", "/get_server_info")
+
     async def pause(self, mode: str = "retract") -> None:
         await self._call("POST", "/pause_generation", {"mode": mode})
 

@@ -62,6 +62,7 @@ ENDPOINTS = {
     "/flush_cache": None,
     "/health": None,
     "/get_model_info": None,
+    "/get_server_info": None,
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
@@ -151,6 +152,7 @@ async def _record_client_requests() -> list[tuple[str, str, object]]:
     await client.resume()
     await client.health()
     await client.get_model_info()
+    await client.get_server_info()
     await client.close()
     await runner.cleanup()
     return sent
