@@ -3,11 +3,13 @@
 Per attention layer two buffers ``[max_batch_size, ng, max_seq_len, hn]`` (legend: ng = query
 groups on this TP rank, hn = head dim), allocated on the weights' device (the compute device:
 every step reads them) and bounded for the engine's lifetime: ``max_batch_size`` requests of up
-to ``max_seq_len`` tokens. Row ``r`` holds its request's keys and values at their true positions
-``[0, length_r)``; keys are stored *after* RoPE, so a decode step rotates only the new token's
-key (Megatron's static inference context caches un-rotated keys and rotates the whole cache on
-every step). Rows of running requests are always the contiguous range ``[0, n)``: a finished
-row is refilled by the last row (``plan_free``), so a step reads a view, never a gather.
+to ``max_seq_len`` tokens (dropped and allocated again, empty, by SGLang's memory release and
+resume for colocation: ``RowCache.release`` / ``allocate``). Row ``r`` holds its request's keys
+and values at their true positions ``[0, length_r)``; keys are stored *after* RoPE, so a decode
+step rotates only the new token's key (Megatron's static inference context caches un-rotated
+keys and rotates the whole cache on every step). Rows of running requests are always the
+contiguous range ``[0, n)``: a finished row is refilled by the last row (``plan_free``), so a
+step reads a view, never a gather.
 
 Finished requests with a session may *park* their row (``RowTable``): the next turn of that
 session -- whose context extends the parked tokens -- takes the row over and prefills only its

@@ -4,6 +4,7 @@
     tags = parse_tags(body.get("tags"))          # None / [] -> every tag; unknown -> ValueError
     backup = WeightBackup.release(model_chunks)  # parameters emptied, values kept on the host
     backup.restore()                             # the same parameters, the same values
+    await engine.release_memory_occupation(tags) # EngineMemory, mixed into EmbeddedEngine
 
 SGLang (0.5.23, ``scheduler_components/weight_updater.py``) pauses torch_memory_saver regions per
 tag: ``kv_cache`` (and flushes the prefix cache), ``weights`` and ``cuda_graph``; a resumed
