@@ -7,6 +7,7 @@
         weight_update: distributed      # tensor (default) | disk | distributed
         bucket_bytes: 536870912
         router_url: http://10.0.0.1:30100   # SGLang's router in front of the engines (optional)
+        colocated: false                    # engines share the trainer's GPUs: release/resume
 
 ``rollout/weight_transports.py`` implements each ``weight_update`` kind; its docstring and
 ``docs/engines.md`` say what each needs from the engines (a shared directory they are allowed to
@@ -73,6 +74,11 @@ class SGLangConfig:
     admin_api_key_env: str = "SGLANG_ADMIN_API_KEY"
     """Environment variable holding the engines' ``--admin-api-key`` (weight updates and control
     calls); unset or empty: those calls use the API key."""
+    colocated: bool = False
+    """The engines share GPUs with the trainer: after every rollout each engine releases its
+    memory (``release_memory_occupation``, every tag), and before the next one the trainer
+    resumes ``weights``, pushes the weights, then resumes ``kv_cache`` and ``cuda_graph``
+    (slime's order). The engines need ``--enable-memory-saver`` (SGLang)."""
 
     def __post_init__(self) -> None:
         problems = []

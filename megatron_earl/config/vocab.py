@@ -1,5 +1,6 @@
 """The words the code uses everywhere, defined once: the phases of an RL step, the rollout
-engine kinds, when old log-probs are computed and the transformer-layer implementations. Use the
+engine kinds, when old log-probs are computed, the transformer-layer implementations, the weight
+update protocols and the memory tags of colocated engines. Use the
 members (``Phase.TRAIN``), never the bare strings: a typo then fails at import, not at step 300.
 
     from megatron_earl.config.vocab import Phase
@@ -87,3 +88,20 @@ class WeightUpdate(Vocabulary):
     DISTRIBUTED = "distributed"
     """``init_weights_update_group`` once, then ``update_weights_from_distributed`` per bucket
     while the trainer broadcasts it over the group (NCCL on GPUs, gloo on CPU)."""
+
+
+class MemoryTag(Vocabulary):
+    """What ``release_memory_occupation`` / ``resume_memory_occupation`` free and rebuild
+    (SGLang's ``GPU_MEMORY_TYPE_*`` in ``sglang/srt/constants.py``, in its order; colocated
+    engines, ``rollout.sglang.colocated``)."""
+
+    KV_CACHE = "kv_cache"
+    """The KV cache (SGLang flushes its prefix cache with it)."""
+    WEIGHTS = "weights"
+    """The model weights."""
+    CUDA_GRAPH = "cuda_graph"
+    """Captured CUDA graphs (``serve`` captures none: nothing to free)."""
+
+
+MEMORY_TAGS: tuple[MemoryTag, ...] = tuple(MemoryTag)
+"""Every tag: what ``tags: null`` (or ``[]``) means, as in SGLang."""

@@ -21,6 +21,9 @@ all ranks of the group (the TP-parallel forward and the last-token logits all-ga
 ``follow()``. Every DP replica of the rollout layout is an independent engine; pp and cp must be 1.
 Weights: ``load_state_dict`` (server / tests) or an external reshard into ``model_chunks`` (every
 rank, while the engine is not serving) followed by ``mark_weights_updated(version)``.
+Colocation (``memory_occupation.EngineMemory``): ``release_memory_occupation(tags)`` frees the KV
+cache and/or the weights (kept on the host) of an idle engine on every rank of the TP group;
+requests wait until ``resume_memory_occupation`` has brought every released tag back.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.config.vocab import TransformerImpl
+from megatron_earl.config.vocab import MemoryTag, TransformerImpl
 from megatron_earl.models.gpt import machine_transformer_impl
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.rollout.batched_forward import Batch, BatchedForward
@@ -55,6 +58,7 @@ from megatron_earl.rollout.engine import (
     GenerateResult,
 )
 from megatron_earl.rollout.kv_cache import RowTable
+from megatron_earl.rollout.memory_occupation import EngineMemory, WeightBackup
 from megatron_earl.rollout.sampling import sample_tokens
 
 T = TypeVar("T")
@@ -97,13 +101,15 @@ class Step:
     """One unit of work every rank of the TP group executes identically."""
 
     kind: str
-    """"forward", "load" or "stop"."""
+    """"forward", "load", "release", "resume" or "stop"."""
     batch: Batch | None = None
     """Forward: the sequences and their new tokens (a prefill or a decode)."""
     moves: tuple[tuple[int, int, int], ...] = ()
     """Row copies (src, dst, length) applied first: finished rows refilled by the last row."""
     state: dict[str, torch.Tensor] | None = None
     """Load: full (global) tensors keyed like ``geometry.full_state_dict``."""
+    tags: tuple[MemoryTag, ...] = ()
+    """Release / resume: the memory tags."""
 
 
 @dataclass
@@ -135,7 +141,7 @@ class _Request:
         return tuple(self.request.input_ids) + tuple(self.output_ids)
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EngineMemory):
     """Engine over this rank's model chunk; see the module docstring for the rank roles."""
 
     def __init__(
@@ -181,6 +187,10 @@ class EmbeddedEngine:
         self._table: RowTable[_Request] = RowTable(self.config.max_batch_size)
         """Running requests by cache row, their cached lengths, parked sessions."""
         self._paused = False
+        self._released: set[MemoryTag] = set()
+        """Memory tags released (every rank; generation waits while any is)."""
+        self._weight_backup: WeightBackup | None = None
+        """This rank's released weights (host copies), while ``weights`` is released."""
         self._failed: BaseException | None = None
         self._forward_failures = 0
         self._ids = itertools.count()
@@ -298,10 +308,20 @@ class EmbeddedEngine:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def _halted(self) -> bool:
+        """No step may run: paused, or memory released."""
+        return self._paused or bool(self._released)
+
     async def load_state_dict(self, full: dict[str, torch.Tensor], version: int) -> None:
         """Load full (global, Megatron-named) tensors on every rank of the TP group, between steps;
         requests in flight continue with the new weights (SGLang's semantics)."""
         async with self._step_lock:
+            if MemoryTag.WEIGHTS in self._released:
+                raise RequestError(
+                    "the weights are released (release_memory_occupation); "
+                    "resume_memory_occupation with tag 'weights' before loading weights"
+                )
             await self._run(Step("load", state=full))
             self._version = version
             self._table.drop_parked()
@@ -359,12 +379,12 @@ class EmbeddedEngine:
                 self._wake.clear()
                 async with self._step_lock:
                     await self._settle_aborts()
-                    if self._paused:
+                    if self._halted:
                         continue
                     await self._admit()
                     if self._table.items:
                         await self._decode()
-                if self._table.items or (self._waiting and not self._paused):
+                if self._table.items or (self._waiting and not self._halted):
                     self._wake.set()
         except asyncio.CancelledError:
             raise
@@ -691,6 +711,12 @@ class EmbeddedEngine:
             load_full_state_dict(self.model_chunks, step.state)
             return None
         if step.kind == "stop":
+            return None
+        if step.kind == "release":
+            self._release_local(step.tags)
+            return None
+        if step.kind == "resume":
+            self._resume_local(step.tags)
             return None
         for src, dst, length in step.moves:
             self._forward.move_row(src, dst, length)

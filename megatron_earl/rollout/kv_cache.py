@@ -3,11 +3,13 @@
 Per attention layer two buffers ``[max_batch_size, ng, max_seq_len, hn]`` (legend: ng = query
 groups on this TP rank, hn = head dim), allocated on the weights' device (the compute device:
 every step reads them) and bounded for the engine's lifetime: ``max_batch_size`` requests of up
-to ``max_seq_len`` tokens. Row ``r`` holds its request's keys and values at their true positions
-``[0, length_r)``; keys are stored *after* RoPE, so a decode step rotates only the new token's
-key (Megatron's static inference context caches un-rotated keys and rotates the whole cache on
-every step). Rows of running requests are always the contiguous range ``[0, n)``: a finished
-row is refilled by the last row (``plan_free``), so a step reads a view, never a gather.
+to ``max_seq_len`` tokens (dropped and allocated again, empty, by SGLang's memory release and
+resume for colocation: ``RowCache.release`` / ``allocate``). Row ``r`` holds its request's keys
+and values at their true positions ``[0, length_r)``; keys are stored *after* RoPE, so a decode
+step rotates only the new token's key (Megatron's static inference context caches un-rotated
+keys and rotates the whole cache on every step). Rows of running requests are always the
+contiguous range ``[0, n)``: a finished row is refilled by the last row (``plan_free``), so a
+step reads a view, never a gather.
 
 Finished requests with a session may *park* their row (``RowTable``): the next turn of that
 session -- whose context extends the parked tokens -- takes the row over and prefills only its
@@ -51,11 +53,31 @@ class RowCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (max_batch_size, num_groups, max_seq_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.shape = (max_batch_size, num_groups, max_seq_len, head_dim)
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the buffers, zeroed (at start-up and when a released cache is resumed)."""
+        self.keys = [self._zeros() for _ in range(self.num_layers)]
+        self.values = [self._zeros() for _ in range(self.num_layers)]
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        """Drop the buffers (``release_memory_occupation`` of ``kv_cache``): their memory is
+        freed once no step holds a view of them; ``allocate`` brings them back, empty of any
+        cached tokens. No forward may run in between."""
+        self.keys, self.values = [], []
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
 
     def buffers(self) -> list[torch.Tensor]:
         return [*self.keys, *self.values]

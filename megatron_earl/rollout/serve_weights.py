@@ -271,6 +271,7 @@ class WeightEndpoints:
             ):
                 raise ValueError(f"shapes must be lists of non-negative integers: {shapes!r:.200}")
             check_metadata(names, dtypes, shapes, self._expected())
+            self.check_weights_resident("update_weights_from_distributed")
             if load_format == FLATTENED:
                 flattened_sizes(names, dtypes, shapes)
             if body.get("weight_version") is not None:

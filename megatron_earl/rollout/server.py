@@ -19,7 +19,8 @@ SGLang's cumulative SSE events, one per token, then ``[DONE]``), ``/health``,
 protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``) and ``/update_weights_from_disk`` (an HF safetensors directory
 or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
-``/pause_generation``, ``/continue_generation``, ``/abort_request``.
+``/pause_generation``, ``/continue_generation``, ``/abort_request``,
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``).
 Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with ``--api-key``
 every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
 guards the weight/control endpoints instead. Bodies over ``--max-body-mb`` (weight updates:
@@ -52,6 +53,7 @@ from megatron_earl.rollout.generate_api import (
     parse_generate,
 )
 from megatron_earl.rollout.generate_api import check_fields as _check_fields
+from megatron_earl.rollout.serve_memory import MemoryEndpoints
 from megatron_earl.rollout.serve_weights import WeightEndpoints, check_named
 from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
 
@@ -75,7 +77,7 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-class Server(WeightEndpoints):
+class Server(WeightEndpoints, MemoryEndpoints):
     """HTTP front of one embedded engine (TP1, scheduler rank)."""
 
     def __init__(
@@ -132,6 +134,8 @@ class Server(WeightEndpoints):
             ("POST", "/pause_generation", self.pause),
             ("POST", "/continue_generation", self.resume),
             ("POST", "/abort_request", self.abort),
+            ("*", "/release_memory_occupation", self.release_memory_occupation),
+            ("*", "/resume_memory_occupation", self.resume_memory_occupation),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -190,6 +194,8 @@ class Server(WeightEndpoints):
         body = await self._json(request, GENERATE_FIELDS, "the /generate request")
         if self.updating:
             return _error(503, "a weight update is in progress; retry shortly")
+        if (released := self.released_response()) is not None:
+            return released
         tokenize = (lambda t: list(t.encode())) if self.byte_tokenizer else None
         max_seq = self.engine.config.max_seq_len
         plan = parse_generate(body, max_seq_len=max_seq, tokenize=tokenize)
@@ -268,7 +274,7 @@ class Server(WeightEndpoints):
     async def health_generate(self, request: web.Request) -> web.Response:
         if not await self.engine.health():
             return web.Response(status=503)
-        if self.engine.paused or self.updating:
+        if self.engine.paused or self.updating or self.engine.released:
             return web.Response(status=200)
         probe = GenerateRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
@@ -296,6 +302,7 @@ class Server(WeightEndpoints):
                 "max_batch_size": self.engine.config.max_batch_size,
                 "max_seq_len": self.engine.config.max_seq_len,
                 "paused": self.engine.paused,
+                **self.memory_info(),
             }
         )
 
@@ -381,6 +388,7 @@ class Server(WeightEndpoints):
                     f"weight_version {body['weight_version']!r} must be an integer string"
                 ) from None
         async with self._update_lock:
+            self.check_weights_resident("the weight update")
             self.updating = True
             try:
                 if before is not None:

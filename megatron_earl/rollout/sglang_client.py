@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from megatron_earl.config.vocab import MemoryTag
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -215,6 +216,11 @@ class SGLangClient:
         self._version = parse_version(info.get("weight_version"))
         return info
 
+    async def get_server_info(self) -> dict[str, Any]:
+        """The server's ``/get_server_info`` (serve: its limits, pause state and the memory
+        it holds or has released)."""
+        return await self._call("GET", "/get_server_info")
+
     async def pause(self, mode: str = "retract") -> None:
         await self._call("POST", "/pause_generation", {"mode": mode})
 
@@ -311,6 +317,21 @@ class SGLangClient:
         if weight_version is not None:
             self._version = weight_version
         return out
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free the engine's memory of ``tags`` (SGLang's ``kv_cache``, ``weights``,
+        ``cuda_graph``; None: all) for colocated training; the engine must be idle and is
+        started with ``--enable-memory-saver`` (SGLang)."""
+        await self._memory_call("/release_memory_occupation", tags)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Rebuild the memory of ``tags`` (None: all). SGLang users resume ``weights``, push
+        the new weights, then resume ``kv_cache`` (and ``cuda_graph``)."""
+        await self._memory_call("/resume_memory_occupation", tags)
+
+    async def _memory_call(self, path: str, tags: Sequence[str] | None) -> None:
+        names = None if tags is None else [MemoryTag(t).value for t in tags]
+        await self._call("POST", path, {"tags": names}, self.config.control_timeout_s * 10)
 
     async def close(self) -> None:
         if self._session is not None:

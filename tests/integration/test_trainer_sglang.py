@@ -7,7 +7,9 @@ multi-turn rollouts on them from every rank, and trains on the result (the switc
 pinned layouts, the master in tp2; SGLang engines take no selected rollout layout). Push time and
 bytes are in the metrics of every step. The servers require an API key (the trainer reads it from
 ``SGLANG_API_KEY``); with the distributed protocol the rollouts go through SGLang's real router
-(``sglang-router``) in front of both servers, as a disaggregated job runs."""
+(``sglang-router``) in front of both servers, as a disaggregated job runs. The tensor run is
+colocated (``rollout.sglang.colocated``): the engines release their memory after each rollout and
+are resumed around the next push (timed in the metrics) and at the end of the run."""
 
 from __future__ import annotations
 
@@ -100,9 +102,22 @@ def _version(url: str) -> int:
     return asyncio.run(get())
 
 
-@pytest.mark.parametrize("protocol", ["tensor", "disk", "distributed"])
+def _server_info(url: str) -> dict:
+    async def get() -> dict:
+        client = SGLangClient(url, ClientConfig(api_key=KEY))
+        try:
+            return await client.get_server_info()
+        finally:
+            await client.close()
+
+    return asyncio.run(get())
+
+
+@pytest.mark.parametrize(
+    ("protocol", "colocated"), [("tensor", True), ("disk", False), ("distributed", False)]
+)
 def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
-    servers, shared_dir, tmp_path, protocol
+    servers, shared_dir, tmp_path, protocol, colocated
 ):
     urls = ",".join(p.url for p in servers)
     with contextlib.ExitStack() as stack:
@@ -134,6 +149,7 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
                 f"rollout.engine_urls=[{urls}]",
                 f"rollout.sglang.weight_update={protocol}",
                 f"rollout.sglang.weight_dir={shared_dir / 'weights'}",
+                f"rollout.sglang.colocated={str(colocated).lower()}",
                 *extra,
             ],
             cwd=ROOT,
@@ -152,7 +168,15 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
         assert record["sync/weight_push_s"] >= record["sync/weight_transfer_s"] > 0
         assert record["sync/weight_push_bytes"] > 0 and record["sync/weight_push_buckets"] >= 1
         assert record["rollout/engine_retries"] == record["rollout/engine_failovers"] == 0
-    check_documented(records, {"sglang"})
+    check_documented(records, {"sglang", "colocated"} if colocated else {"sglang"})
+    if colocated:  # released after each rollout, resumed around step 2's push and at the end
+        assert all(r["rollout/memory_release_s"] > 0 for r in records)
+        assert "sync/memory_resume_weights_s" not in records[0]
+        assert records[1]["sync/memory_resume_weights_s"] > 0
+        assert records[1]["sync/memory_resume_kv_cache_s"] > 0
+        for info in map(_server_info, (p.url for p in servers)):
+            assert info["released_memory"] == [], info
+            assert info["kv_cache_bytes"] > 0 and info["weight_bytes"] > 0
     if protocol == "disk":  # the version the servers serve, the one before it removed
         assert [p.name for p in (shared_dir / "weights").iterdir()] == ["v1"]
     # Pushed before the rollout of step 2: the weights after one optimizer step (version 1).

@@ -17,10 +17,12 @@ run without the wheel; when the wheel is cached (``$MEGATRON_EARL_CACHE`` or
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import importlib.util
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ import torch
 from aiohttp import web
 
 from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.config.vocab import MEMORY_TAGS
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.generate_api import (
     GENERATE_FIELDS,
@@ -41,6 +44,7 @@ from megatron_earl.rollout.generate_api import (
     SAMPLING_NEUTRAL,
     parse_generate,
 )
+from megatron_earl.rollout.memory_occupation import MEMORY_FIELDS
 from megatron_earl.rollout.sglang_client import SGLANG_PINNED, ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import serialize_named_tensors
 
@@ -58,11 +62,14 @@ ENDPOINTS = {
     "/flush_cache": None,
     "/health": None,
     "/get_model_info": None,
+    "/get_server_info": None,
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }
 
 
@@ -141,9 +148,12 @@ async def _record_client_requests() -> list[tuple[str, str, object]]:
     await client.update_weights_from_distributed(["w"], ["float32"], [[2, 2]], weight_version=5)
     await client.destroy_weights_update_group()
     await client.update_weights_from_disk("/ckpt", weight_version=6)
+    await client.release_memory_occupation()
+    await client.resume_memory_occupation(["weights"])
     await client.resume()
     await client.health()
     await client.get_model_info()
+    await client.get_server_info()
     await client.close()
     await runner.cleanup()
     return sent
@@ -223,3 +233,24 @@ def test_every_sglang_field_at_its_default_is_accepted(schema):
     sampling = dataclasses.replace(request.sampling, top_k=-1)
     assert dataclasses.replace(request, sampling=sampling) == expected
     assert plan.options == plain.options and not plan.batched and not plan.stream
+
+
+def test_serve_memory_endpoints_take_sglangs_fields(schema):
+    for cls in ("ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):
+        assert set(schema[f"io_struct.{cls}"]) == MEMORY_FIELDS, cls
+        assert schema[f"io_struct.{cls}"]["tags"] == {"has_default": True, "default": None}
+
+
+def test_memory_tags_are_sglangs():
+    wheel = sglang_schema.find_wheel(SGLANG_PINNED, download=False)
+    if wheel is None:
+        pytest.skip(f"no cached sglang=={SGLANG_PINNED} wheel in {sglang_schema.cache_dir()}")
+    with zipfile.ZipFile(wheel) as zf:
+        tree = ast.parse(zf.read("sglang/srt/constants.py").decode())
+    consts = {
+        node.targets[0].id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    }
+    names = [elt.id for elt in consts["GPU_MEMORY_ALL_TYPES"].elts]
+    assert [ast.literal_eval(consts[n]) for n in names] == list(MEMORY_TAGS)

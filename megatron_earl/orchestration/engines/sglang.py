@@ -14,6 +14,12 @@ native HTTP API: the disaggregated setup. The job holds no rollout copy of the p
   ``disk`` or ``distributed``; each pause -> flush -> update -> continue, then the engines'
   version is read back). Rank 0 keeps the transport for the run (the distributed one keeps its
   process group with the engines until ``close``).
+- Colocation (``rollout.sglang.colocated``: the engines share the trainer's GPUs), in SGLang
+  users' order (slime's): after every rollout, once every rank is done, rank 0 releases every
+  engine's memory (``release_memory_occupation``, all tags) and the ranks go on to train; the
+  next sync resumes ``weights`` on every engine, pushes the weights (always: an SGLang engine
+  without ``--enable-weights-cpu-backup`` does not keep their values), then resumes
+  ``kv_cache`` and ``cuda_graph``. ``close`` resumes engines left released.
 
 The rollout layout cannot be selected per step with these engines (``problems``).
 
@@ -31,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.run import RunConfig
-from megatron_earl.config.vocab import EngineKind, Phase
+from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.orchestration.engines.base import (
     Rollout,
@@ -96,7 +102,10 @@ class SGLangBackend(RolloutBackend):
         self.transport: WeightTransport | None = None
         """Rank 0's weight transport (built at the first push)."""
         self.stats: dict[str, float] = {"engine_retries": 0.0, "engine_failovers": 0.0}
-        """This rank's engine retries and failovers in the last rollout."""
+        """This rank's engine retries and failovers in the last rollout (colocated: and the
+        memory release after it)."""
+        self.released = False
+        """Colocated: the engines' memory is released (since the last rollout)."""
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
@@ -132,10 +141,11 @@ class SGLangBackend(RolloutBackend):
         """Nothing is built per layout."""
 
     def sync_weights(self, layout: ParallelLayout) -> dict[str, float]:
-        """Push the master weights if the engines are behind (``weight_push_s``: gather and
-        push; ``weight_transfer_s``: the push; ``weight_push_bytes``: tensor bytes each engine
-        received, or written to disk; ``weight_push_buckets``). Ends with the train layout
-        active. Collective (world)."""
+        """Push the master weights if the engines are behind or released (``weight_push_s``:
+        gather and push; ``weight_transfer_s``: the push; ``weight_push_bytes``: tensor bytes
+        each engine received, or written to disk; ``weight_push_buckets``; colocated:
+        ``memory_resume_weights_s`` and ``memory_resume_kv_cache_s``, the resumes around the
+        push). Ends with the train layout active. Collective (world)."""
         self.switch(layout)
         version = self.policy.version
         if self.version == version:
@@ -148,40 +158,78 @@ class SGLangBackend(RolloutBackend):
         if full is not None:
             stats = asyncio.run(self._push(full, version))
         dist.barrier(group=host_group())
-        self.version = version
+        self.version, self.released = version, False
         return {"weight_push_s": time.perf_counter() - start, **stats}
 
     async def _push(self, full: dict[str, torch.Tensor], version: int) -> dict:
+        """Rank 0: the push (colocated with released engines: resume ``weights`` before it and
+        ``kv_cache`` + ``cuda_graph`` after it, each timed)."""
         if self.transport is None:
             self.transport = build_transport(
                 self.config.rollout.sglang, self.config.model, self.config.run_dir
             )
         clients = self._control_clients()
+        out: dict[str, float] = {}
         try:
+            if self.released:
+                out["memory_resume_weights_s"] = await _resume(clients, [MemoryTag.WEIGHTS])
             named = hf_named_tensors(full, self.config.model)
             stats = await self.transport.push(clients, named, version)
+            if self.released:
+                tags = [MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH]
+                out["memory_resume_kv_cache_s"] = await _resume(clients, tags)
         finally:
             await asyncio.gather(*(c.close() for c in clients))
         return {
             "weight_transfer_s": stats.seconds,
             "weight_push_bytes": float(stats.bytes_sent),
             "weight_push_buckets": float(stats.num_buckets),
+            **out,
         }
 
     def close(self) -> None:
-        """Rank 0 releases its transport (the distributed group on the engines). Every rank."""
-        if self.transport is None:
+        """Rank 0 resumes the engines' memory if this run left it released (the engines end
+        as they started) and releases its transport (the distributed group on the engines).
+        Every rank."""
+        resume = self.released and dist.get_rank() == 0
+        self.released = False
+        if self.transport is None and not resume:
             return
 
-        async def close(transport: WeightTransport) -> None:
+        async def close(transport: WeightTransport | None) -> None:
             clients = self._control_clients()
             try:
-                await transport.close(clients)
+                if resume:
+                    await _resume(clients, None)
+                if transport is not None:
+                    await transport.close(clients)
             finally:
                 await asyncio.gather(*(c.close() for c in clients))
 
         asyncio.run(close(self.transport))
         self.transport = None
+
+    def _release_memory(self) -> float:
+        """Colocated, after a rollout: once every rank is done, rank 0 releases every engine's
+        memory (all tags) and the ranks wait for it, so training starts with the engines' GPU
+        memory free. Returns rank 0's time (0 elsewhere). Collective (world)."""
+        dist.barrier(group=host_group())
+        seconds = 0.0
+        if dist.get_rank() == 0:
+
+            async def release() -> float:
+                clients = self._control_clients()
+                start = time.perf_counter()
+                try:
+                    await asyncio.gather(*(c.release_memory_occupation() for c in clients))
+                finally:
+                    await asyncio.gather(*(c.close() for c in clients))
+                return time.perf_counter() - start
+
+            seconds = asyncio.run(release())
+        dist.barrier(group=host_group())
+        self.released, self.version = True, None  # the next sync resumes and pushes
+        return seconds
 
     def _control_clients(self) -> list[SGLangClient]:
         """One client per engine with the admin key (weight updates, pause/flush/continue)."""
@@ -199,8 +247,6 @@ class SGLangBackend(RolloutBackend):
         rank = dist.get_rank()
         tasks = prompts.tasks_for(rank, dist.get_world_size())
         self.stats = {"engine_retries": 0.0, "engine_failovers": 0.0}
-        if not tasks:
-            return Rollout([], rank)
 
         async def run() -> list[Trajectory]:
             clients = self._generation_clients()
@@ -215,9 +261,20 @@ class SGLangBackend(RolloutBackend):
                 }
             return batch.trajectories
 
-        return Rollout(asyncio.run(run()), rank)
+        trajectories = asyncio.run(run()) if tasks else []
+        if self.config.rollout.sglang.colocated:
+            self.stats["memory_release_s"] = self._release_memory()
+        return Rollout(trajectories, rank)
 
     def rollout_stats(self) -> dict[str, float]:
         """This rank's retried requests (connection errors, timeouts, 502/503/504, a router's
-        upstream failure) and requests moved to another engine, in the last rollout."""
+        upstream failure) and requests moved to another engine, in the last rollout; colocated:
+        the memory release after it (rank 0's time, 0 on the other ranks)."""
         return dict(self.stats)
+
+
+async def _resume(clients: list[SGLangClient], tags: list[MemoryTag] | None) -> float:
+    """Resume ``tags`` (None: all) on every engine; returns the seconds it took."""
+    start = time.perf_counter()
+    await asyncio.gather(*(c.resume_memory_occupation(tags) for c in clients))
+    return time.perf_counter() - start
