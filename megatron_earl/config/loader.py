@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -202,6 +203,9 @@ def _try(value: Any, tp: Any, path: str, problems: list[str], all_paths: list[st
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):  # NaN/inf would pass every range check after it
+            problems.append(f"{path}: must be a finite number, got {value!r}")
+            return True, float(value)
         return ok, float(value) if ok else None
     if tp is str or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
         return isinstance(value, str), value  # a vocabulary name is checked by its section

@@ -112,6 +112,12 @@ def test_unknown_keys_suggest_the_nearest_valid_key(override, fragment):
         ("rollout.engine_urls=5", "rollout.engine_urls: expected a list of str, got 5 (int)"),
         ("env.kwargs=3", "env.kwargs: expected a mapping, got 3 (int)"),
         ("rollout.sampling=3", "rollout.sampling: expected a mapping (section SamplingParams)"),
+        # Non-finite numbers pass every range check after them (issue 22): refused by name.
+        ("train.lr=.nan", "train.lr: must be a finite number, got nan"),
+        ("train.lr=.inf", "train.lr: must be a finite number, got inf"),
+        ("train.clip_grad=-.inf", "train.clip_grad: must be a finite number, got -inf"),
+        ("eval.temperature=.nan", "eval.temperature: must be a finite number, got nan"),
+        ("rollout.sampling.temperature=.inf", "sampling.temperature: must be a finite number"),
     ],
 )
 def test_wrong_types_name_key_value_and_type(override, fragment):
