@@ -242,10 +242,13 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def sampling_from_json(raw: Any, prompt_len: int = 0, max_seq_len: int = 0) -> SamplingParams:
+def sampling_from_json(
+    raw: Any, prompt_len: int = 0, max_seq_len: int = 0, eos_token_ids: Sequence[int] = ()
+) -> SamplingParams:
     """SGLang ``sampling_params`` -> ``SamplingParams`` (``n`` is read by ``parse_generate``);
     ``BadRequest`` names what is invalid (types, ranges and finiteness are checked here, so
-    nothing reaches the engine loop that could make it raise)."""
+    nothing reaches the engine loop that could make it raise). ``eos_token_ids`` (the model's,
+    as SGLang's scheduler adds them) stop generation too unless ``ignore_eos``."""
     raw = check_fields(_or(raw, {}), SAMPLING_FIELDS, "sampling_params")
     _check_others(raw, SAMPLING_IGNORED, SAMPLING_NEUTRAL, "sampling_params")
     name = "sampling_params."
@@ -256,6 +259,7 @@ def sampling_from_json(raw: Any, prompt_len: int = 0, max_seq_len: int = 0) -> S
     if len(stop) > MAX_STOP_COUNT:
         raise BadRequest(f"{name}stop has {len(stop)} strings; at most {MAX_STOP_COUNT}")
     stop_ids = _int_list(_or(raw.get("stop_token_ids"), []), f"{name}stop_token_ids")
+    stop_ids += [t for t in eos_token_ids if t not in stop_ids]
     if _bool(raw.get("ignore_eos"), f"{name}ignore_eos"):
         stop_ids = []  # SGLang: ignore_eos skips every token-based stop
     _bool(raw.get("no_stop_trim"), f"{name}no_stop_trim")
@@ -364,8 +368,10 @@ def parse_generate(
     *,
     max_seq_len: int,
     tokenize: Callable[[str], list[int]] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> GeneratePlan:
-    """A ``/generate`` body -> ``GeneratePlan``; ``BadRequest`` names what is invalid."""
+    """A ``/generate`` body -> ``GeneratePlan``; ``BadRequest`` names what is invalid.
+    ``eos_token_ids``: the served model's end-of-sequence ids (see ``sampling_from_json``)."""
     body = check_fields(body, GENERATE_FIELDS, "the /generate request")
     _check_others(body, GENERATE_IGNORED, GENERATE_NEUTRAL, "the /generate request")
     prompts, batched = _prompts(body, tokenize)
@@ -391,7 +397,7 @@ def parse_generate(
     rids = _rids(body.get("rid"), k, n, batched)
     requests, options = [], []
     for i, prompt in enumerate(prompts):
-        sampling = sampling_from_json(raw_sampling[i], len(prompt), max_seq_len)
+        sampling = sampling_from_json(raw_sampling[i], len(prompt), max_seq_len, eos_token_ids)
         logprob = _bool(per["return_logprob"][i], "return_logprob")
         start = _whole(_or(per["logprob_start_len"][i], -1), "logprob_start_len")
         top = _whole(_or(per["top_logprobs_num"][i], 0), "top_logprobs_num")
