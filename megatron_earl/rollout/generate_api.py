@@ -12,7 +12,7 @@ field is one of:
 
 * implemented (``*_IMPLEMENTED``): it does what SGLang does;
 * ignored (``*_IGNORED``): any well-typed value; it cannot change the tokens served here (logging,
-  routing and cache hints, scheduling priority, special-token detokenization);
+  routing and cache hints, scheduling priority, spacing around special tokens);
 * neutral only (``*_NEUTRAL``): accepted at the value SGLang treats as absent (null, its
   default, an empty list/map, per-prompt lists of those); another value would change the result
   and this server cannot honour it: 400 naming the field.
@@ -136,10 +136,10 @@ SAMPLING_IMPLEMENTED = frozenset(
         "sampling_seed",
         "ignore_eos",
         "no_stop_trim",
+        "skip_special_tokens",
     }
 )
 SAMPLING_IGNORED: dict[str, tuple[type, ...]] = {
-    "skip_special_tokens": (bool,),
     "spaces_between_special_tokens": (bool,),
     "stream_interval": (int,),
 }
@@ -290,6 +290,16 @@ class Options:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    """Decode ``text`` without special tokens (SGLang's default)."""
+
+
+def _decoder(detokenize: Callable[..., str], opts: Options) -> Callable[[Sequence[int]], str]:
+    """``detokenize`` as the sequence's options ask; a detokenizer that keeps special tokens
+    takes ``skip_special_tokens=False`` (only passed when a request asks for it)."""
+    if opts.skip_special_tokens:
+        return detokenize
+    return lambda ids: detokenize(ids, skip_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -316,6 +326,7 @@ class GeneratePlan:
     ) -> dict[str, Any]:
         """One sequence's result in SGLang's shape."""
         request, opts = self.requests[index], self.options[index]
+        detokenize = _decoder(detokenize, opts)
         ids = list(result.output_ids)
         meta: dict[str, Any] = {
             "id": result.rid,
@@ -346,6 +357,7 @@ class GeneratePlan:
         """A streamed sequence so far (SGLang's intermediate event: ``finish_reason`` null;
         the prompt and top log-probs come with the final event)."""
         request, opts = self.requests[index], self.options[index]
+        detokenize = _decoder(detokenize, opts)
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": None,
@@ -413,6 +425,10 @@ def parse_generate(
             logprob_start_len=start if logprob else -1,
             top_logprobs_num=top if logprob else 0,
             no_stop_trim=bool((raw_sampling[i] or {}).get("no_stop_trim")),
+            skip_special_tokens=_bool(
+                _or((raw_sampling[i] or {}).get("skip_special_tokens"), True),
+                "sampling_params.skip_special_tokens",
+            ),
         )
         for j in range(n):
             rid = rids[i * n + j]

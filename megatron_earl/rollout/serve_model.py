@@ -19,13 +19,12 @@ Text: the tokenizer of ``--tokenizer-path`` (SGLang's flag), else of the HF dire
 has one (``tokenizer.json`` / ``tokenizer_config.json`` / ``tokenizer.model``; loaded with
 ``transformers`` from the directory only, with its chat template when present). ``text`` is
 encoded as SGLang does (``tokenizer.encode(text)``, special tokens added) and decoded with
-``skip_special_tokens=True`` (SGLang's default); the model's end-of-sequence ids (``config.json``
-and ``generation_config.json`` ``eos_token_id``, the tokenizer's ``eos_token_id``) stop generation
-unless ``ignore_eos``, as SGLang's scheduler does. Without a tokenizer (a Megatron checkpoint, an
-HF directory without one) text uses the byte-level stand-in (id < 256 = that byte; only when the
-vocabulary has >= 256 ids) and ``/get_model_info`` says so (``tokenizer_path`` null,
-``tokenizer`` "byte-level stand-in").
-"""
+``skip_special_tokens`` as the request asks (SGLang's default: true); the model's end-of-sequence
+ids (``config.json`` and ``generation_config.json`` ``eos_token_id``, the tokenizer's
+``eos_token_id``) stop generation unless ``ignore_eos``, as SGLang's scheduler does. Without a
+tokenizer (a Megatron checkpoint, an HF directory without one) text uses the byte-level stand-in
+(id < 256 = that byte; only when the vocabulary has >= 256 ids) and ``/get_model_info`` says so
+(``tokenizer_path`` null, ``tokenizer`` "byte-level stand-in")."""
 
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ class ByteCodec:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
@@ -88,8 +87,8 @@ class HFCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 @dataclass

@@ -133,9 +133,9 @@ class Server(WeightEndpoints):
         self.updating = False
         self._update_lock = asyncio.Lock()
 
-    def detokenize(self, ids: Any) -> str:
+    def detokenize(self, ids: Any, skip_special_tokens: bool = True) -> str:
         codec = self.served.codec
-        return codec.decode(ids) if codec is not None else ""
+        return codec.decode(ids, skip_special_tokens) if codec is not None else ""
 
     def app(self) -> web.Application:
         app = web.Application(
