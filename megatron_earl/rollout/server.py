@@ -536,6 +536,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--checkpoint",
         dest="checkpoint",
         default=None,
+        metavar="PATH",
         help="HF directory (config.json + safetensors, tokenizer when present), torch.save'd "
         "full Megatron state dict, or 'random' (seeded random weights; the default)",
     )
