@@ -14,7 +14,10 @@ Classes: the request dataclasses of ``sglang/srt/managers/io_struct.py`` the cli
 use, ``SamplingParams`` of ``sglang/srt/sampling/sampling_params.py`` (fields inherited from
 classes of the same file included), and the HTTP JSON contract of ``/generate``
 (``sglang/api/v1/api_types.py``: ``GenerateRequest``, ``SamplingParams``), which SGLang checks
-every ``/generate`` body against before the dataclass parse.
+every ``/generate`` body against before the dataclass parse. For the info endpoints: the
+response types of ``api_types.py`` (``GetModelInfoResponse``, ``GetServerInfoResponse``,
+``ModelCard``), the OpenAI ``ModelCard`` / ``ModelList`` of ``entrypoints/openai/protocol.py``
+(``/v1/models``) and the keys ``http_server.py``'s ``model_info`` answers (``responses``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ SOURCES = {
     "io_struct": "sglang/srt/managers/io_struct.py",
     "sampling": "sglang/srt/sampling/sampling_params.py",
     "api": "sglang/api/v1/api_types.py",
+    "openai": "sglang/srt/entrypoints/openai/protocol.py",
+    "http_server": "sglang/srt/entrypoints/http_server.py",
 }
 CLASSES = {
     "io_struct": (
@@ -55,9 +60,19 @@ CLASSES = {
         "ResumeMemoryOccupationReqInput",
     ),
     "sampling": ("SamplingParams",),
-    "api": ("GenerateRequest", "SamplingParams"),
+    "api": (
+        "GenerateRequest",
+        "SamplingParams",
+        "GetModelInfoResponse",
+        "GetServerInfoResponse",
+        "ModelCard",
+    ),
+    "openai": ("ModelCard", "ModelList"),
 }
 """Classes recorded, by source; the fixture names them ``<source>.<class>``."""
+RESPONSES = {"http_server": ("model_info",)}
+"""Handlers whose answer is a dict literal assigned to ``result``; the fixture records its keys
+under ``responses`` as ``<source>.<handler>``."""
 
 
 def fixture_path(version: str = SGLANG_PINNED) -> Path:
@@ -135,6 +150,20 @@ def class_fields(source: str) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def response_keys(source: str, handler: str) -> list[str]:
+    """Keys of the dict literal a handler function of ``source`` assigns to ``result``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == handler:
+            for stmt in ast.walk(node):
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and [ast.unparse(t) for t in stmt.targets] == ["result"]
+                    and isinstance(stmt.value, ast.Dict)
+                ):
+                    return [ast.literal_eval(k) for k in stmt.value.keys if k is not None]
+    raise KeyError(f"no 'result = {{...}}' in handler {handler}")
+
+
 def parse_schema(sources: dict[str, str], version: str = SGLANG_PINNED) -> dict[str, Any]:
     """The fixture's content from the wheel's source texts."""
     classes: dict[str, Any] = {}
@@ -149,6 +178,11 @@ def parse_schema(sources: dict[str, str], version: str = SGLANG_PINNED) -> dict[
         "generated_by": "scripts/sglang_schema.py",
         "sources": SOURCES,
         "classes": classes,
+        "responses": {
+            f"{key}.{handler}": response_keys(sources[key], handler)
+            for key, handlers in RESPONSES.items()
+            for handler in handlers
+        },
     }
 
 

@@ -44,6 +44,7 @@ from megatron_earl.convert.families import (
     family_for_model,
     family_of,
     hf_config_from_model,
+    hf_params_dtype,
     model_config_from_hf,
     read_hf_config,
 )
@@ -81,11 +82,6 @@ def atomic_output_dir(out: str | Path) -> Iterator[Path]:
     tmp.rename(out)
 
 
-def _hf_dtype(cfg: dict[str, Any]) -> str:
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return name if name in _DTYPES else "float32"
-
-
 def hf_to_mcore(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -108,7 +104,7 @@ def hf_to_mcore(
     model = model_config_from_hf(
         cfg,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        params_dtype=dtype or _hf_dtype(cfg),
+        params_dtype=dtype or hf_params_dtype(cfg),
     )
     try:
         model.validate_for_parallel(tp=tp, pp=pp, vpp=vpp)

@@ -127,6 +127,16 @@ def _check_unsupported(cfg: dict[str, Any], family: Family) -> None:
         )
 
 
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def hf_params_dtype(cfg: dict[str, Any]) -> str:
+    """The ``params_dtype`` of an HF config (its ``dtype`` / ``torch_dtype``; float32 when it
+    names none of ``PARAMS_DTYPES``)."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return name if name in PARAMS_DTYPES else "float32"
+
+
 def model_config_from_hf(
     hf_config: dict[str, Any],
     *,

@@ -12,7 +12,7 @@ field is one of:
 
 * implemented (``*_IMPLEMENTED``): it does what SGLang does;
 * ignored (``*_IGNORED``): any well-typed value; it cannot change the tokens served here (logging,
-  routing and cache hints, scheduling priority, special-token detokenization);
+  routing and cache hints, scheduling priority, spacing around special tokens);
 * neutral only (``*_NEUTRAL``): accepted at the value SGLang treats as absent (null, its
   default, an empty list/map, per-prompt lists of those); another value would change the result
   and this server cannot honour it: 400 naming the field.
@@ -136,10 +136,10 @@ SAMPLING_IMPLEMENTED = frozenset(
         "sampling_seed",
         "ignore_eos",
         "no_stop_trim",
+        "skip_special_tokens",
     }
 )
 SAMPLING_IGNORED: dict[str, tuple[type, ...]] = {
-    "skip_special_tokens": (bool,),
     "spaces_between_special_tokens": (bool,),
     "stream_interval": (int,),
 }
@@ -242,10 +242,13 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def sampling_from_json(raw: Any, prompt_len: int = 0, max_seq_len: int = 0) -> SamplingParams:
+def sampling_from_json(
+    raw: Any, prompt_len: int = 0, max_seq_len: int = 0, eos_token_ids: Sequence[int] = ()
+) -> SamplingParams:
     """SGLang ``sampling_params`` -> ``SamplingParams`` (``n`` is read by ``parse_generate``);
     ``BadRequest`` names what is invalid (types, ranges and finiteness are checked here, so
-    nothing reaches the engine loop that could make it raise)."""
+    nothing reaches the engine loop that could make it raise). ``eos_token_ids`` (the model's,
+    as SGLang's scheduler adds them) stop generation too unless ``ignore_eos``."""
     raw = check_fields(_or(raw, {}), SAMPLING_FIELDS, "sampling_params")
     _check_others(raw, SAMPLING_IGNORED, SAMPLING_NEUTRAL, "sampling_params")
     name = "sampling_params."
@@ -256,6 +259,7 @@ def sampling_from_json(raw: Any, prompt_len: int = 0, max_seq_len: int = 0) -> S
     if len(stop) > MAX_STOP_COUNT:
         raise BadRequest(f"{name}stop has {len(stop)} strings; at most {MAX_STOP_COUNT}")
     stop_ids = _int_list(_or(raw.get("stop_token_ids"), []), f"{name}stop_token_ids")
+    stop_ids += [t for t in eos_token_ids if t not in stop_ids]
     if _bool(raw.get("ignore_eos"), f"{name}ignore_eos"):
         stop_ids = []  # SGLang: ignore_eos skips every token-based stop
     _bool(raw.get("no_stop_trim"), f"{name}no_stop_trim")
@@ -286,6 +290,16 @@ class Options:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    """Decode ``text`` without special tokens (SGLang's default)."""
+
+
+def _decoder(detokenize: Callable[..., str], opts: Options) -> Callable[[Sequence[int]], str]:
+    """``detokenize`` as the sequence's options ask; a detokenizer that keeps special tokens
+    takes ``skip_special_tokens=False`` (only passed when a request asks for it)."""
+    if opts.skip_special_tokens:
+        return detokenize
+    return lambda ids: detokenize(ids, skip_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -312,6 +326,7 @@ class GeneratePlan:
     ) -> dict[str, Any]:
         """One sequence's result in SGLang's shape."""
         request, opts = self.requests[index], self.options[index]
+        detokenize = _decoder(detokenize, opts)
         ids = list(result.output_ids)
         meta: dict[str, Any] = {
             "id": result.rid,
@@ -342,6 +357,7 @@ class GeneratePlan:
         """A streamed sequence so far (SGLang's intermediate event: ``finish_reason`` null;
         the prompt and top log-probs come with the final event)."""
         request, opts = self.requests[index], self.options[index]
+        detokenize = _decoder(detokenize, opts)
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": None,
@@ -364,8 +380,10 @@ def parse_generate(
     *,
     max_seq_len: int,
     tokenize: Callable[[str], list[int]] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> GeneratePlan:
-    """A ``/generate`` body -> ``GeneratePlan``; ``BadRequest`` names what is invalid."""
+    """A ``/generate`` body -> ``GeneratePlan``; ``BadRequest`` names what is invalid.
+    ``eos_token_ids``: the served model's end-of-sequence ids (see ``sampling_from_json``)."""
     body = check_fields(body, GENERATE_FIELDS, "the /generate request")
     _check_others(body, GENERATE_IGNORED, GENERATE_NEUTRAL, "the /generate request")
     prompts, batched = _prompts(body, tokenize)
@@ -391,7 +409,7 @@ def parse_generate(
     rids = _rids(body.get("rid"), k, n, batched)
     requests, options = [], []
     for i, prompt in enumerate(prompts):
-        sampling = sampling_from_json(raw_sampling[i], len(prompt), max_seq_len)
+        sampling = sampling_from_json(raw_sampling[i], len(prompt), max_seq_len, eos_token_ids)
         logprob = _bool(per["return_logprob"][i], "return_logprob")
         start = _whole(_or(per["logprob_start_len"][i], -1), "logprob_start_len")
         top = _whole(_or(per["top_logprobs_num"][i], 0), "top_logprobs_num")
@@ -407,6 +425,10 @@ def parse_generate(
             logprob_start_len=start if logprob else -1,
             top_logprobs_num=top if logprob else 0,
             no_stop_trim=bool((raw_sampling[i] or {}).get("no_stop_trim")),
+            skip_special_tokens=_bool(
+                _or((raw_sampling[i] or {}).get("skip_special_tokens"), True),
+                "sampling_params.skip_special_tokens",
+            ),
         )
         for j in range(n):
             rid = rids[i * n + j]

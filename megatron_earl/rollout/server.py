@@ -1,19 +1,23 @@
 """``megatron-earl serve``: the embedded engine behind SGLang's native HTTP API (a subset).
 
-    megatron-earl serve --port 30000 [--model-config model.json] [--model-path full.pt]
-        [--api-key KEY] [--host 127.0.0.1] [--max-batch-size 8] [--max-seq-len 1024] [--seed 0]
-        [--weight-dirs DIR[,DIR]] [--dist-timeout 300]
+    megatron-earl serve --model-path HF_DIR|FULL.pt|random --port 30000 [--model-config model.json]
+        [--tokenizer-path DIR] [--served-model-name NAME] [--api-key KEY] [--host 127.0.0.1]
+        [--max-batch-size 8] [--max-seq-len 1024] [--seed 0] [--weight-dirs DIR[,DIR]]
+        [--dist-timeout 300]
 
-The model: a ``ModelConfig`` (JSON file of its fields; default: the tiny default config), weights
-from ``--model-path`` (a ``torch.save``'d full Megatron state dict, ``geometry.full_state_dict``)
-or seeded random (``--seed``). One process, TP1 (world of one). Tokens are token ids; ``text`` in
-and out uses a byte-level stand-in tokenizer (id < 256 = that byte) when the vocabulary has >= 256
-ids, so stop strings work on a toy model.
+The model (``serve_model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
+its tokenizer when present), a ``torch.save``'d full Megatron state dict
+(``geometry.full_state_dict``) or seeded random weights (``random``, ``--seed``), the last two
+shaped by ``--model-config`` (a JSON file of ``ModelConfig`` fields; default: the tiny default
+config). One process, TP1 (world of one). ``text`` in and out uses the HF tokenizer
+(``--tokenizer-path`` or the directory's), else a byte-level stand-in (id < 256 = that byte)
+when the vocabulary has >= 256 ids, so stop strings work on a toy model.
 
 Endpoints (shapes of SGLang 0.5.x): ``/generate`` (SGLang's whole request schema, see
 ``generate_api``: prompts, n samples, min_p, prompt and top log-probs; ``stream`` answers
 SGLang's cumulative SSE events, one per token, then ``[DONE]``), ``/health``,
-``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``,
+``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``
+(``/server_info``), ``/v1/models`` (field names of SGLang 0.5.23's answers, ``serve_model``),
 ``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
 ``/update_weights_from_tensor`` (portable payload, see ``weight_sync``), SGLang's distributed
 protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distributed``,
@@ -34,8 +38,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,18 @@ from megatron_earl.rollout.generate_api import (
 )
 from megatron_earl.rollout.generate_api import check_fields as _check_fields
 from megatron_earl.rollout.serve_memory import MemoryEndpoints
+from megatron_earl.rollout.serve_model import (
+    ByteCodec,
+    ModelPathError,
+    ServedModel,
+    load_weights,
+    model_info_json,
+    model_not_found_json,
+    models_json,
+    resolve_model,
+    server_args_json,
+    server_info_json,
+)
 from megatron_earl.rollout.serve_weights import WeightEndpoints, check_named
 from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
 
@@ -90,9 +108,23 @@ class Server(WeightEndpoints, MemoryEndpoints):
         limits: RequestLimits | None = None,
         weight_dirs: tuple[str, ...] = (),
         dist_timeout_s: float = 300.0,
+        served: ServedModel | None = None,
+        server_args: dict[str, Any] | None = None,
     ):
         self.engine = engine
         self.model_path = model_path
+        vocab = engine.model_config.vocab_size
+        self.served = served or ServedModel(
+            engine.model_config,
+            model_path,
+            "random" if model_path == "random" else "full_state",
+            None,
+            ByteCodec() if vocab >= 256 else None,
+            served_model_name=model_path,
+        )
+        """What is served (``serve_model``): its paths, tokenizer, eos ids, identity."""
+        self.server_args = server_args or {}
+        """Launch arguments under SGLang's names (``serve_model.server_args_json``)."""
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.limits = limits or RequestLimits()
@@ -102,13 +134,10 @@ class Server(WeightEndpoints, MemoryEndpoints):
         """How long a weight-update group waits for its other ranks to join."""
         self.updating = False
         self._update_lock = asyncio.Lock()
-        vocab = engine.model_config.vocab_size
-        self.byte_tokenizer = vocab >= 256
 
-    def detokenize(self, ids: Any) -> str:
-        if not self.byte_tokenizer:
-            return ""
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def detokenize(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        codec = self.served.codec
+        return codec.decode(ids, skip_special_tokens) if codec is not None else ""
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -123,6 +152,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
             ("GET", "/model_info", self.model_info),
             ("GET", "/get_server_info", self.server_info),
             ("GET", "/server_info", self.server_info),
+            ("GET", "/v1/models", self.models),
+            ("GET", "/v1/models/{model:.+}", self.model_card),
             ("GET", "/get_load", self.load),
             ("GET", "/get_weight_version", self.weight_version),
             ("*", "/flush_cache", self.flush_cache),
@@ -196,9 +227,13 @@ class Server(WeightEndpoints, MemoryEndpoints):
             return _error(503, "a weight update is in progress; retry shortly")
         if (released := self.released_response()) is not None:
             return released
-        tokenize = (lambda t: list(t.encode())) if self.byte_tokenizer else None
-        max_seq = self.engine.config.max_seq_len
-        plan = parse_generate(body, max_seq_len=max_seq, tokenize=tokenize)
+        codec, max_seq = self.served.codec, self.engine.config.max_seq_len
+        plan = parse_generate(
+            body,
+            max_seq_len=max_seq,
+            tokenize=codec.encode if codec is not None else None,
+            eos_token_ids=self.served.eos_token_ids,
+        )
         for req in plan.requests:
             self.engine.validate(req)
         queued = self.engine.num_requests
@@ -272,39 +307,54 @@ class Server(WeightEndpoints, MemoryEndpoints):
         return web.Response(status=200 if await self.engine.health() else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's: generate one greedy token from ``input_ids=[0]`` (rid ``HEALTH_CHECK_*``);
+        200 when it comes within ``SGLANG_HEALTH_CHECK_TIMEOUT`` s (default 20), else 503. While
+        generation is paused or weights load, 200 without a probe (SGLang's probe would wait
+        for the continue and a router would drop the engine during every weight push)."""
         if not await self.engine.health():
             return web.Response(status=503)
         if self.engine.paused or self.updating or self.engine.released:
             return web.Response(status=200)
-        probe = GenerateRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0))
+        probe = GenerateRequest(
+            (0,),
+            SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        )
+        timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         try:
-            await asyncio.wait_for(self.engine.generate(probe), timeout=20)
+            await asyncio.wait_for(self.engine.generate(probe), timeout=timeout)
         except Exception:
             return web.Response(status=503)
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": None,
-                "is_generation": True,
-                "weight_version": str(self.engine.weight_version),
-                "model_config": self.engine.model_config.to_dict(),
-                "max_seq_len": self.engine.config.max_seq_len,
-            }
-        )
+        """SGLang's ``/model_info`` fields (``serve_model.model_info_json``)."""
+        return web.json_response(model_info_json(self.served, self.engine.weight_version))
 
     async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/server_info``: server args + start info + internal states."""
+        config = self.engine.config
         return web.json_response(
-            {
-                "engine": "megatron-earl embedded",
-                "max_batch_size": self.engine.config.max_batch_size,
-                "max_seq_len": self.engine.config.max_seq_len,
-                "paused": self.engine.paused,
-                **self.memory_info(),
-            }
+            server_info_json(
+                self.server_args,
+                self.served,
+                max_batch_size=config.max_batch_size,
+                max_seq_len=config.max_seq_len,
+                paused=self.engine.paused,
+            )
+            | self.memory_info()
         )
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's model list as SGLang answers it (the one served model)."""
+        return web.json_response(models_json(self.served, self.engine.config.max_seq_len))
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.served.served_model_name:
+            return web.json_response(model_not_found_json(name), status=404)
+        cards = models_json(self.served, self.engine.config.max_seq_len)["data"]
+        return web.json_response(cards[0])
 
     async def load(self, request: web.Request) -> web.Response:
         return web.json_response({"num_reqs": self.engine.num_requests})
@@ -425,25 +475,31 @@ def _check_update(full: dict[str, torch.Tensor], before: dict[str, tuple]) -> No
             raise BadRequest(f"weight update rejected: {name} has non-finite values (NaN/inf)")
 
 
-def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]:
-    """World of one, TP1: build the model (checkpoint or seeded weights) and the engine."""
+def resolve_served(args: argparse.Namespace) -> ServedModel:
+    """``--model-path`` / ``--model-config`` / ``--tokenizer-path`` -> what is served
+    (``serve_model.resolve_model``; ``ModelPathError`` names what cannot be served)."""
+    return resolve_model(
+        args.checkpoint, args.model_config, args.tokenizer_path, args.served_model_name
+    )
+
+
+def build_engine(
+    args: argparse.Namespace, served: ServedModel | None = None
+) -> tuple[EmbeddedEngine, ModelConfig]:
+    """World of one, TP1: build the model (HF directory, full-state file or seeded weights, see
+    ``serve_model``) and the engine."""
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model, pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.redistribute.geometry import load_full_state_dict
 
-    model_config = ModelConfig()
-    if args.model_config:
-        with open(args.model_config) as f:
-            model_config = ModelConfig(**json.load(f))
+    served = served or resolve_served(args)
     runtime.initialize()
-    model_config = pin_transformer_impl(model_config, embedded_engine=True)
+    model_config = pin_transformer_impl(served.model_config, embedded_engine=True)
     initialize_layout(ParallelLayout())
     runtime.seed(args.seed)
     chunks = build_model(model_config)
-    if args.checkpoint and args.checkpoint != "random":
-        load_full_state_dict(chunks, torch.load(args.checkpoint, weights_only=True))
+    load_weights(chunks, served)
     config = EmbeddedEngineConfig(
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, seed=args.seed
     )
@@ -453,7 +509,8 @@ def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine, _ = build_engine(args)
+    served = resolve_served(args)
+    engine, _ = build_engine(args, served)
     limits = RequestLimits(
         args.max_body_mb << 20,
         args.max_weight_body_mb << 20,
@@ -462,14 +519,16 @@ async def serve(args: argparse.Namespace) -> None:
     )
     server = Server(
         engine,
-        args.checkpoint or "random",
+        served.model_path,
         args.api_key,
         admin_api_key=args.admin_api_key,
         limits=limits,
         weight_dirs=tuple(d for arg in args.weight_dirs for d in arg.split(",") if d),
         dist_timeout_s=args.dist_timeout,
+        served=served,
+        server_args=server_args_json(args, served),
     )
-    engine.detokenize = server.detokenize if server.byte_tokenizer else None
+    engine.detokenize = server.detokenize if served.codec is not None else None
     await engine.start()
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # requests in the engine (they would otherwise run to completion for nobody).
@@ -511,22 +570,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-weight-body-mb", type=int, default=2048, help="weight-update body limit (MiB)"
     )
-    p.add_argument("--model-config", default=None, help="JSON file of ModelConfig fields")
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="JSON file of ModelConfig fields (with a full-state file or 'random'; an HF "
+        "directory's config.json defines its model)",
+    )
     p.add_argument(
         "--model-path",
         "--checkpoint",
         dest="checkpoint",
         default=None,
-        help="torch.save'd full Megatron state dict ('random': seeded random weights)",
+        metavar="PATH",
+        help="HF directory (config.json + safetensors, tokenizer when present), torch.save'd "
+        "full Megatron state dict, or 'random' (seeded random weights; the default)",
+    )
+    p.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="HF tokenizer directory (default: the HF model directory's own, if it has one; "
+        "else a byte-level stand-in)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name in /v1/models and model info (default: --model-path)",
     )
     # SGLang launch flags the launcher passes; accepted for command compatibility.
     p.add_argument("--tp-size", type=int, default=1, choices=[1], help="only 1 (one process)")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted, no effect")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, no effect")
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted, no effect")
-    p.add_argument("--seed", type=int, default=0, help="weights (without --checkpoint), sampling")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument(
+        "--seed",
+        "--random-seed",
+        type=int,
+        default=0,
+        help="weights (with 'random'), sampling",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        "--max-running-requests",
+        type=int,
+        default=8,
+        help="sequences decoded together (KV rows)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        "--context-length",
+        type=int,
+        default=1024,
+        help="prompt + output tokens per sequence",
+    )
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument(
         "--weight-dirs",
@@ -546,7 +641,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(parse_args(argv)))
+    try:
+        asyncio.run(serve(parse_args(argv)))
+    except ModelPathError as err:
+        print(f"megatron-earl serve: error: {err}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

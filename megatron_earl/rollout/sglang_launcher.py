@@ -27,7 +27,9 @@ class LaunchConfig:
     """One SGLang server: what ``python -m sglang.launch_server`` is given."""
 
     model_path: str
-    """HF checkpoint directory (SGLang) or full-state file (megatron-earl serve)."""
+    """HF model directory (``config.json`` + safetensors, tokenizer when present), for SGLang and
+    ``megatron-earl serve`` alike; ``serve`` also takes a ``torch.save``'d full Megatron state
+    file or ``random`` (both shaped by ``--model-config`` in ``extra_args``)."""
     port: int = 30000
     """HTTP port."""
     host: str = "127.0.0.1"

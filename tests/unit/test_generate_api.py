@@ -214,3 +214,23 @@ def test_sampled_tokens_respect_min_p():
     free = [SamplingParams(seed=i) for i in range(64)]
     drawn, _ = sample_tokens(logits, 40, free, [random.Random(i) for i in range(64)])
     assert any(probs[r, t] < 0.5 * probs[r].max() for r, t in enumerate(drawn))  # can fail
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_text():
+    def detokenize(ids, skip_special_tokens=True):  # id 0 is a special token "<s>"
+        return "".join(
+            "" if i == 0 and skip_special_tokens else "<s>" if i == 0 else "x" * i for i in ids
+        )
+
+    result = GenerateResult(
+        rid="r",
+        output_ids=(1, 0, 2),
+        output_logprobs=(-0.1, -0.2, -0.3),
+        finish_reason=FinishReason(FinishType.LENGTH),
+        weight_version=0,
+    )
+    keep = parse({"input_ids": [1], "sampling_params": {"skip_special_tokens": False}})
+    assert keep.response([result], detokenize)["text"] == "x<s>xx"
+    assert parse({"input_ids": [1]}).response([result], detokenize)["text"] == "xxx"
+    streamed = keep.partial_json(0, "r", [1, 0], [-0.1, -0.2], 0, detokenize)
+    assert streamed["text"] == "x<s>"

@@ -254,3 +254,37 @@ def test_memory_tags_are_sglangs():
     }
     names = [elt.id for elt in consts["GPU_MEMORY_ALL_TYPES"].elts]
     assert [ast.literal_eval(consts[n]) for n in names] == list(MEMORY_TAGS)
+
+
+def test_serve_info_answers_carry_sglangs_fields(schema):
+    """``/get_model_info``, ``/get_server_info`` and ``/v1/models`` of ``serve`` carry every
+    field SGLang's answer has (``http_server.py``'s ``model_info`` keys, ``api_types.py``'s
+    response types, the OpenAI ``ModelList`` / ``ModelCard`` exactly), with SGLang's types."""
+    from megatron_earl.rollout.serve_model import (
+        model_info_json,
+        models_json,
+        resolve_model,
+        server_args_json,
+        server_info_json,
+    )
+    from megatron_earl.rollout.server import parse_args
+
+    responses = json.loads(sglang_schema.fixture_path(SGLANG_PINNED).read_text())["responses"]
+    served = resolve_model("random")
+    info = model_info_json(served, 3)
+    assert set(responses["http_server.model_info"]) <= set(info)
+    assert set(schema["api.GetModelInfoResponse"]) <= set(info)
+    assert info["weight_version"] == "3" and info["is_generation"] is True
+    args = parse_args(["--max-seq-len", "64"])
+    server = server_info_json(
+        server_args_json(args, served), served, max_batch_size=8, max_seq_len=64, paused=False
+    )
+    assert set(schema["api.GetServerInfoResponse"]) <= set(server)
+    assert isinstance(server["internal_states"], list) and server["port"] == args.port
+    assert server["max_total_num_tokens"] == 8 * 64 and server["max_context_length"] == 64
+    assert not any("key" in k for k in server), "server info must not carry API keys"
+    models = models_json(served, 64)
+    assert set(models) == set(schema["openai.ModelList"]) and models["object"] == "list"
+    (card,) = models["data"]
+    assert set(card) == set(schema["openai.ModelCard"])
+    assert set(schema["api.ModelCard"]) <= set(card) and card["max_model_len"] == 64
