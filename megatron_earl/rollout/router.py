@@ -17,8 +17,6 @@ registered and healthy (a clear error naming the engines that are not, or the ro
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +25,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from megatron_earl.rollout.sglang_launcher import stop_group
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -171,15 +171,7 @@ class RouterProcess:
 
     def stop(self, stop_timeout_s: float = 10.0) -> int:
         """SIGTERM the process group, SIGKILL it after ``stop_timeout_s``; returns the exit code."""
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-            except ProcessLookupError:
-                pass
+        stop_group(self.process, stop_timeout_s)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
             self._log = subprocess.DEVNULL

@@ -98,6 +98,20 @@ def build_command(config: LaunchConfig) -> list[str]:
     return cmd + list(config.extra_args)
 
 
+def stop_group(process: subprocess.Popen, stop_timeout_s: float) -> None:
+    """SIGTERM the process group led by ``process``, SIGKILL it after ``stop_timeout_s``."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=stop_timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
 class ServerProcess:
     """A started server process; a context manager that stops it on exit."""
 
@@ -145,15 +159,7 @@ class ServerProcess:
 
     def stop(self, stop_timeout_s: float = 20.0) -> int:
         """SIGTERM the process group, SIGKILL it after ``stop_timeout_s``; returns the exit code."""
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-            except ProcessLookupError:
-                pass
+        stop_group(self.process, stop_timeout_s)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
             self._log = subprocess.DEVNULL
