@@ -201,10 +201,11 @@ class SGLangClient:
     async def abort_all(self) -> None:
         await self._call("POST", "/abort_request", {"abort_all": True})
 
-    async def health(self) -> bool:
-        """True when ``/health`` answers 200 within the connect timeout (no retries)."""
+    async def health(self, retries: int = 0) -> bool:
+        """True when ``/health`` answers 200 within the connect timeout (``retries`` more
+        attempts after a failure)."""
         try:
-            await self._call("GET", "/health", None, self.config.control_timeout_s, retries=0)
+            await self._call("GET", "/health", None, self.config.control_timeout_s, retries=retries)
         except EngineError:
             return False
         return True

@@ -181,3 +181,32 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
         assert [p.name for p in (shared_dir / "weights").iterdir()] == ["v1"]
     # Pushed before the rollout of step 2: the weights after one optimizer step (version 1).
     assert [_version(p.url) for p in servers] == [1, 1]
+
+
+def test_unreachable_engine_stops_the_run_at_start_naming_it(servers, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_earl.cli.main",
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            str(ROOT / "configs" / "demo_cpu_switching.yaml"),
+            *RUN,
+            f"output_dir={tmp_path}",
+            "name=dead",
+            "rollout.engine=sglang",
+            f"rollout.engine_urls=[{servers[0].url},{dead}]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SGLANG_API_KEY": KEY},
+    )
+    assert result.returncode != 0
+    assert f"SGLang engines not reachable at start-up (GET /health): ['{dead}']" in result.stderr
+    assert not (tmp_path / "dead" / "metrics.jsonl").exists()

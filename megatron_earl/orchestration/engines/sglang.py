@@ -52,6 +52,7 @@ from megatron_earl.redistribute.geometry import ShardPiece
 from megatron_earl.redistribute.weight_exec import reshard_weights
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
+from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.pool import EnginePool
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import hf_named_tensors
@@ -106,6 +107,25 @@ class SGLangBackend(RolloutBackend):
         memory release after it)."""
         self.released = False
         """Colocated: the engines' memory is released (since the last rollout)."""
+        asyncio.run(self._check_reachable())
+
+    async def _check_reachable(self) -> None:
+        """Every engine (and the router) answers ``/health`` now, or the run stops naming the
+        ones that do not -- before any weight is gathered or pushed. Every rank checks."""
+        sglang = self.config.rollout.sglang
+        urls = [*self.urls, *([sglang.router_url] if sglang.router_url else [])]
+        config = ClientConfig(api_key=sglang.api_key(), connect_timeout_s=5.0, max_retries=2)
+        clients = [SGLangClient(url, config) for url in urls]
+        try:
+            healthy = await asyncio.gather(*(c.health(retries=2) for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        down = [url for url, ok in zip(urls, healthy) if not ok]
+        if down:
+            raise EngineError(
+                f"SGLang engines not reachable at start-up (GET /health): {down}; check "
+                "rollout.engine_urls / rollout.sglang.router_url and that the servers are up"
+            )
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
