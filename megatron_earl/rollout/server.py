@@ -43,6 +43,7 @@ import torch
 from aiohttp import web
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout import serve_tp
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, RequestError
 from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_earl.rollout.generate_api import (
@@ -319,8 +320,16 @@ class Server(WeightEndpoints):
 
         body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
         payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise BadRequest("serialized_named_tensors must be a list of one payload (engine tp=1)")
+        tp = self.engine.tp_size
+        if not isinstance(payloads, list) or len(payloads) != tp:
+            raise BadRequest(
+                f"serialized_named_tensors must be a list of {tp} payload(s) (tp={tp})"
+            )
+        if any(p != payloads[0] for p in payloads[1:]):
+            raise BadRequest(  # SGLang gives payload r to TP rank r; serve loads one full copy
+                "serialized_named_tensors: serve loads the full tensors of the first payload on "
+                f"every TP rank, so all {tp} payloads must be identical"
+            )
         if body.get("load_format") not in (None, "direct"):
             raise BadRequest(
                 f"load_format {body['load_format']!r} is not supported (null, 'direct')"
@@ -349,8 +358,6 @@ class Server(WeightEndpoints):
     ) -> web.Response:
         """Apply a weight update to a copy of the full state, check it (``_check_update``), load
         it. ``before`` runs first inside the update window (receiving a broadcast bucket)."""
-        from megatron_earl.redistribute.geometry import full_state_dict
-
         version = self.engine.weight_version
         if body.get("weight_version") is not None:
             try:
@@ -366,7 +373,7 @@ class Server(WeightEndpoints):
                     await before()
                 if body.get("abort_all_requests"):
                     await self.engine.abort_all("aborted for a weight update")
-                full = full_state_dict(self.engine.model_chunks)
+                full = await self.engine.state_dict()
                 shapes = {name: (t.shape, t.dtype) for name, t in full.items()}
                 try:
                     apply(full)
@@ -397,7 +404,9 @@ def _check_update(full: dict[str, torch.Tensor], before: dict[str, tuple]) -> No
 
 
 def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]:
-    """World of one, TP1: build the model (checkpoint or seeded weights) and the engine."""
+    """Build the model (checkpoint or seeded weights) and the engine: a world of one at TP1, with
+    ``--tp-size N`` every rank of the world of N (``serve_tp``: the model is built whole, then in
+    tp=N from its full state)."""
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model, pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
@@ -410,11 +419,13 @@ def build_engine(args: argparse.Namespace) -> tuple[EmbeddedEngine, ModelConfig]
             model_config = ModelConfig(**json.load(f))
     runtime.initialize()
     model_config = pin_transformer_impl(model_config, embedded_engine=True)
-    initialize_layout(ParallelLayout())
+    model_config.validate_for_parallel(args.tp_size)
+    initialize_layout(ParallelLayout(dp=args.tp_size))  # whole on every rank, as at TP1
     runtime.seed(args.seed)
     chunks = build_model(model_config)
     if args.checkpoint and args.checkpoint != "random":
         load_full_state_dict(chunks, torch.load(args.checkpoint, weights_only=True))
+    chunks = serve_tp.to_tp_layout(chunks, model_config, args.tp_size, args.seed)
     config = EmbeddedEngineConfig(
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, seed=args.seed
     )
@@ -474,8 +485,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="torch.save'd full Megatron state dict ('random': seeded random weights)",
     )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel processes serving the model (default 1; N > 1 starts N-1 "
+        "followers, see serve_tp)",
+    )
     # SGLang launch flags the launcher passes; accepted for command compatibility.
-    p.add_argument("--tp-size", type=int, default=1, choices=[1], help="only 1 (one process)")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted, no effect")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, no effect")
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted, no effect")
@@ -497,11 +514,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=300.0,
         help="seconds a weight-update group waits for its other ranks (default 300)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tp_size < 1:
+        p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    with serve_tp.followers(args.tp_size, sys.argv[1:] if argv is None else argv):
+        asyncio.run(serve(args))
     return 0
 
 
