@@ -2,11 +2,14 @@
 
     megatron-earl serve --port 30000 [--model-config model.json] [--model-path full.pt]
         [--api-key KEY] [--host 127.0.0.1] [--max-batch-size 8] [--max-seq-len 1024] [--seed 0]
-        [--weight-dirs DIR[,DIR]] [--dist-timeout 300]
+        [--weight-dirs DIR[,DIR]] [--dist-timeout 300] [--tp-size N]
 
 The model: a ``ModelConfig`` (JSON file of its fields; default: the tiny default config), weights
 from ``--model-path`` (a ``torch.save``'d full Megatron state dict, ``geometry.full_state_dict``)
-or seeded random (``--seed``). One process, TP1 (world of one). Tokens are token ids; ``text`` in
+or seeded random (``--seed``). One process, TP1 (world of one); ``--tp-size N`` serves the model
+over N processes: this one (TP rank 0: HTTP, the engine's scheduler) and N-1 followers it starts
+and stops (``serve_tp``: same weights as TP1, weight updates on every rank, SGLang's distributed
+protocol joined by every TP rank as ``rank_offset + tp_rank``). Tokens are token ids; ``text`` in
 and out uses a byte-level stand-in tokenizer (id < 256 = that byte) when the vocabulary has >= 256
 ids, so stop strings work on a toy model.
 
@@ -77,7 +80,7 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Server(WeightEndpoints):
-    """HTTP front of one embedded engine (TP1, scheduler rank)."""
+    """HTTP front of one embedded engine (its scheduler: TP rank 0)."""
 
     def __init__(
         self,
