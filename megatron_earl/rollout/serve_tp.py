@@ -77,10 +77,11 @@ class Followers:
         return [p.pid for p in self.procs]
 
     def _watch(self) -> None:
-        """A follower gone while serving ends the server: the engine cannot step without it."""
+        """A follower gone while serving ends the server: the engine cannot step without it
+        (exit code 0 is a follower the engine's stop step released: the server is stopping)."""
         while not self.stopping:
             for rank, proc in enumerate(self.procs, start=1):
-                if proc.poll() is not None and not self.stopping:
+                if proc.poll() not in (None, 0) and not self.stopping:
                     print(
                         f"megatron-earl serve: TP rank {rank} (pid {proc.pid}) exited with code "
                         f"{proc.returncode}; stopping the server",

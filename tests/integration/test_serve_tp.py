@@ -25,6 +25,7 @@ from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.rollout.engine import GenerateRequest
+from megatron_earl.rollout.serve_tp import PARENT_ENV
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
@@ -199,6 +200,18 @@ def test_requests_shaped_for_another_tp_size_are_refused(servers):
     _assert_same(servers)  # nothing changed, both still serve
 
 
+def _followers_of(pid: int) -> list[psutil.Process]:
+    """Live followers of rank 0 ``pid`` (found by their environment, parent alive or not)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(PARENT_ENV) == str(pid):
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return found
+
+
 def _gone(procs: list[psutil.Process], timeout_s: float = 20.0) -> bool:
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return not alive
@@ -210,7 +223,13 @@ def test_followers_end_with_rank0_and_rank0_with_a_follower(tmp_path):
         ServerProcess(_launch(tmp_path, 2), log_path=str(tmp_path / f"s{i}.log"), env=ENV)
         for i in range(3)
     ]
+    # 4 heads do not split 3 ways: every rank exits with the model's error, none is left.
+    bad = ServerProcess(_launch(tmp_path, 3), log_path=str(tmp_path / "bad.log"), env=ENV)
     try:
+        with pytest.raises(RuntimeError, match="exited with code"):
+            bad.wait_healthy(timeout_s=240)
+        assert "num_attention_heads (4) % tp (3) != 0" in (tmp_path / "bad.log").read_text()
+        assert _gone(_followers_of(bad.process.pid), 5.0)
         for proc in procs:
             proc.wait_healthy(timeout_s=240)
         followers = [_followers(p) for p in procs]
@@ -219,15 +238,17 @@ def test_followers_end_with_rank0_and_rank0_with_a_follower(tmp_path):
         assert procs[0].stop(stop_timeout_s=30) == 0
         assert _gone(followers[0], 1.0)
         # SIGKILL of rank 0 alone: the follower dies with it.
+        assert [f.pid for f in _followers_of(procs[1].process.pid)] == [followers[1][0].pid]
         os.kill(procs[1].process.pid, signal.SIGKILL)
         procs[1].process.wait()
         assert _gone(followers[1])
+        assert _followers_of(procs[1].process.pid) == []
         # A follower killed: rank 0 ends the server.
         followers[2][0].kill()
         start = time.monotonic()
         assert procs[2].process.wait(timeout=20) == 1
         assert time.monotonic() - start < 20
     finally:
-        for proc in procs:
+        for proc in [*procs, bad]:
             proc.kill()
     assert "TP rank 1" in (tmp_path / "s2.log").read_text()
