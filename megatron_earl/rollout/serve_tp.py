@@ -40,11 +40,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from megatron_earl.config.model import ModelConfig
+
+if TYPE_CHECKING:
+    from megatron_earl.rollout.embedded import EmbeddedEngine
 
 PARENT_ENV = "MEGATRON_EARL_SERVE_PARENT"
 """Set in a follower's environment: the pid of its rank 0 (the serve process)."""
@@ -57,7 +61,6 @@ class Followers:
     def __init__(self, tp: int, argv: Sequence[str]) -> None:
         from megatron_earl.runtime import _free_port
 
-        self.tp = tp
         self.stopping = False
         port, parent = str(_free_port()), str(os.getpid())
         world = {"WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
@@ -71,10 +74,6 @@ class Followers:
             for r in range(1, tp)
         ]
         threading.Thread(target=self._watch, name="serve-tp-followers", daemon=True).start()
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
 
     def _watch(self) -> None:
         """A follower gone while serving ends the server: the engine cannot step without it
@@ -155,7 +154,17 @@ _GROUPS: dict[str, Any] = {}
 """This rank's weight-update groups by name (every TP rank of a tp > 1 server)."""
 
 
-def _join_rank(engine, *, address, port, rank_offset, world_size, name, backend, timeout_s) -> None:
+def _join_rank(
+    engine: EmbeddedEngine,
+    *,
+    address: str,
+    port: int,
+    rank_offset: int,
+    world_size: int,
+    name: str,
+    backend: str,
+    timeout_s: float,
+) -> None:
     from megatron.core import parallel_state
 
     from megatron_earl.rollout.weight_group import join_weight_update_group
@@ -167,7 +176,14 @@ def _join_rank(engine, *, address, port, rank_offset, world_size, name, backend,
     )
 
 
-def _receive_rank(engine, name, names, dtypes, shapes, load_format) -> list | None:
+def _receive_rank(
+    engine: EmbeddedEngine,
+    name: str,
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    load_format: str | None,
+) -> list | None:
     from megatron_earl.rollout.weight_group import receive_bucket
 
     try:
@@ -178,7 +194,7 @@ def _receive_rank(engine, name, names, dtypes, shapes, load_format) -> list | No
     return received if engine.is_scheduler else None  # rank 0 applies and loads it everywhere
 
 
-def _drop_rank(engine, name: str) -> None:
+def _drop_rank(engine: EmbeddedEngine, name: str) -> None:
     group = _GROUPS.pop(name, None)
     if group is not None:
         group.shutdown()
@@ -187,12 +203,20 @@ def _drop_rank(engine, name: str) -> None:
 class TPGroup:
     """A weight-update group joined by every TP rank of the engine (rank 0's handle)."""
 
-    def __init__(self, engine, name: str) -> None:
+    def __init__(self, engine: EmbeddedEngine, name: str) -> None:
         self.engine, self.name = engine, name
 
     @classmethod
     async def join(
-        cls, engine, address, port, rank_offset, world_size, name, backend, timeout_s
+        cls,
+        engine: EmbeddedEngine,
+        address: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        name: str,
+        backend: str,
+        timeout_s: float,
     ) -> TPGroup:
         """Every TP rank joins (``weight_group.join_weight_update_group`` with rank
         ``rank_offset + tp_rank``); on any failure none keeps the group."""
@@ -213,7 +237,13 @@ class TPGroup:
             raise
         return cls(engine, name)
 
-    async def receive(self, names, dtypes, shapes, load_format) -> list:
+    async def receive(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        load_format: str | None,
+    ) -> list:
         """Every TP rank receives the bucket; rank 0's tensors are returned."""
         part = functools.partial(
             _receive_rank,

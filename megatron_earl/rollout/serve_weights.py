@@ -95,7 +95,13 @@ class LocalGroup:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    async def receive(self, names, dtypes, shapes, load_format) -> list[NamedTensor]:
+    async def receive(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        load_format: str | None,
+    ) -> list[NamedTensor]:
         args = (self.group, names, dtypes, shapes, load_format)
         return await asyncio.to_thread(receive_bucket, *args)
 
