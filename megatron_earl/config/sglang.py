@@ -62,7 +62,8 @@ class SGLangConfig:
     """distributed: "tensors" (one broadcast per tensor, SGLang's default) or
     "flattened_bucket" (one broadcast of the bucket's bytes)."""
     engine_tp: int = 1
-    """TP ranks of each engine (ranks it joins the group with; payloads per tensor push)."""
+    """TP ranks of each engine, its ``--tp-size`` (SGLang's or ``megatron-earl serve``'s; ranks
+    it joins the group with; payloads per tensor push)."""
     router_url: str | None = None
     """SGLang's router (``sglang-router``) in front of ``rollout.engine_urls``: generation goes
     through it (its policy balances the requests and retries those of a failed engine); weight

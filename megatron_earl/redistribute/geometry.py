@@ -152,14 +152,17 @@ def relative(region: Region, origin: Region) -> Region:
 
 
 @torch.no_grad()
-def full_state_dict(model_chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model_chunks: list[nn.Module], *, replicas: bool = False
+) -> dict[str, torch.Tensor]:
     """Global tensors assembled from this rank's pieces; the rank must hold the whole model
-    (TP=CP=PP=1). Used for single-process references and tests. Local, no collective."""
+    (TP=CP=PP=1). Used for single-process references and tests. Local, no collective.
+    ``replicas``: also read pieces another rank holds as the main replica (a DP copy)."""
     out: dict[str, torch.Tensor] = {}
     covered: dict[str, int] = {}
     for piece in shard_pieces(model_chunks):
         full = out.setdefault(piece.key, torch.empty(piece.global_shape, dtype=piece.local.dtype))
-        if piece.is_replica:
+        if piece.is_replica and not replicas:
             continue
         full[region_slices(piece.region)] = piece.region_view()
         covered[piece.key] = covered.get(piece.key, 0) + piece.numel

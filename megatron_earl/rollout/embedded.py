@@ -20,7 +20,11 @@ requests and samples); every step is a small ``Step`` broadcast over the TP grou
 all ranks of the group (the TP-parallel forward and the last-token logits all-gather). Peers run
 ``follow()``. Every DP replica of the rollout layout is an independent engine; pp and cp must be 1.
 Weights: ``load_state_dict`` (server / tests) or an external reshard into ``model_chunks`` (every
-rank, while the engine is not serving) followed by ``mark_weights_updated(version)``.
+rank, while the engine is not serving) followed by ``mark_weights_updated(version)``;
+``state_dict`` gathers the full tensors back. ``call(fn)`` runs ``fn(engine)`` on every TP rank
+between steps (a server's work that needs every rank, e.g. joining a weight-update group). An idle
+scheduler sends a no-op step every ``PING_INTERVAL_S`` so that peers waiting for the next step
+never reach their group's timeout (Megatron's groups: 30 minutes).
 Colocation (``memory_occupation.EngineMemory``): ``release_memory_occupation(tags)`` frees the KV
 cache and/or the weights (kept on the host) of an idle engine on every rank of the TP group;
 requests wait until ``resume_memory_occupation`` has brought every released tag back.
@@ -68,6 +72,10 @@ MAX_FORWARD_FAILURES = 3
 step; a persistent one, e.g. a device fault, should not fail every request forever)."""
 
 
+PING_INTERVAL_S = 60.0
+"""Idle seconds after which the scheduler of a TP group > 1 sends its peers a no-op step."""
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve as given (bad ids, too long); the message says why."""
 
@@ -101,7 +109,7 @@ class Step:
     """One unit of work every rank of the TP group executes identically."""
 
     kind: str
-    """"forward", "load", "release", "resume" or "stop"."""
+    """"forward", "load", "release", "resume", "call" or "stop"."""
     batch: Batch | None = None
     """Forward: the sequences and their new tokens (a prefill or a decode)."""
     moves: tuple[tuple[int, int, int], ...] = ()
@@ -110,6 +118,9 @@ class Step:
     """Load: full (global) tensors keyed like ``geometry.full_state_dict``."""
     tags: tuple[MemoryTag, ...] = ()
     """Release / resume: the memory tags."""
+    fn: Callable[[EmbeddedEngine], Any] | None = None
+    """Call: run on every rank (picklable: a module-level function or a ``functools.partial``
+    of one); None is a no-op (the idle ping)."""
 
 
 @dataclass
@@ -205,6 +216,11 @@ class EmbeddedEngine(EngineMemory):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of this engine's TP group (every one executes each step)."""
+        return self._tp
 
     @property
     def num_requests(self) -> int:
@@ -326,6 +342,22 @@ class EmbeddedEngine(EngineMemory):
             self._version = version
             self._table.drop_parked()
 
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (global, Megatron-named) host tensors of the served weights, gathered from every
+        rank of the TP group between steps (keys and shapes of ``geometry.full_state_dict``)."""
+        return _assemble(await self.call(_host_pieces))
+
+    async def call(self, fn: Callable[[EmbeddedEngine], Any]) -> list[Any]:
+        """Run ``fn(engine)`` on every rank of the TP group between steps (in the engine's step
+        thread) and return each rank's result, TP rank 0 first. A rank whose ``fn`` raises is
+        reported in one ``RuntimeError`` naming it (the peers go on following)."""
+        async with self._step_lock:
+            results = await self._run(Step("call", fn=fn))
+        failed = [f"TP rank {r}: {err}" for r, (ok, err) in enumerate(results) if not ok]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return [value for _, value in results]
+
     def mark_weights_updated(self, version: int) -> None:
         """Record the version of weights written into ``model_chunks`` by an external reshard
         (every rank calls it; the engine must not be serving during the reshard)."""
@@ -375,7 +407,13 @@ class EmbeddedEngine(EngineMemory):
     async def _loop(self) -> None:
         try:
             while True:
-                await self._wake.wait()
+                try:  # an idle scheduler pings its peers (module docstring)
+                    async with asyncio.timeout(PING_INTERVAL_S if self._tp > 1 else None):
+                        await self._wake.wait()
+                except TimeoutError:
+                    async with self._step_lock:
+                        await self._run(Step("call"))
+                    continue
                 self._wake.clear()
                 async with self._step_lock:
                     await self._settle_aborts()
@@ -718,9 +756,52 @@ class EmbeddedEngine(EngineMemory):
         if step.kind == "resume":
             self._resume_local(step.tags)
             return None
+        if step.kind == "call":
+            return self._call(step.fn)
         for src, dst, length in step.moves:
             self._forward.move_row(src, dst, length)
         return self._forward(step.batch)
+
+    def _call(self, fn: Callable[[EmbeddedEngine], Any] | None) -> list[tuple[bool, Any]] | None:
+        """Run ``fn`` here and gather (ok, result or error message) of every rank of the TP group
+        to the scheduler (every rank of the group calls it, host group); None on the peers."""
+        try:
+            outcome = (True, None if fn is None else fn(self))
+        except Exception as err:  # reported to the scheduler; this rank goes on following
+            outcome = (False, f"{type(err).__name__}: {err}")
+        if self._tp == 1:
+            return [outcome]
+        box = [None] * self._tp if self.is_scheduler else None
+        dist.gather_object(outcome, box, dst=self._src, group=host_group(self._tp_group))
+        return box
+
+
+def _host_pieces(engine: EmbeddedEngine) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+    """(key, global shape, region, host copy) of every main-replica piece this rank holds."""
+    from megatron_earl.redistribute.geometry import shard_pieces
+
+    return [
+        (p.key, p.global_shape, p.region, runtime.to_host(p.region_view()).clone())
+        for p in shard_pieces(engine.model_chunks)
+        if not p.is_replica
+    ]
+
+
+def _assemble(ranks: list[list[tuple[str, tuple, tuple, torch.Tensor]]]) -> dict:
+    """Full tensors from the pieces of every rank (``_host_pieces``); each must be covered."""
+    from megatron_earl.redistribute.geometry import region_slices
+
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for pieces in ranks:
+        for key, shape, region, tensor in pieces:
+            out = full.setdefault(key, torch.empty(shape, dtype=tensor.dtype))
+            out[region_slices(region)] = tensor
+            covered[key] = covered.get(key, 0) + tensor.numel()
+    missing = {k: (covered[k], v.numel()) for k, v in full.items() if covered[k] != v.numel()}
+    if missing:
+        raise RuntimeError(f"the TP group's pieces do not cover (covered, total): {missing}")
+    return full
 
 
 def _prompt_start(entry: _Request) -> int | None:

@@ -18,6 +18,10 @@ SGLang's distributed protocol over gloo and ``update_weights_from_disk`` from an
   waiting for the group's timeout) and must be initialised again;
 - the group is joined in a thread (the HTTP loop keeps serving while the trainer joins); a
   trainer that never joins gets a 400 naming the rendezvous after ``--dist-timeout`` seconds;
+- with ``--tp-size N`` every TP rank joins, as ``rank_offset + tp_rank`` (SGLang's rule: the
+  trainer's ``rollout.sglang.engine_tp`` must be N), and receives every bucket; joins and
+  receives then run as engine steps, so generation waits meanwhile (as SGLang's scheduler
+  does); see ``serve_tp``;
 - a disk update reads only below a directory given by ``--weight-dirs`` (symlinks resolved;
   none by default): anything else is answered 403 and nothing is read. ``model_path`` is an HF
   directory (``model.safetensors`` or a sharded index, as the streaming exporter
@@ -83,6 +87,46 @@ DISK_UPDATE_FIELDS = frozenset(
     }
 )
 DISK_LOAD_FORMATS = (None, "auto", "safetensors", "pt")
+
+
+class LocalGroup:
+    """The weight-update group of a TP1 server: joined, received and shut down in threads."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    async def receive(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        load_format: str | None,
+    ) -> list[NamedTensor]:
+        args = (self.group, names, dtypes, shapes, load_format)
+        return await asyncio.to_thread(receive_bucket, *args)
+
+    async def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+async def join_group(
+    engine: Any,
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    name: str,
+    backend: str,
+    timeout_s: float,
+) -> Any:
+    """Join the group with every TP rank of ``engine`` (rank ``rank_offset + tp_rank``); returns
+    an object with ``receive`` and ``shutdown`` (``LocalGroup`` or ``serve_tp.TPGroup``)."""
+    args = (master_address, master_port, rank_offset, world_size, name, backend, timeout_s)
+    if engine.tp_size > 1:
+        from megatron_earl.rollout.serve_tp import TPGroup
+
+        return await TPGroup.join(engine, *args)
+    return LocalGroup(await asyncio.to_thread(join_weight_update_group, *args))
 
 
 class Forbidden(PermissionError):
@@ -189,11 +233,11 @@ class WeightEndpoints:
             self._groups: dict[str, Any] = {}
         return self._groups
 
-    def _drop_group(self, name: str) -> None:
+    async def _drop_group(self, name: str) -> None:
         group = self.groups.pop(name, None)
         if group is not None:
             try:
-                group.shutdown()
+                await group.shutdown()
             except Exception:  # already broken: dropping the object closes its sockets
                 logger.exception("shutdown of weight-update group %s", name)
 
@@ -213,18 +257,20 @@ class WeightEndpoints:
                 f"backend {backend!r}: megatron-earl serve runs on CPU and joins with 'gloo' "
                 "(SGLang on GPUs uses 'nccl')"
             )
-        self._drop_group(name)  # SGLang replaces a group of the same name (a restarted trainer)
+        await self._drop_group(name)  # SGLang replaces a group of the same name (a new trainer)
         ints = {k: body[k] for k in ("master_port", "rank_offset", "world_size")}
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints.values()):
             raise BadRequest(f"master_port, rank_offset, world_size must be integers: {ints}")
-        if not 1 <= ints["rank_offset"] < ints["world_size"]:
+        tp = self.engine.tp_size
+        if not 1 <= ints["rank_offset"] <= ints["world_size"] - tp:
             raise BadRequest(
-                f"rank_offset {ints['rank_offset']} must be in [1, world_size="
-                f"{ints['world_size']}) (rank 0 is the trainer; this server has 1 TP rank)"
+                f"rank_offset {ints['rank_offset']} must be in [1, world_size - tp = "
+                f"{ints['world_size'] - tp}] (rank 0 is the trainer; this server's {tp} TP "
+                "rank(s) join as rank_offset + tp_rank)"
             )
         try:
-            group = await asyncio.to_thread(
-                join_weight_update_group,
+            group = await join_group(
+                self.engine,
                 str(body["master_address"]),
                 ints["master_port"],
                 ints["rank_offset"],
@@ -277,7 +323,7 @@ class WeightEndpoints:
             if body.get("weight_version") is not None:
                 int(body["weight_version"])  # checked again by _update, after the receive
         except (ValueError, TypeError) as err:
-            self._drop_group(name)  # its sender has no receiver for this bucket
+            await self._drop_group(name)  # its sender has no receiver for this bucket
             raise BadRequest(
                 f"update_weights_from_distributed refused, nothing received or changed: {err}; "
                 f"weight-update group {name!r} destroyed (initialise it again)"
@@ -285,15 +331,10 @@ class WeightEndpoints:
         received: list[NamedTensor] = []
 
         async def receive() -> None:
-            group = self.groups[name]
             try:
-                received.extend(
-                    await asyncio.to_thread(
-                        receive_bucket, group, names, dtypes, shapes, load_format
-                    )
-                )
+                received.extend(await self.groups[name].receive(names, dtypes, shapes, load_format))
             except RuntimeError as err:
-                self._drop_group(name)
+                await self._drop_group(name)
                 raise BadRequest(
                     f"receiving the bucket over weight-update group {name!r} failed: {err}; "
                     "group destroyed, nothing changed"
@@ -312,7 +353,7 @@ class WeightEndpoints:
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
             raise BadRequest(f"The group to be destroyed does not exist: {name!r}")
-        self._drop_group(name)
+        await self._drop_group(name)
         return web.json_response(
             {"success": True, "message": "Succeeded to destroy custom process group."}
         )

@@ -3,13 +3,16 @@
     megatron-earl serve --model-path HF_DIR|FULL.pt|random --port 30000 [--model-config model.json]
         [--tokenizer-path DIR] [--served-model-name NAME] [--api-key KEY] [--host 127.0.0.1]
         [--max-batch-size 8] [--max-seq-len 1024] [--seed 0] [--weight-dirs DIR[,DIR]]
-        [--dist-timeout 300]
+        [--dist-timeout 300] [--tp-size N]
 
 The model (``serve_model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
 its tokenizer when present), a ``torch.save``'d full Megatron state dict
 (``geometry.full_state_dict``) or seeded random weights (``random``, ``--seed``), the last two
 shaped by ``--model-config`` (a JSON file of ``ModelConfig`` fields; default: the tiny default
-config). One process, TP1 (world of one). ``text`` in and out uses the HF tokenizer
+config). One process, TP1 (world of one); ``--tp-size N`` serves the model over N processes:
+this one (TP rank 0: HTTP, the engine's scheduler) and N-1 followers it starts and stops
+(``serve_tp``: same weights as TP1, weight updates on every rank, SGLang's distributed protocol
+joined by every TP rank as ``rank_offset + tp_rank``). ``text`` in and out uses the HF tokenizer
 (``--tokenizer-path`` or the directory's), else a byte-level stand-in (id < 256 = that byte)
 when the vocabulary has >= 256 ids, so stop strings work on a toy model.
 
@@ -50,6 +53,7 @@ import torch
 from aiohttp import web
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout import serve_tp
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, RequestError
 from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
 from megatron_earl.rollout.generate_api import (
@@ -96,7 +100,7 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Server(WeightEndpoints, MemoryEndpoints):
-    """HTTP front of one embedded engine (TP1, scheduler rank)."""
+    """HTTP front of one embedded engine (its scheduler: TP rank 0)."""
 
     def __init__(
         self,
@@ -397,8 +401,16 @@ class Server(WeightEndpoints, MemoryEndpoints):
 
         body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
         payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise BadRequest("serialized_named_tensors must be a list of one payload (engine tp=1)")
+        tp = self.engine.tp_size
+        if not isinstance(payloads, list) or len(payloads) != tp:
+            raise BadRequest(
+                f"serialized_named_tensors must be a list of {tp} payload(s) (tp={tp})"
+            )
+        if any(p != payloads[0] for p in payloads[1:]):
+            raise BadRequest(  # SGLang gives payload r to TP rank r; serve loads one full copy
+                "serialized_named_tensors: serve loads the full tensors of the first payload on "
+                f"every TP rank, so all {tp} payloads must be identical"
+            )
         if body.get("load_format") not in (None, "direct"):
             raise BadRequest(
                 f"load_format {body['load_format']!r} is not supported (null, 'direct')"
@@ -427,8 +439,6 @@ class Server(WeightEndpoints, MemoryEndpoints):
     ) -> web.Response:
         """Apply a weight update to a copy of the full state, check it (``_check_update``), load
         it. ``before`` runs first inside the update window (receiving a broadcast bucket)."""
-        from megatron_earl.redistribute.geometry import full_state_dict
-
         version = self.engine.weight_version
         if body.get("weight_version") is not None:
             try:
@@ -445,7 +455,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
                     await before()
                 if body.get("abort_all_requests"):
                     await self.engine.abort_all("aborted for a weight update")
-                full = full_state_dict(self.engine.model_chunks)
+                full = await self.engine.state_dict()
                 shapes = {name: (t.shape, t.dtype) for name, t in full.items()}
                 try:
                     apply(full)
@@ -486,8 +496,9 @@ def resolve_served(args: argparse.Namespace) -> ServedModel:
 def build_engine(
     args: argparse.Namespace, served: ServedModel | None = None
 ) -> tuple[EmbeddedEngine, ModelConfig]:
-    """World of one, TP1: build the model (HF directory, full-state file or seeded weights, see
-    ``serve_model``) and the engine."""
+    """Build the model (HF directory, full-state file or seeded weights, see ``serve_model``) and
+    the engine: a world of one at TP1, with ``--tp-size N`` every rank of the world of N
+    (``serve_tp``: the model is built whole, then in tp=N from its full state)."""
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model, pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
@@ -496,10 +507,12 @@ def build_engine(
     served = served or resolve_served(args)
     runtime.initialize()
     model_config = pin_transformer_impl(served.model_config, embedded_engine=True)
-    initialize_layout(ParallelLayout())
+    model_config.validate_for_parallel(args.tp_size)
+    initialize_layout(ParallelLayout(dp=args.tp_size))  # whole on every rank, as at TP1
     runtime.seed(args.seed)
     chunks = build_model(model_config)
     load_weights(chunks, served)
+    chunks = serve_tp.to_tp_layout(chunks, model_config, args.tp_size, args.seed)
     config = EmbeddedEngineConfig(
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, seed=args.seed
     )
@@ -596,8 +609,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="name in /v1/models and model info (default: --model-path)",
     )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel processes serving the model (default 1; N > 1 starts N-1 "
+        "followers, see serve_tp)",
+    )
     # SGLang launch flags the launcher passes; accepted for command compatibility.
-    p.add_argument("--tp-size", type=int, default=1, choices=[1], help="only 1 (one process)")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted, no effect")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, no effect")
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted, no effect")
@@ -637,12 +656,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=300.0,
         help="seconds a weight-update group waits for its other ranks (default 300)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tp_size < 1:
+        p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        asyncio.run(serve(parse_args(argv)))
+        args = parse_args(argv)
+        with serve_tp.followers(args.tp_size, sys.argv[1:] if argv is None else argv):
+            asyncio.run(serve(args))
     except ModelPathError as err:
         print(f"megatron-earl serve: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -35,7 +35,9 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     """Bind address (loopback unless the trainer is on another node)."""
     tp_size: int = 1
-    """Tensor-parallel GPUs of this engine."""
+    """Tensor-parallel ranks of this engine: SGLang's GPUs; ``megatron-earl serve``'s processes
+    (rank 0 starts N-1 followers, ``rollout.serve_tp``). The trainer's
+    ``rollout.sglang.engine_tp`` must equal it (tensor payloads, distributed group ranks)."""
     mem_fraction_static: float | None = None
     """Fraction of GPU memory for weights + KV cache (None: SGLang's default)."""
     enable_memory_saver: bool = False
