@@ -18,6 +18,8 @@ import signal
 import sys
 import sysconfig
 
+_FUNCTION = type(lambda: None)
+
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
@@ -87,34 +89,37 @@ def main() -> None:
         _READ += [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)]
         _READ += [os.path.realpath(p) for p in sysconfig.get_paths().values()]
         _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-        _PATH_EVENTS = {
-            "os.remove": 1,
-            "os.rename": 2,
-            "os.mkdir": 1,
-            "os.rmdir": 1,
-            "os.chmod": 1,
-            "os.chown": 1,
-            "os.symlink": 2,
-            "os.link": 2,
-            "os.truncate": 1,
-            "os.utime": 1,
-            "shutil.rmtree": 1,
-            "shutil.copyfile": 2,
-            "shutil.move": 2,
-            "os.mkfifo": 1,
-            "os.mknod": 1,
-        }
+        # event -> how many leading arguments are paths that must lie in the work directory
+        _PATH_EVENTS = (
+            ("os.remove", 1),
+            ("os.rename", 2),
+            ("os.mkdir", 1),
+            ("os.rmdir", 1),
+            ("os.chmod", 1),
+            ("os.chown", 1),
+            ("os.symlink", 2),
+            ("os.link", 2),
+            ("os.truncate", 1),
+            ("os.utime", 1),
+            ("shutil.rmtree", 1),
+            ("shutil.copyfile", 2),
+            ("shutil.move", 2),
+            ("os.mkfifo", 1),
+            ("os.mknod", 1),
+        )
         _BLOCKED = (
             "os.exec",
             "os.posix_spawn",
             "os.spawn",
             "os.system",
             "subprocess.Popen",
-            "ctypes.dlopen",
-            "ctypes.dlsym",
+            "ctypes.",  # every ctypes event: raw memory access could rewrite the hook
             "os.forkpty",
             "pty.spawn",
             "os.startfile",
+            "gc.get_objects",  # introspection that would reach the hook's state
+            "gc.get_referrers",
+            "gc.get_referents",
         )
         if cfg["nproc"] is None:
             _BLOCKED += ("os.fork",)
@@ -128,32 +133,59 @@ def main() -> None:
                 "socket.gethostbyname",
             )
 
-        def _inside(path, roots):
-            if isinstance(path, int) or path is None:
-                return True
-            p = os.path.realpath(os.fsdecode(path))
-            return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+        # Everything the hook uses is bound now, as defaults of immutable values: the code
+        # cannot reconfigure it by rebinding a module attribute (os.path.realpath), a builtin
+        # (any, isinstance) or a closure cell; rebinding the hook's own code or defaults is an
+        # audited event it refuses.
+        def _hook(
+            event,
+            args,
+            _blocked=_BLOCKED,
+            _paths=dict(_PATH_EVENTS).get,
+            _work=(work,),
+            _read=tuple(_READ),
+            _write_flags=_WRITE_FLAGS,
+            _realpath=os.path.realpath,
+            _fspath=os.fspath,
+            _any=any,
+            _bool=bool,
+            _bytes=bytes,
+            _str=str,
+            _int=int,
+            _type=type,
+            _function=_FUNCTION,
+            _error=PermissionError,
+            _code_attrs=("__code__", "__defaults__", "__kwdefaults__", "__globals__"),
+        ):
+            def inside(path, roots):
+                if path is None or _type(path) is _int:
+                    return True
+                path = _fspath(path)
+                if _type(path) is _bytes:
+                    path = path.decode("utf-8", "surrogateescape")
+                p = _realpath(path)
+                return _any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
 
-        def _hook(event, args, _blocked=_BLOCKED, _inside=_inside, _work=(work,), _read=_READ):
             if event == "open":
                 path, mode, flags = args
-                write = bool(flags & _WRITE_FLAGS) or (
-                    isinstance(mode, str) and any(c in mode for c in "wax+")
+                write = _bool(flags & _write_flags) or (
+                    _type(mode) is _str and _any(c in mode for c in "wax+")
                 )
-                if not _inside(path, _work if write else _read):
+                if not inside(path, _work if write else _read):
                     what = "write" if write else "read"
-                    raise PermissionError(f"sandbox: {what} outside {_work[0]} refused: {path}")
-            elif event in _PATH_EVENTS:
-                for path in args[: _PATH_EVENTS[event]]:
-                    if not _inside(path, _work):
-                        raise PermissionError(
-                            f"sandbox: {event} outside {_work[0]} refused: {path}"
-                        )
+                    raise _error(f"sandbox: {what} outside {_work[0]} refused: {path}")
+            elif (count := _paths(event)) is not None:
+                for path in args[:count]:
+                    if not inside(path, _work):
+                        raise _error(f"sandbox: {event} outside {_work[0]} refused: {path}")
             elif event in ("os.listdir", "os.scandir"):
-                if args and not _inside(args[0], _read):
-                    raise PermissionError(f"sandbox: listing outside {_work[0]} refused: {args[0]}")
+                if args and not inside(args[0], _read):
+                    raise _error(f"sandbox: listing outside {_work[0]} refused: {args[0]}")
+            elif event == "object.__setattr__":
+                if _type(args[0]) is _function and args[1] in _code_attrs:
+                    raise _error(f"sandbox: setting a function's {args[1]} refused")
             elif event.startswith(_blocked):
-                raise PermissionError(f"sandbox: {event} refused")
+                raise _error(f"sandbox: {event} refused")
 
         applied.append("audit")
     else:

@@ -18,10 +18,12 @@ Layers, strongest first, each recorded in ``SandboxResult.isolation`` when it wa
             and file-system changes (remove/rename/mkdir/chmod...), outside the work directory
             are refused; reads and listings are allowed only under the work directory and the
             interpreter's installation; sockets, ``exec``/``spawn``/``system``/``subprocess`` and
-            ``ctypes`` loading are refused; ``fork`` is refused when ``RLIMIT_NPROC`` cannot be
-            enforced. This layer is in-process: Python code cannot remove the hook, but native
-            code (an extension module already importable) could bypass it; the kernel layers
-            above do not have that weakness.
+            ``ctypes`` are refused; ``fork`` is refused when ``RLIMIT_NPROC`` cannot be
+            enforced. This layer is in-process: Python code cannot remove the hook and its state
+            is immutable (bound at install; rebinding its code or defaults, ``gc`` introspection
+            are refused), but the stdlib helpers it calls, native code and internals that raise
+            no audit event can get past it: not a security boundary; the kernel layers above
+            do not have that weakness.
 ``pidns``  ``unshare(CLONE_NEWPID)``: the code runs under a reaper that is PID 1 of a fresh PID
             namespace; when the reaper ends (after the code, or killed with the group) the kernel
             kills every process left in the namespace -- also one that left the process group
@@ -266,10 +268,18 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
         finally:
             timed_out = proc.returncode is None
             _kill_group(proc.pid)  # the process group: leftover children of the code too
-        await proc.wait()
-        _, pending = await asyncio.wait(readers, timeout=READ_GRACE_S)
-        for reader in pending:  # pipes still held open by a process that escaped the kill
-            reader.cancel()
+        # Not ``proc.wait()``: on Python 3.11 it also waits for the pipes, which a process that
+        # escaped the kill (no PID namespace, ``setsid``) holds open.
+        grace_end = time.monotonic() + READ_GRACE_S
+        while proc.returncode is None and time.monotonic() < grace_end:
+            await asyncio.sleep(0.01)
+        _, pending = await asyncio.wait(readers, timeout=max(0.01, grace_end - time.monotonic()))
+        if pending:  # pipes still held open by a process that escaped the kill
+            for reader in pending:
+                reader.cancel()
+            # Close our ends now (asyncio's Process has no public close; left to the garbage
+            # collector, the transport would be closed after its event loop is gone).
+            proc._transport.close()
         return SandboxResult(
             bytes(kept[0]).decode(errors="replace"),
             bytes(kept[1]).decode(errors="replace"),

@@ -233,3 +233,57 @@ def test_no_process_outlives_the_call(shared_dir):
     time.sleep(0.3)
     assert beat.stat().st_size == size, "a sandboxed process outlived the call"
     assert not _sandbox_processes()
+
+
+HOOK_ATTACKS = {
+    "rebind the hook's defaults": (
+        "import gc\n"
+        "hook = [o for o in gc.get_objects() if getattr(o, '__name__', '') == '_hook'][0]\n"
+        "hook.__defaults__ = tuple(() for _ in hook.__defaults__)\n"
+    ),
+    "rebind realpath": "import os.path\nos.path.realpath = lambda p: '/tmp'\n",
+    "rebind builtins": (
+        "import builtins\nbuiltins.any = lambda it: True\nbuiltins.isinstance = lambda *a: True\n"
+    ),
+    "rebind a function's code": (
+        "import sys\nframe = sys._getframe(1)\n"
+        "for f in frame.f_locals.values():\n"
+        "    if callable(f) and getattr(f, '__name__', '') == '_hook':\n"
+        "        f.__code__ = (lambda e, a: None).__code__\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", HOOK_ATTACKS)
+def test_code_cannot_reconfigure_the_audit_hook(attack):
+    """After each attempt the hook still refuses a read outside the work directory (a file the
+    sandbox user may read as far as the kernel is concerned: only the hook stops it). Poisoned
+    builtins can make the hook fail with another error than its own -- the read fails either
+    way, and nothing of the file comes out."""
+    code = (
+        "try:\n"
+        + "".join("    " + line + "\n" for line in HOOK_ATTACKS[attack].splitlines())
+        + "except Exception as e:\n    print('attack refused:', type(e).__name__)\n"
+    )
+    code += "print(open('/etc/hostname').read())\n"
+    r = sandbox(code)
+    secret = Path("/etc/hostname").read_text().strip()
+    assert r.returncode == 1 and secret not in r.stdout, (r.stdout, r.stderr)
+    if attack != "rebind builtins":
+        assert "PermissionError: sandbox: read outside" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_returns_in_time_without_a_pid_namespace():
+    """Without the PID namespace a setsid grandchild escapes the kill and holds the output pipes
+    open; the call still returns within the wall timeout plus the read grace."""
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    time.sleep(20)\n"
+        "    os._exit(0)\n"
+        "time.sleep(30)\n"
+    )
+    r, took = _bounded(code, limit_s=15, wall_timeout_s=1, pid_namespace=False)
+    assert r.timed_out and "pidns" not in r.isolation
+    assert took < 1 + 1 + 2, took
