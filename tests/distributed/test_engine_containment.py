@@ -153,14 +153,14 @@ def test_a_failing_progress_callback_fails_only_its_request():
 
 def _top_failure_run():
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout import embedded
+    from megatron_earl.rollout import engine_results
     from megatron_earl.rollout.embedded import run_engine
     from megatron_earl.rollout.engine import EngineError, GenerateRequest
 
     def broken(*args):
         raise RuntimeError("injected: top-k failed")
 
-    embedded._top_logprobs = broken
+    engine_results._top_logprobs = broken
     engine = _engine(faulty_prefill=False)
 
     async def driver(eng):
