@@ -37,6 +37,11 @@ VERSIONS = ">=0.16.0,<0.17.0"
 _REDIRECTED: tuple[tuple[str, str], ...] = (
     ("megatron.core.utils", "GlobalMemoryBuffer.get_tensor"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb"),
+    # YaRN's override (it moves its two frequency tables to torch.cuda.current_device()).
+    (
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+        "YarnRotaryEmbedding.get_emb",
+    ),
     # CP slicing of the RoPE table (pin_memory + .cuda()); patched where RotaryEmbedding.forward
     # looks it up, so the lru_cache on forward stays untouched.
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),

@@ -137,11 +137,15 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         problems.append("--swiglu is required: the models are SwiGLU (Llama/Qwen family)")
     if args.add_bias_linear:
         problems.append("--disable-bias-linear is required: linear layers have no bias here")
-    rope = args.position_embedding_type == "rope" or getattr(
+    rope = args.position_embedding_type in ("rope", "yarn") or getattr(
         args, "use_rotary_position_embeddings", False
     )
     if not rope:
-        problems.append(f"--position-embedding-type {args.position_embedding_type}: only rope")
+        problems.append(
+            f"--position-embedding-type {args.position_embedding_type}: only rope or yarn"
+        )
+    rope_tree, rope_problems = _rope_tree(args)
+    problems += rope_problems
     for flag in ("num_layers", "hidden_size", "num_attention_heads"):
         if getattr(args, flag) is None:
             problems.append(f"--{flag.replace('_', '-')} is required")
@@ -176,6 +180,7 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
         "model.max_position_embeddings": args.max_position_embeddings or args.seq_length,
         "model.rotary_base": float(args.rotary_base),
+        **rope_tree,
         "model.norm_epsilon": args.norm_epsilon,
         "model.add_qkv_bias": args.add_qkv_bias,
         "model.qk_layernorm": args.qk_layernorm,
@@ -206,6 +211,99 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # An omitted flag whose Megatron-LM default is None leaves the YAML/default value alone;
     # num_query_groups=None is meaningful (no --group-query-attention: multi-head attention).
     return {k: v for k, v in tree.items() if v is not None or k == "model.num_query_groups"}
+
+
+_YARN_FLAGS = {  # flag -> its value when omitted (Megatron-LM's)
+    "--rotary-scaling-factor": 1.0,
+    "--yarn-original-max-position-embeddings": None,
+    "--yarn-beta-fast": None,
+    "--yarn-beta-slow": None,
+    "--mscale": 1.0,
+    "--mscale-all-dim": 0.0,
+}
+
+
+def _rope_tree(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """``model.rope_*`` / ``model.yarn_*`` keys from Megatron-LM's RoPE flags, and the problems:
+    ``--use-rope-scaling`` [``--rope-scaling-factor``] is llama3 (Llama 3.1's 1/4/8192, as
+    Megatron-Core), ``--rotary-seq-len-interpolation-factor`` linear, ``--position-embedding-type
+    yarn`` with ``--rotary-scaling-factor`` / ``--yarn-*`` / ``--mscale*`` YaRN (Megatron-LM's
+    ``_apply_yarn_config_from_args``). A flag of one type given with another names both."""
+    problems = []
+    yarn = args.position_embedding_type == "yarn"
+    linear = args.rotary_seq_len_interpolation_factor
+    # getattr: a Megatron-LM parser older than its YaRN flags lacks them (omitted, then).
+    given_yarn = [
+        f for f, omitted in _YARN_FLAGS.items() if getattr(args, _dest(f), omitted) != omitted
+    ]
+    round_to_int = getattr(args, "yarn_correction_range_round_to_int", None)
+    if round_to_int is not None:
+        given_yarn.append(f"--{'' if round_to_int else 'no-'}yarn-correction-range-round-to-int")
+    kinds = {
+        "--use-rope-scaling": args.use_rope_scaling,
+        "--rotary-seq-len-interpolation-factor": linear is not None,
+        "--position-embedding-type yarn": yarn,
+    }
+    chosen = [k for k, on in kinds.items() if on]
+    if len(chosen) > 1:
+        problems.append(f"{' and '.join(chosen)} are different RoPE scalings; give one")
+    if args.rope_scaling_factor != 8.0 and not args.use_rope_scaling:  # 8.0: Megatron-LM's default
+        problems.append(
+            f"--rope-scaling-factor {args.rope_scaling_factor} is given without "
+            "--use-rope-scaling (it needs it)"
+        )
+    if given_yarn and not yarn:
+        problems.append(
+            f"{', '.join(given_yarn)} given without --position-embedding-type yarn (YaRN only)"
+        )
+    if args.rotary_percent != 1.0:
+        problems.append(
+            f"--rotary-percent {args.rotary_percent}: partial rotary embeddings are not "
+            "supported (only 1.0)"
+        )
+    if yarn and round_to_int is False:
+        problems.append(
+            "--no-yarn-correction-range-round-to-int is not supported (the correction range is "
+            "rounded, as Hugging Face's default)"
+        )
+    mscale = (getattr(args, "mscale", 1.0), getattr(args, "mscale_all_dim", 0.0))
+    if yarn and mscale != (1.0, 0.0) and 0 in mscale:
+        problems.append(
+            f"--mscale {mscale[0]} with --mscale-all-dim {mscale[1]}: give both "
+            "non-zero, or neither (Hugging Face reads a zero as unset)"
+        )
+    if problems:
+        return {}, problems
+    if args.use_rope_scaling:
+        return {
+            "model.rope_type": "llama3",
+            "model.rope_scaling_factor": args.rope_scaling_factor,
+            "model.rope_original_max_position_embeddings": 8192,
+            "model.rope_low_freq_factor": 1.0,
+            "model.rope_high_freq_factor": 4.0,
+        }, []
+    if linear is not None:
+        return {"model.rope_type": "linear", "model.rope_scaling_factor": float(linear)}, []
+    if yarn:
+        return {
+            "model.rope_type": "yarn",
+            "model.rope_scaling_factor": getattr(args, "rotary_scaling_factor", 1.0),
+            "model.rope_original_max_position_embeddings": (
+                getattr(args, "yarn_original_max_position_embeddings", None) or 4096
+            ),
+            "model.yarn_beta_fast": getattr(args, "yarn_beta_fast", None) or 32.0,
+            "model.yarn_beta_slow": getattr(args, "yarn_beta_slow", None) or 1.0,
+            **(
+                {"model.yarn_mscale": mscale[0], "model.yarn_mscale_all_dim": mscale[1]}
+                if mscale != (1.0, 0.0)
+                else {}
+            ),
+        }, []
+    return {"model.rope_type": "default"}, []
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def _earl_tree(args: argparse.Namespace) -> dict[str, Any]:

@@ -31,7 +31,6 @@ IGNORED_FLAGS: dict[str, int | str] = {
             "--no-persist-layer-norm",
             "--cross-entropy-loss-fusion",
             "--tp-comm-overlap",
-            "--use-rope-scaling",
             "--no-load-optim",
             "--no-load-rng",
             "--no-save-optim",
@@ -81,9 +80,6 @@ IGNORED_FLAGS: dict[str, int | str] = {
             "--transformer-impl",
             "--attention-backend",
             "--recompute-method",
-            "--rotary-percent",
-            "--rotary-seq-len-interpolation-factor",
-            "--rope-scaling-factor",
             "--loss-scale",
             "--initial-loss-scale",
             "--min-loss-scale",
@@ -129,10 +125,26 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--position-embedding-type",
         default="learned_absolute",
-        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+        choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
     )
     add("--use-rotary-position-embeddings", action="store_true")
     add("--rotary-base", type=int, default=10000)
+    add("--rotary-percent", type=float, default=1.0)
+    add("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    add("--use-rope-scaling", action="store_true")
+    add("--rope-scaling-factor", type=float, default=8.0)
+    add("--rotary-scaling-factor", type=float, default=1.0)
+    add("--yarn-original-max-position-embeddings", type=int, default=None)
+    add("--yarn-beta-fast", type=float, default=None)
+    add("--yarn-beta-slow", type=float, default=None)
+    add("--yarn-correction-range-round-to-int", action="store_true", default=None)
+    add(
+        "--no-yarn-correction-range-round-to-int",
+        action="store_false",
+        dest="yarn_correction_range_round_to_int",
+    )
+    add("--mscale", type=float, default=1.0)
+    add("--mscale-all-dim", type=float, default=0.0)
     add("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     add("--norm-epsilon", type=float, default=1e-5)
     add("--swiglu", action="store_true")

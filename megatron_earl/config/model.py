@@ -25,6 +25,37 @@ ATTENTION_BACKENDS = ("sdpa", "local")
 """Core attention of the local spec: the project's SDPAttention, Megatron's DotProductAttention."""
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Transformer Engine's context-parallel communication schemes (Megatron's ``cp_comm_type``)."""
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE variants (HF ``rope_type`` names), each Megatron-Core's own: ``linear`` is position
+interpolation (``seq_len_interpolation_factor``), ``llama3`` Llama 3.x frequency scaling
+(``RotaryEmbedding`` with ``rope_scaling``), ``yarn`` ``YarnRotaryEmbedding``."""
+ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("rope_scaling_factor",),
+    "llama3": (
+        "rope_scaling_factor",
+        "rope_original_max_position_embeddings",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+    ),
+    "yarn": (
+        "rope_scaling_factor",
+        "rope_original_max_position_embeddings",
+        "yarn_beta_fast",
+        "yarn_beta_slow",
+        "yarn_mscale",
+        "yarn_mscale_all_dim",
+    ),
+}
+"""The scaling fields each ``rope_type`` reads; any other one set is a conflict."""
+_ROPE_DEFAULTS = {
+    "llama3": {  # Llama 3.1's values, Megatron-Core's defaults for --use-rope-scaling
+        "rope_original_max_position_embeddings": 8192,
+        "rope_low_freq_factor": 1.0,
+        "rope_high_freq_factor": 4.0,
+    },
+    "yarn": {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0},
+}
 
 
 class ModelConfigError(ValueError):
@@ -55,6 +86,25 @@ class ModelConfig:
     """Longest sequence RoPE is prepared for (rotary tables grow on demand beyond it)."""
     rotary_base: float = 10000.0
     """RoPE theta."""
+    rope_type: str = "default"
+    """RoPE variant: "default", "linear" (position interpolation), "llama3" (Llama 3.x), "yarn"."""
+    rope_scaling_factor: float | None = None
+    """Context extension factor (>= 1) of linear, llama3 and yarn; required by them."""
+    rope_original_max_position_embeddings: int | None = None
+    """Pre-training context of llama3 (None = 8192) and yarn (required)."""
+    rope_low_freq_factor: float | None = None
+    """llama3: wavelengths above original / this are divided by the factor (None = 1)."""
+    rope_high_freq_factor: float | None = None
+    """llama3: wavelengths below original / this are kept (None = 4)."""
+    yarn_beta_fast: float | None = None
+    """yarn: rotations bounding the extrapolated dimensions (None = 32)."""
+    yarn_beta_slow: float | None = None
+    """yarn: rotations bounding the interpolated dimensions (None = 1)."""
+    yarn_mscale: float | None = None
+    """yarn: attention factor numerator scale, with yarn_mscale_all_dim (both or neither; None =
+    the factor's default 0.1 ln(factor) + 1)."""
+    yarn_mscale_all_dim: float | None = None
+    """yarn: attention factor denominator scale (set together with yarn_mscale)."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon."""
     add_qkv_bias: bool = False
@@ -139,6 +189,60 @@ class ModelConfig:
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ModelConfigError(f"{name} ({getattr(self, name)}) must be in [0, 1)")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        """``rope_type`` known, its required fields set, no field of another type set; fills the
+        type's defaults (so ``to_dict`` and the HF export carry the values the model uses)."""
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelConfigError(
+                f"rope_type {self.rope_type!r} is not supported; supported: "
+                f"{', '.join(map(repr, ROPE_TYPES))}"
+            )
+        used = ROPE_SCALING_FIELDS[self.rope_type]
+        all_fields = dict.fromkeys(f for names in ROPE_SCALING_FIELDS.values() for f in names)
+        stray = {f: getattr(self, f) for f in all_fields if f not in used}
+        stray = {f: v for f, v in stray.items() if v is not None}
+        if stray:
+            raise ModelConfigError(
+                f"{', '.join(f'{k}={v}' for k, v in stray.items())} conflicts with rope_type="
+                f"{self.rope_type!r}, which reads only {list(used) or 'no scaling field'}"
+            )
+        for name, value in _ROPE_DEFAULTS.get(self.rope_type, {}).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        missing = [f for f in used if getattr(self, f) is None and not f.startswith("yarn_mscale")]
+        if missing:
+            raise ModelConfigError(f"rope_type={self.rope_type!r} requires {missing} to be set")
+        if self.rope_type != "default" and not self.rope_scaling_factor >= 1.0:
+            raise ModelConfigError(
+                f"rope_scaling_factor ({self.rope_scaling_factor}) must be >= 1 for rope_type="
+                f"{self.rope_type!r}"
+            )
+        if self.rope_type == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ModelConfigError(
+                f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 and < "
+                f"rope_high_freq_factor ({self.rope_high_freq_factor})"
+            )
+        if self.rope_type == "yarn" and (self.yarn_mscale is None) != (
+            self.yarn_mscale_all_dim is None
+        ):
+            raise ModelConfigError(
+                f"yarn_mscale ({self.yarn_mscale}) and yarn_mscale_all_dim "
+                f"({self.yarn_mscale_all_dim}) are set together or not at all"
+            )
+        if self.rope_type == "yarn" and 0 in (self.yarn_mscale, self.yarn_mscale_all_dim):
+            raise ModelConfigError(
+                f"yarn_mscale ({self.yarn_mscale}) and yarn_mscale_all_dim "
+                f"({self.yarn_mscale_all_dim}) must be non-zero (HF reads 0 as unset)"
+            )
+        if (self.rope_original_max_position_embeddings or 1) < 1:
+            raise ModelConfigError(
+                "rope_original_max_position_embeddings "
+                f"({self.rope_original_max_position_embeddings}) must be >= 1"
+            )
 
     @property
     def query_groups(self) -> int:
@@ -216,7 +320,7 @@ def build_transformer_config(
     model.validate_for_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
     on_cpu = not torch.cuda.is_available()
     dtype = model.torch_dtype
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -260,3 +364,19 @@ def build_transformer_config(
         batch_p2p_comm=not on_cpu if batch_p2p_comm is None else batch_p2p_comm,
         deallocate_pipeline_outputs=True,
     )
+    if model.rope_type == "yarn":
+        # GPTModel, YarnRotaryEmbedding and Attention (its mscale) read these attributes, which
+        # TransformerConfig does not declare (Megatron-LM sets them from its --yarn-* args too).
+        yarn = {
+            "yarn_rotary_scaling_factor": model.rope_scaling_factor,
+            "yarn_original_max_position_embeddings": model.rope_original_max_position_embeddings,
+            "yarn_beta_fast": model.yarn_beta_fast,
+            "yarn_beta_slow": model.yarn_beta_slow,
+            # Unset = Megatron's (1, 0): attention factor 0.1 ln(factor) + 1, as HF's default.
+            "yarn_mscale": 1.0 if model.yarn_mscale is None else model.yarn_mscale,
+            "yarn_mscale_all_dim": model.yarn_mscale_all_dim or 0.0,
+            "yarn_correction_range_round_to_int": True,
+        }
+        for name, value in yarn.items():
+            setattr(config, name, value)
+    return config

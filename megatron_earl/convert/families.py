@@ -5,24 +5,26 @@ embeddings):
 
 | family | HF architecture      | attention extras                    |
 |--------|----------------------|-------------------------------------|
-| llama  | LlamaForCausalLM     | none (Llama 2 and 3, default RoPE)  |
+| llama  | LlamaForCausalLM     | none (Llama 2, 3, 3.1-3.3)          |
 | qwen2  | Qwen2ForCausalLM     | bias on q/k/v (Qwen2, Qwen2.5)      |
 | qwen3  | Qwen3ForCausalLM     | RMSNorm on per-head q and k         |
 
 Configs are plain dicts (``config.json`` as read from disk), so conversion needs no
-``transformers``. Anything the Megatron model would compute differently (o_proj bias, RoPE
-scaling, sliding windows, a non-SiLU activation) is rejected with an error naming the field; it is
-never silently dropped. Pure: no torch.distributed, no files.
+``transformers``. RoPE types ``default``, ``linear``, ``llama3`` and ``yarn`` convert (from
+``rope_parameters`` or the older ``rope_scaling``). Anything the Megatron model would compute
+differently (o_proj bias, other RoPE types, sliding windows, a non-SiLU activation) is rejected
+with an error naming the field; it is never silently dropped. Pure: no torch.distributed, no files.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.model import ModelConfig, ModelConfigError
 
 
 class ConversionError(ValueError):
@@ -96,17 +98,110 @@ def family_of(hf_config: dict[str, Any]) -> Family:
     return FAMILIES[archs[0]]
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
+_HF_ROPE_KEYS: dict[str, dict[str, str]] = {
+    # HF rope parameter -> ModelConfig field, per rope_type
+    "default": {},
+    "linear": {"factor": "rope_scaling_factor"},
+    "llama3": {
+        "factor": "rope_scaling_factor",
+        "original_max_position_embeddings": "rope_original_max_position_embeddings",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+    },
+    "yarn": {
+        "factor": "rope_scaling_factor",
+        "original_max_position_embeddings": "rope_original_max_position_embeddings",
+        "beta_fast": "yarn_beta_fast",
+        "beta_slow": "yarn_beta_slow",
+        "mscale": "yarn_mscale",
+        "mscale_all_dim": "yarn_mscale_all_dim",
+    },
+}
+"""The RoPE types that convert exactly (Megatron-Core implements each) and their parameters."""
+_HF_ROPE_IGNORED = ("rope_type", "type", "rope_theta")
+
+
+def _yarn_attention_factor(factor: float, mscale: float | None, mscale_all_dim: float | None):
+    """HF's (and Megatron-Core's) default YaRN attention factor."""
+
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get(factor, mscale) / get(factor, mscale_all_dim)
+    return get(factor)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig`` RoPE fields of an HF config: ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` + ``rope_theta`` (4.x); a type or parameter Megatron-Core cannot compute
+    identically raises ``ConversionError`` naming it."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in params.values()):
         raise ConversionError(
-            f"RoPE type {rope_type!r} (config rope_parameters/rope_scaling) is not supported; "
-            "only 'default' RoPE converts exactly"
+            f"per-layer-type RoPE parameters (config rope_parameters {params}) are not supported"
+        )
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in _HF_ROPE_KEYS:
+        raise ConversionError(
+            f"RoPE type {rope_type!r} (config rope_parameters/rope_scaling 'rope_type') is not "
+            f"supported; supported: {sorted(_HF_ROPE_KEYS)}"
         )
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    return float(theta)
+    out: dict[str, Any] = {"rotary_base": float(theta), "rope_type": rope_type}
+    keys = _HF_ROPE_KEYS[rope_type]
+    extra = dict(params)
+    if extra.get("partial_rotary_factor", 1.0) == 1.0:
+        extra.pop("partial_rotary_factor", None)
+    if rope_type == "yarn":
+        if extra.pop("truncate", True) is not True:
+            raise ConversionError(
+                "rope_parameters truncate=false (YaRN without rounding the correction range) is "
+                "not supported"
+            )
+        attention_factor = extra.pop("attention_factor", None)
+    unknown = sorted(k for k in extra if k not in keys and k not in _HF_ROPE_IGNORED)
+    if unknown:
+        raise ConversionError(
+            f"RoPE parameters {unknown} of rope_type {rope_type!r} (config rope_parameters/"
+            f"rope_scaling) are not supported; {rope_type!r} reads {sorted(keys) or 'none'}"
+        )
+    for hf_key, field in keys.items():
+        if params.get(hf_key) is not None:
+            out[field] = params[hf_key]
+    if rope_type in ("llama3", "yarn") and "rope_original_max_position_embeddings" not in out:
+        # transformers' standardize_rope_params: the top-level field, else max_position_embeddings
+        out["rope_original_max_position_embeddings"] = cfg.get(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings")
+        )
+    if rope_type == "yarn":
+        if "rope_scaling_factor" not in out:  # transformers: the context ratio
+            out["rope_scaling_factor"] = (
+                cfg["max_position_embeddings"] / out["rope_original_max_position_embeddings"]
+            )
+        if not (out.get("yarn_mscale") and out.get("yarn_mscale_all_dim")):
+            out.pop("yarn_mscale", None)  # HF reads them only as a pair of non-zero values
+            out.pop("yarn_mscale_all_dim", None)
+        expected = _yarn_attention_factor(
+            out["rope_scaling_factor"], out.get("yarn_mscale"), out.get("yarn_mscale_all_dim")
+        )
+        if attention_factor is not None and not math.isclose(attention_factor, expected):
+            raise ConversionError(
+                f"rope_parameters attention_factor={attention_factor} differs from the one the "
+                f"factor and mscale give ({expected}); an explicit YaRN attention factor is not "
+                "supported"
+            )
+    return out
+
+
+def hf_rope_parameters(model: ModelConfig) -> dict[str, Any]:
+    """The HF ``rope_parameters`` of ``model`` (``rope_type``, ``rope_theta`` and the type's
+    parameters, the values the model computes with)."""
+    params: dict[str, Any] = {"rope_type": model.rope_type, "rope_theta": model.rotary_base}
+    for hf_key, field in _HF_ROPE_KEYS[model.rope_type].items():
+        if getattr(model, field) is not None:
+            params[hf_key] = getattr(model, field)
+    return params
 
 
 def _check_unsupported(cfg: dict[str, Any], family: Family) -> None:
@@ -160,7 +255,7 @@ def model_config_from_hf(
     head_dim = hf_config.get("head_dim")
     if head_dim == hf_config["hidden_size"] // heads and hf_config["hidden_size"] % heads == 0:
         head_dim = None  # the default: keep the config canonical
-    return ModelConfig(
+    fields = dict(
         num_layers=hf_config["num_hidden_layers"],
         hidden_size=hf_config["hidden_size"],
         ffn_hidden_size=hf_config["intermediate_size"],
@@ -170,13 +265,16 @@ def model_config_from_hf(
         vocab_size=hf_config["vocab_size"],
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
-        rotary_base=_rope_theta(hf_config),
         norm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
         add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         params_dtype=params_dtype,
     )
+    try:  # RoPE settings are validated here, before any weight is read
+        return ModelConfig(**fields, **_rope_from_hf(hf_config))
+    except ModelConfigError as err:
+        raise ConversionError(f"config.json: {err}") from None
 
 
 def hf_config_from_model(
@@ -212,12 +310,17 @@ def hf_config_from_model(
         rms_norm_eps=model.norm_epsilon,
         hidden_act="silu",
         tie_word_embeddings=model.tie_embeddings,
-        # transformers 5 reads rope_parameters; 4.x (and SGLang's copy) read rope_theta.
-        rope_parameters={"rope_type": "default", "rope_theta": model.rotary_base},
+        # transformers 5 reads rope_parameters; 4.x (and SGLang's copy) read rope_theta and
+        # rope_scaling.
+        rope_parameters=hf_rope_parameters(model),
         rope_theta=model.rotary_base,
         dtype=model.params_dtype,
     )
     cfg.pop("rope_scaling", None)
+    if model.rope_type != "default":
+        scaling = hf_rope_parameters(model)
+        del scaling["rope_theta"]
+        cfg["rope_scaling"] = scaling
     cfg.pop("torch_dtype", None)
     if family.name in ("llama", "qwen3"):
         cfg["attention_bias"] = False

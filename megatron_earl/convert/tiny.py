@@ -37,8 +37,31 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+TINY_ROPE: dict[str, dict[str, Any]] = {
+    # Original contexts of 8 positions, so a 12-token test sequence runs past them.
+    "default": {},
+    "linear": dict(rope_type="linear", rope_scaling_factor=4.0),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_scaling_factor=8.0,
+        rope_original_max_position_embeddings=8,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+    ),
+    "yarn": dict(
+        rope_type="yarn", rope_scaling_factor=16.0, rope_original_max_position_embeddings=8
+    ),
+}
+"""RoPE variants of the tiny models (``ModelConfig`` fields; max_position_embeddings is 128)."""
+
+
 def tiny_model_config(
-    family: str, *, num_layers: int = 2, tie: bool = False, vocab_size: int = 100
+    family: str,
+    *,
+    num_layers: int = 2,
+    tie: bool = False,
+    vocab_size: int = 100,
+    rope: str = "default",
 ) -> ModelConfig:
     fam = family_by_name(family)
     return ModelConfig(
@@ -51,6 +74,7 @@ def tiny_model_config(
         rotary_base=10000.0,
         max_position_embeddings=128,
         **TINY_SHAPES[family],
+        **TINY_ROPE[rope],
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -182,6 +183,7 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
         stage = vp_stage if vpp else None
         chunks.append(
             _build_chunk(
+                model,
                 config=config,
                 transformer_layer_spec=spec,
                 vocab_size=model.padded_vocab_size,
@@ -193,8 +195,7 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
                     ignore_virtual=False, vp_stage=stage
                 ),
                 share_embeddings_and_output_weights=model.tie_embeddings,
-                position_embedding_type="rope",
-                rotary_base=int(model.rotary_base),
+                **rope_kwargs(model),
                 parallel_output=True,
                 vp_stage=stage,
             )
@@ -202,6 +203,41 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
     return chunks
 
 
-def _build_chunk(**kwargs) -> GPTModel:
+def rope_kwargs(model: ModelConfig) -> dict:
+    """GPTModel's RoPE arguments for ``model.rope_type``: Megatron-Core's ``RotaryEmbedding``
+    (``linear``: its ``seq_len_interpolation_factor``; ``llama3``: its ``rope_scaling``) or
+    ``YarnRotaryEmbedding`` (``yarn``; its settings are TransformerConfig attributes, set by
+    ``build_transformer_config``)."""
+    kwargs = {"position_embedding_type": "rope", "rotary_base": int(model.rotary_base)}
+    if model.rope_type == "linear":
+        kwargs["seq_len_interpolation_factor"] = model.rope_scaling_factor
+    elif model.rope_type == "llama3":
+        kwargs |= {"rope_scaling": True, "rope_scaling_factor": model.rope_scaling_factor}
+    elif model.rope_type == "yarn":
+        kwargs |= {"position_embedding_type": "yarn", "rotary_base": model.rotary_base}
+    return kwargs
+
+
+def _llama3_inv_freq(gpt: GPTModel, model: ModelConfig) -> None:
+    """Recompute a llama3 rotary module's frequencies with ``model``'s low/high frequency factors
+    and original context: Megatron-Core's ``RotaryEmbedding.__init__`` calls its own
+    ``_apply_scaling`` with the factor only (1, 4 and 8192 fixed, Llama 3.1's values), so it is
+    called again here, on the unscaled frequencies, with all four (megatron-core 0.16)."""
+    rotary = gpt.rotary_pos_emb
+    dim = rotary.inv_freq.numel() * 2
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim
+    rotary.inv_freq = rotary._apply_scaling(
+        1.0 / (int(model.rotary_base) ** exponent),
+        factor=model.rope_scaling_factor,
+        low_freq_factor=model.rope_low_freq_factor,
+        high_freq_factor=model.rope_high_freq_factor,
+        original_max_position_embeddings=model.rope_original_max_position_embeddings,
+    )
+
+
+def _build_chunk(model: ModelConfig, **kwargs) -> GPTModel:
     with cpu_redirect.when_applied():  # no-op on GPUs; CUDA -> compute device elsewhere
-        return runtime.module_to_device(GPTModel(**kwargs))
+        gpt = GPTModel(**kwargs)
+        if model.rope_type == "llama3":
+            _llama3_inv_freq(gpt, model)
+        return runtime.module_to_device(gpt)

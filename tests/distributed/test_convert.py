@@ -1,9 +1,11 @@
 """HF <-> Megatron conversion on tiny random models of each family (Llama GQA untied, Qwen2 QKV bias
-tied, Qwen3 q/k norm with head_dim != hidden/heads):
+tied, Qwen3 q/k norm with head_dim != hidden/heads) and RoPE variant (Llama 3.x ``llama3`` tied as
+3.2 1B/3B, YaRN on Qwen2 and Qwen3, linear interpolation; original contexts of 8 positions, so the
+12-token sequence runs past them):
 
-- the converted Megatron checkpoint's logits equal HF's within 1e-5 (fp32) at TP1 (DP2), TP2 and
-  PP2, loaded through ``dist_checkpointing`` in each layout and directly from the HF directory
-  (``load_initial_weights``);
+- the converted Megatron checkpoint's logits equal HF's within 1e-5 (fp32) at TP1 (DP2), TP2,
+  PP2 and CP2, loaded through ``dist_checkpointing`` in each layout and directly from the HF
+  directory (``load_initial_weights``);
 - HF -> mcore -> HF is bitwise and the output loads in ``transformers``;
 - every checkpoint read of mcore -> HF asks for one layer (streaming);
 - a training checkpoint (``orchestration/checkpoint.py``, model config + family stored) exports to
@@ -21,8 +23,16 @@ pytest.importorskip("safetensors")
 from megatron_earl.testing.distributed import run_distributed
 
 TOL = 1e-5
-CASES = {"llama": dict(tie=False), "qwen2": dict(tie=True), "qwen3": dict(tie=False)}
-LAYOUTS = ("dp2", "tp2", "pp2")
+CASES = {
+    "llama": dict(family="llama", tie=False),
+    "qwen2": dict(family="qwen2", tie=True),
+    "qwen3": dict(family="qwen3", tie=False),
+    "llama3": dict(family="llama", tie=True, rope="llama3"),
+    "llama-linear": dict(family="llama", tie=False, rope="linear"),
+    "qwen2-yarn": dict(family="qwen2", tie=True, rope="yarn"),
+    "qwen3-yarn": dict(family="qwen3", tie=False, rope="yarn"),
+}
+LAYOUTS = ("dp2", "tp2", "pp2", "cp2")
 
 
 def _tokens() -> torch.Tensor:
@@ -45,14 +55,30 @@ def _gather_logits(logits, batch):
 
 
 def _megatron_logits(chunks, tokens):
+    """Full-sequence logits on the last stage (None elsewhere); under CP each rank runs its share
+    and the shares are gathered over the CP group (every CP rank calls)."""
+    from megatron.core import parallel_state
+
+    from megatron_earl.parallel.cp import merge_cp_shards, split_batch_for_cp
     from megatron_earl.training.schedule import forward_backward
 
     batch = {
         "tokens": tokens,
         "position_ids": torch.arange(tokens.size(1)).expand_as(tokens).contiguous(),
     }
+    cp = parallel_state.get_context_parallel_world_size()
+    batch = split_batch_for_cp(batch, cp, parallel_state.get_context_parallel_rank())
     metrics = forward_backward(chunks, [batch], _gather_logits, forward_only=True)
-    return metrics[0]["logits"] if metrics else None
+    if not metrics:
+        return None
+    logits = metrics[0]["logits"]
+    if cp > 1:
+        shards = [torch.empty_like(logits) for _ in range(cp)]
+        torch.distributed.all_gather(
+            shards, logits, group=parallel_state.get_context_parallel_group()
+        )
+        logits = merge_cp_shards(shards)
+    return logits
 
 
 def _logits_in_layouts(cases: dict, tokens):
@@ -71,6 +97,7 @@ def _logits_in_layouts(cases: dict, tokens):
         "dp2": ParallelLayout(dp=2),
         "tp2": ParallelLayout(tp=2),
         "pp2": ParallelLayout(pp=2),
+        "cp2": ParallelLayout(cp=2),
     }
     out = {}
     for name, (mcore_dir, hf_dir) in cases.items():
@@ -83,9 +110,15 @@ def _logits_in_layouts(cases: dict, tokens):
                 kind = load_initial_weights(chunks, path)
                 assert kind == source, (kind, source)
                 logits = _megatron_logits(chunks, tokens)
-                if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+                first = parallel_state.get_tensor_model_parallel_rank() == 0
+                first = first and parallel_state.get_context_parallel_rank() == 0
+                if logits is not None and first:
                     out[(name, lname, source)] = logits
     return out
+
+
+def _tiny_kwargs(case: dict) -> dict:
+    return {k: v for k, v in case.items() if k != "family"}
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +128,15 @@ def converted(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("convert")
     cases = {}
-    for family, kwargs in CASES.items():
-        hf_dir = save_tiny_hf(family, root / f"hf-{family}", **kwargs)
-        hf_to_mcore(hf_dir, root / f"mcore-{family}", tp=2, pp=2, make_vocab_size_divisible_by=16)
-        cases[family] = (str(root / f"mcore-{family}"), str(hf_dir))
+    for name, kwargs in CASES.items():
+        hf_dir = save_tiny_hf(kwargs["family"], root / f"hf-{name}", **_tiny_kwargs(kwargs))
+        hf_to_mcore(hf_dir, root / f"mcore-{name}", tp=2, pp=2, make_vocab_size_divisible_by=16)
+        cases[name] = (str(root / f"mcore-{name}"), str(hf_dir))
     return cases
 
 
 def test_logits_match_hf_in_every_layout(converted):
-    results = run_distributed(_logits_in_layouts, 2, args=(converted, _tokens()), timeout_s=240)
+    results = run_distributed(_logits_in_layouts, 2, args=(converted, _tokens()), timeout_s=900)
     got: dict = {}
     for res in results:
         got.update(res)
@@ -163,9 +196,10 @@ def _round_trip(cases: dict, out_root: str):
 
 
 def test_round_trip_is_bitwise_and_loads_in_transformers(converted, tmp_path):
+    from megatron_earl.convert.families import model_config_from_hf, read_hf_config
     from megatron_earl.convert.hf_io import HFReader
 
-    results = run_distributed(_round_trip, 1, args=(converted, str(tmp_path)), timeout_s=120)
+    results = run_distributed(_round_trip, 1, args=(converted, str(tmp_path)), timeout_s=240)
     paths, reads = results[0]
     # Streaming: every checkpoint read asks for the top-level tensors or for one layer.
     assert reads and all(len(layers) == 1 for layers in reads), reads
@@ -180,6 +214,9 @@ def test_round_trip_is_bitwise_and_loads_in_transformers(converted, tmp_path):
         if family != "training":
             assert len(set(back.weight_map.values())) > 1, "expected a sharded output"
         torch.testing.assert_close(_hf_logits(paths[family]), _hf_logits(hf_dir), rtol=0, atol=0)
+        src_cfg, back_cfg = read_hf_config(hf_dir), read_hf_config(paths[family])
+        assert back_cfg["rope_parameters"] == src_cfg["rope_parameters"], family
+        assert model_config_from_hf(back_cfg) == model_config_from_hf(src_cfg), family
 
 
 def test_script_exports_to_hf(converted, tmp_path):

@@ -5,7 +5,8 @@ and out goes through the directory's tokenizer (the same ids as tokenizing on th
 strings matched on its decoded text, the model's eos id from ``generation_config.json`` ends
 generation unless ``ignore_eos``); ``/get_model_info``, ``/get_server_info``, ``/v1/models`` and
 ``/health_generate`` answer with SGLang's fields; a directory that cannot be served fails at
-start-up naming the reason."""
+start-up naming the reason. A Llama-3-scaled tiny HF model (``rope_type: llama3``, tied as Llama
+3.2 1B/3B) serves ``transformers``' greedy tokens for a prompt longer than its original context."""
 
 from __future__ import annotations
 
@@ -194,9 +195,9 @@ def test_unservable_model_paths_fail_at_start_naming_why(env, tmp_path):
     bad = tmp_path / "rope"
     bad.mkdir()
     config = json.loads((env["hf_dir"] / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}
     (bad / "config.json").write_text(json.dumps(config))
-    assert "RoPE type 'yarn'" in _start_fails("--model-path", str(bad))
+    assert "RoPE type 'dynamic'" in _start_fails("--model-path", str(bad))
     config["architectures"] = ["MistralForCausalLM"]
     (bad / "config.json").write_text(json.dumps(config))
     assert "unsupported architecture ['MistralForCausalLM']" in _start_fails(
@@ -210,3 +211,25 @@ def test_unservable_model_paths_fail_at_start_naming_why(env, tmp_path):
         partial,
     )
     assert "lacks tensors" in _start_fails("--model-path", str(partial))
+
+
+def test_llama3_scaled_hf_directory_generates_what_transformers_generates(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_earl.convert.tiny import save_tiny_hf
+
+    hf_dir = save_tiny_hf("llama", tmp_path / "llama3", tie=True, rope="llama3")
+    prompt = torch.randint(0, 100, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    expected = list(prompt)
+    with torch.no_grad():  # greedy, full recompute; the original context is 8 positions
+        for _ in range(NEW):
+            expected.append(int(hf(torch.tensor([expected])).logits[0, -1].argmax()))
+    server = _start(tmp_path, "llama3", str(hf_dir))
+    try:
+        server.wait_healthy(timeout_s=120)
+        got = _greedy(server.url, prompt, ignore_eos=True)["output_ids"]
+    finally:
+        server.stop(stop_timeout_s=20)
+    assert got == expected[len(prompt) :]
+    assert len(set(got)) > 3  # not one repeated token

@@ -27,15 +27,16 @@ from megatron_earl.convert.families import (
     model_config_from_hf,
 )
 from megatron_earl.convert.hf_io import HFReader
-from megatron_earl.convert.tiny import tiny_model_config, write_random_hf
+from megatron_earl.convert.tiny import TINY_ROPE, tiny_model_config, write_random_hf
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tie", [False, True])
-def test_config_round_trip(family, tie):
-    model = tiny_model_config(family, tie=tie, num_layers=3)
+@pytest.mark.parametrize("rope", sorted(TINY_ROPE))
+def test_config_round_trip(family, tie, rope):
+    model = tiny_model_config(family, tie=tie, num_layers=3, rope=rope)
     cfg = hf_config_from_model(model, family_by_name(family))
     assert family_of(cfg).name == family
     back = model_config_from_hf(cfg, make_vocab_size_divisible_by=16, params_dtype="float32")
@@ -128,7 +129,14 @@ def _rewrite_config(hf_dir: Path, **changes) -> None:
     "changes, message",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture.*GPT2LMHeadModel"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "RoPE type 'llama3'"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}},
+            r"RoPE type 'dynamic' .* supported: \['default', 'linear', 'llama3', 'yarn'\]",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+            r"config.json: rope_type='llama3' requires \['rope_scaling_factor'\]",
+        ),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"num_hidden_layers": 4}, r"missing tensors \['model.layers.3"),
     ],
@@ -200,3 +208,88 @@ def test_agrees_with_the_engine_mapping(family, tie):
         full[mapping.EMBEDDING], mapping.pad_vocab("e", hf[mapping.HF_EMBEDDING], model)
     )
     assert hf_mapping.full_megatron_to_hf(full, model).keys() == hf.keys()
+
+
+LLAMA_32_1B = {  # meta-llama/Llama-3.2-1B config.json (transformers 4.x: rope_scaling)
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_hidden_layers": 16,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+
+
+def test_llama_32_config_both_ways():
+    """Llama 3.2 1B: llama3 scaling from the 4.x ``rope_scaling`` dict, tied embeddings; written
+    back as ``rope_parameters`` (transformers 5) and ``rope_scaling`` (4.x, SGLang), which read
+    back to the same model."""
+    model = model_config_from_hf(LLAMA_32_1B)
+    assert model.tie_embeddings and model.rotary_base == 500000.0
+    assert (model.rope_type, model.rope_scaling_factor) == ("llama3", 32.0)
+    assert (
+        model.rope_original_max_position_embeddings,
+        model.rope_low_freq_factor,
+        model.rope_high_freq_factor,
+    ) == (8192, 1.0, 4.0)
+    out = hf_config_from_model(model, family_by_name("llama"), base=LLAMA_32_1B)
+    assert out["rope_parameters"] == {**LLAMA_32_1B["rope_scaling"], "rope_theta": 500000.0}
+    assert out["rope_scaling"] == LLAMA_32_1B["rope_scaling"]
+    assert model_config_from_hf(out) == model
+    new_style = {k: v for k, v in out.items() if k != "rope_scaling"}
+    assert model_config_from_hf(new_style) == model
+
+
+def test_qwen25_yarn_config():
+    """Qwen2.5's YaRN recipe (``"type": "yarn"``, the 4.x spelling)."""
+    cfg = hf_config_from_model(tiny_model_config("qwen2"), family_by_name("qwen2"))
+    del cfg["rope_parameters"]
+    cfg["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    model = model_config_from_hf(cfg)
+    assert (model.rope_type, model.rope_scaling_factor) == ("yarn", 4.0)
+    assert (model.rope_original_max_position_embeddings, model.yarn_beta_fast) == (32, 32.0)
+    assert model.yarn_mscale is None and model.yarn_mscale_all_dim is None
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (
+            {"rope_type": "llama3", "factor": 8.0, "beta_fast": 32},
+            r"RoPE parameters \['beta_fast'\] of rope_type 'llama3'",
+        ),
+        ({"rope_type": "longrope", "factor": 8.0}, "RoPE type 'longrope'"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0},
+            "attention_factor=2.0 differs",
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "truncate=false"),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary"),
+    ],
+)
+def test_unsupported_rope_parameters_are_named(params, message):
+    cfg = hf_config_from_model(tiny_model_config("llama"), family_by_name("llama"))
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, **params}
+    with pytest.raises(ConversionError, match=message):
+        model_config_from_hf(cfg)

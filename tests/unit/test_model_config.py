@@ -23,6 +23,38 @@ from megatron_earl.config.model import ModelConfig, ModelConfigError
         ({"attention_backend": "flash"}, "attention_backend 'flash'"),
         ({"recompute_granularity": "some"}, "recompute_granularity 'some'"),
         ({"hidden_dropout": 1.5}, "hidden_dropout (1.5) must be in [0, 1)"),
+        (
+            {"rope_type": "dynamic"},
+            "rope_type 'dynamic' is not supported; supported: 'default', 'linear', 'llama3', "
+            "'yarn'",
+        ),
+        (  # a factor without a scaling type names both
+            {"rope_scaling_factor": 8.0},
+            "rope_scaling_factor=8.0 conflicts with rope_type='default'",
+        ),
+        (
+            {"rope_type": "llama3", "yarn_beta_fast": 16.0},
+            "yarn_beta_fast=16.0 conflicts with rope_type='llama3'",
+        ),
+        ({"rope_type": "llama3"}, "rope_type='llama3' requires ['rope_scaling_factor']"),
+        (
+            {"rope_type": "yarn", "rope_scaling_factor": 4.0},
+            "rope_type='yarn' requires ['rope_original_max_position_embeddings']",
+        ),
+        ({"rope_type": "linear", "rope_scaling_factor": 0.5}, "rope_scaling_factor (0.5)"),
+        (
+            {"rope_type": "llama3", "rope_scaling_factor": 8.0, "rope_low_freq_factor": 4.0},
+            "rope_low_freq_factor (4.0) must be > 0 and < rope_high_freq_factor (4.0)",
+        ),
+        (
+            {
+                "rope_type": "yarn",
+                "rope_scaling_factor": 4.0,
+                "rope_original_max_position_embeddings": 32,
+                "yarn_mscale": 0.7,
+            },
+            "yarn_mscale (0.7) and yarn_mscale_all_dim (None) are set together",
+        ),
     ],
 )
 def test_invalid_model_config_names_the_values(kwargs, fragment):
@@ -70,3 +102,18 @@ def test_parameter_count_matches_formula_for_tied_and_untied():
     assert untied.num_parameters() == 656 + 256 + 8
     tied = ModelConfig(**{**untied.to_dict(), "tie_embeddings": True})
     assert tied.num_parameters() == 656 + 128 + 8
+
+
+def test_rope_type_defaults_are_filled():
+    """llama3 without its frequency fields is Llama 3.1's (Megatron-LM's --use-rope-scaling)."""
+    cfg = ModelConfig(rope_type="llama3", rope_scaling_factor=8.0)
+    assert (
+        cfg.rope_original_max_position_embeddings,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+    ) == (8192, 1.0, 4.0)
+    assert ModelConfig(**cfg.to_dict()) == cfg
+    yarn = ModelConfig(
+        rope_type="yarn", rope_scaling_factor=4.0, rope_original_max_position_embeddings=32
+    )
+    assert (yarn.yarn_beta_fast, yarn.yarn_beta_slow, yarn.yarn_mscale) == (32.0, 1.0, None)
