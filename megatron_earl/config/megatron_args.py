@@ -138,17 +138,32 @@ def add_earl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--earl-samples-per-prompt", type=int, default=None)
     group.add_argument("--earl-output-dir", default=None, help="parent of run directories")
     group.add_argument("--earl-run-name", default=None, help="run directory name")
-    # Flag -> (dest, default) of every flag of this parser, so refused and no-effect flags can
-    # be told given (value != default) after parsing, with Megatron-LM's parser as with ours.
-    parser.set_defaults(
-        earl_flag_defaults={
-            s: (a.dest, a.default)
-            for a in parser._actions
-            for s in a.option_strings
-            if s.startswith("--")
-        }
-    )
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            action.__class__ = _recording(type(action))
     return parser
+
+
+GIVEN = "earl_given_flags"
+"""Namespace attribute: the flags given on the command line with a value other than their
+default, as parsed (before Megatron-LM's ``validate_args`` derives other arguments from them)."""
+
+
+def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
+    """``cls`` that also notes its flag in ``namespace.earl_given_flags`` when the parsed value
+    differs from the default, so refused and no-effect flags are told given after parsing, with
+    Megatron-LM's parser as with ours."""
+    if getattr(cls, "_earl_recording", False):
+        return cls
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        cls.__call__(self, parser, namespace, values, option_string)
+        if getattr(namespace, self.dest, None) != self.default:
+            if getattr(namespace, GIVEN, None) is None:
+                setattr(namespace, GIVEN, [])
+            getattr(namespace, GIVEN).append(self.option_strings[0])
+
+    return type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__, "_earl_recording": True})
 
 
 def config_from_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
@@ -197,14 +212,9 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int | None =
 
 
 def _given_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of the parser (``earl_flag_defaults``, set by ``add_earl_args``) whose value is
-    not their default, i.e. the flags given on the command line with a non-default value."""
-    defaults = getattr(args, "earl_flag_defaults", {})
-    return [
-        flag
-        for flag, (dest, default) in defaults.items()
-        if hasattr(args, dest) and getattr(args, dest) != default
-    ]
+    """The flags given with a non-default value (recorded while parsing, ``_recording``), by
+    their first option string, each once."""
+    return list(dict.fromkeys(getattr(args, GIVEN, None) or []))
 
 
 def _conflicts(args: argparse.Namespace) -> list[str]:
@@ -293,7 +303,7 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
         "model.max_position_embeddings": args.max_position_embeddings or args.seq_length,
         "model.rotary_base": float(args.rotary_base),
-        "model.norm_epsilon": args.norm_epsilon,
+        "model.norm_epsilon": args.layernorm_epsilon,
         "model.add_qkv_bias": args.add_qkv_bias,
         "model.qk_layernorm": args.qk_layernorm,
         "model.tie_embeddings": not args.untie_embeddings_and_output_weights,

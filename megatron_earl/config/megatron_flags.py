@@ -32,7 +32,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--use-rotary-position-embeddings", action="store_true")
     add("--rotary-base", type=int, default=10000)
     add("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
-    add("--norm-epsilon", type=float, default=1e-5)
+    add("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon")  # as in 0.16
     add("--swiglu", action="store_true")
     add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     add("--add-qkv-bias", action="store_true")

@@ -72,6 +72,20 @@ def test_no_category_lists_a_flag_megatron_lm_does_not_have():
     assert sorted(ours - known - LEGACY_FLAGS) == []
 
 
+def test_mapped_flags_have_megatron_lms_dest_and_default():
+    """The namespace our parser makes is the one Megatron-LM's makes, for every mapped flag."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_megatron_flags(parser)
+    by_flag = {f["flag"]: f for f in MEGATRON_LM_FLAGS}
+    wrong = {
+        a.option_strings[0]: ((a.dest, a.default), (f["dest"], f["default"]))
+        for a in parser._actions
+        if (f := by_flag.get(a.option_strings[0]))
+        and (a.dest, a.default) != (f["dest"], f["default"])
+    }
+    assert not wrong
+
+
 def test_no_effect_flags_take_megatron_lms_number_of_values():
     nargs = {f["flag"]: f["nargs"] for f in MEGATRON_LM_FLAGS}
     expect = {None: 1, "*": "+"}
@@ -92,8 +106,8 @@ def test_refused_flag_fails_naming_itself(flag):
 
 
 def _megatron_lm_like_parser() -> argparse.ArgumentParser:
-    """A parser with every Megatron-LM flag (names, dests, value counts from the fixture; the
-    defaults are stand-ins), ours declared with their real defaults, plus ``add_earl_args``."""
+    """A parser with every Megatron-LM flag (names, dests, value counts and literal defaults
+    from the fixture), ours as we declare them, plus ``add_earl_args``."""
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_megatron_flags(parser)
     declared = {s for a in parser._actions for s in a.option_strings}
@@ -104,19 +118,36 @@ def _megatron_lm_like_parser() -> argparse.ArgumentParser:
             parser.add_argument(f["flag"], dest=f["dest"], action="store_true")
         else:
             nargs = f["nargs"]
-            parser.add_argument(f["flag"], dest=f["dest"], nargs=nargs, default=None)
+            default = f["default"] if not str(f["default"]).startswith("<") else None
+            parser.add_argument(
+                f["flag"],
+                dest=f["dest"],
+                nargs=nargs,
+                default=default,
+                type=type(default)
+                if isinstance(default, (int, float)) and not isinstance(default, bool)
+                else None,
+            )
     return add_earl_args(parser)
 
 
 def test_refused_flag_fails_with_megatron_lms_own_parser_too():
     parser = _megatron_lm_like_parser()
-    args = parser.parse_args([*MINIMAL, "--sequence-parallel", "--muon-momentum", "0.9"])
+    args = parser.parse_args([*MINIMAL, "--sequence-parallel", "--muon-momentum", "0.95"])
     with pytest.raises(ConfigError) as err:
         config_from_megatron_args(args, world_size=1)
     assert "--sequence-parallel: sequence parallelism" in str(err.value)
     assert "--muon-momentum: " in str(err.value)
     # not given: no error, and no-effect flags are only noted
     args = parser.parse_args([*MINIMAL, "--log-interval", "5", "--use-flash-attn"])
+    assert config_from_megatron_args(args, world_size=1).model.num_layers == 2
+    # Megatron-LM's validate_args derives refused arguments after parsing (e.g.
+    # expert_tensor_parallel_size = tp, encoder_num_layers = num_layers): not given, no error
+    args = parser.parse_args(MINIMAL)
+    args.expert_tensor_parallel_size, args.encoder_num_layers = 4, 2
+    assert config_from_megatron_args(args, world_size=1).model.num_layers == 2
+    # given at Megatron-LM's default value: nothing changes, no error
+    args = parser.parse_args([*MINIMAL, "--expert-model-parallel-size", "1"])
     assert config_from_megatron_args(args, world_size=1).model.num_layers == 2
 
 
