@@ -17,22 +17,35 @@ unchanged::
 
 Precedence (lowest first): dataclass defaults < ``--earl-config`` YAML < Megatron flags (with
 Megatron-LM's defaults for omitted ones) < ``--earl-*`` flags < ``--earl-override key=value``. A key
-set by both the YAML and a Megatron flag to different values is an error (say it once). Flags that
-are accepted but have no effect here are listed in ``IGNORED_FLAGS`` (megatron_earl/docs/
-megatron_args.md); any other unknown flag is an error naming the nearest known one.
+set by both the YAML and a Megatron flag to different values is an error (say it once).
+
+Every other flag of Megatron-LM's parser is refused or has no effect (``megatron_flag_policy``,
+table in megatron_earl/docs/megatron_args.md): a refused flag given (with a value other than
+Megatron-LM's default) is an error naming it, why, and what to use instead; no-effect flags that
+were given are listed in one log line; a flag Megatron-LM does not have is an error naming the
+nearest known one.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 from typing import Any
 
 from megatron_earl.config.loader import config_from_tree, merged_tree, parse_overrides
-from megatron_earl.config.megatron_flags import IGNORED_FLAGS, add_megatron_flags
+from megatron_earl.config.megatron_flag_policy import (
+    NO_EFFECT_FLAGS,
+    REFUSED_FLAGS,
+    ROPE_PENDING,
+    ROPE_SCALING_FLAGS,
+)
+from megatron_earl.config.megatron_flags import add_megatron_flags
 from megatron_earl.config.run import ConfigError, RunConfig, layout_sizes
 from megatron_earl.config.vocab import EngineKind, Phase
+
+logger = logging.getLogger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +54,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         known = [s for a in self._actions for s in a.option_strings]
         if message.startswith("unrecognized arguments:"):
+            refused = [
+                arg.split("=")[0]
+                for arg in message.split(":", 1)[1].split()
+                if refusal(arg.split("=")[0], known) is not None
+            ]
+            if refused:
+                raise ConfigError(
+                    "Megatron arguments not supported here:\n  "
+                    + "\n  ".join(f"{f}: {refusal(f, known)}" for f in dict.fromkeys(refused))
+                )
             hints = []
             for arg in message.split(":", 1)[1].split():
                 if arg.startswith("--"):
@@ -58,13 +81,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="megatron-earl trainer (Megatron-LM compatible arguments)", allow_abbrev=False
     )
     add_megatron_flags(parser)
-    ignored = parser.add_argument_group("accepted Megatron-LM flags with no effect here")
-    for flag, nargs in IGNORED_FLAGS.items():
+    no_effect = parser.add_argument_group("accepted Megatron-LM flags with no effect here")
+    for flag, nargs in NO_EFFECT_FLAGS.items():
         if nargs == 0:
-            ignored.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+            no_effect.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
         else:
-            ignored.add_argument(flag, nargs=nargs, help=argparse.SUPPRESS)
+            no_effect.add_argument(
+                flag, nargs=None if nargs == 1 else nargs, help=argparse.SUPPRESS
+            )
     return add_earl_args(parser)
+
+
+def refusal(flag: str, declared: list[str] | None = None) -> str | None:
+    """Why ``flag`` is refused here, or None: ``REFUSED_FLAGS``, and the RoPE-scaling flags
+    while they are not among ``declared`` (the option strings of the parser in use; None: the
+    mapped flags, ``add_megatron_flags``)."""
+    if flag in REFUSED_FLAGS:
+        return REFUSED_FLAGS[flag]
+    if flag in ROPE_SCALING_FLAGS and flag not in (
+        _mapped_flags() if declared is None else declared
+    ):
+        return ROPE_PENDING
+    return None
+
+
+def _mapped_flags() -> set[str]:
+    """Option strings ``add_megatron_flags`` declares (the mapped flags)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_megatron_flags(parser)
+    return {s for a in parser._actions for s in a.option_strings}
 
 
 def add_earl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -93,7 +138,32 @@ def add_earl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--earl-samples-per-prompt", type=int, default=None)
     group.add_argument("--earl-output-dir", default=None, help="parent of run directories")
     group.add_argument("--earl-run-name", default=None, help="run directory name")
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            action.__class__ = _recording(type(action))
     return parser
+
+
+GIVEN = "earl_given_flags"
+"""Namespace attribute: the flags given on the command line with a value other than their
+default, as parsed (before Megatron-LM's ``validate_args`` derives other arguments from them)."""
+
+
+def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
+    """``cls`` that also notes its flag in ``namespace.earl_given_flags`` when the parsed value
+    differs from the default, so refused and no-effect flags are told given after parsing, with
+    Megatron-LM's parser as with ours."""
+    if getattr(cls, "_earl_recording", False):
+        return cls
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        cls.__call__(self, parser, namespace, values, option_string)
+        if getattr(namespace, self.dest, None) != self.default:
+            if getattr(namespace, GIVEN, None) is None:
+                setattr(namespace, GIVEN, [])
+            getattr(namespace, GIVEN).append(self.option_strings[0])
+
+    return type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__, "_earl_recording": True})
 
 
 def config_from_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
@@ -104,6 +174,19 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int | None =
     """
     if world_size is None:
         world_size = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    given = _given_flags(args)
+    refused = [(f, refusal(f)) for f in given if refusal(f) is not None]
+    if refused:
+        raise ConfigError(
+            "Megatron arguments not supported here:\n  "
+            + "\n  ".join(f"{flag}: {why}" for flag, why in refused)
+        )
+    no_effect = [f for f in given if f in NO_EFFECT_FLAGS]
+    if no_effect:
+        logger.warning(
+            "Megatron-LM flags accepted with no effect here (docs/megatron_args.md): %s",
+            " ".join(no_effect),
+        )
     yaml_tree = merged_tree(args.earl_config)
     megatron = _megatron_tree(args, world_size)
     conflicts = [
@@ -128,9 +211,51 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int | None =
     return config_from_tree(OmegaConf.to_container(merged, resolve=True))
 
 
+def _given_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given with a non-default value (recorded while parsing, ``_recording``), by
+    their first option string, each once."""
+    return list(dict.fromkeys(getattr(args, GIVEN, None) or []))
+
+
+def _conflicts(args: argparse.Namespace) -> list[str]:
+    """Pairs of flags that contradict each other, each message naming both."""
+    out = []
+    if args.bf16 and args.fp16:
+        out.append("--bf16 and --fp16 both given: choose one precision")
+    if args.lr_warmup_iters and args.lr_warmup_fraction is not None:
+        out.append(
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) and --lr-warmup-fraction "
+            f"({args.lr_warmup_fraction}) both given: choose one"
+        )
+    if not args.group_query_attention and args.num_query_groups != 1:
+        out.append(
+            f"--num-query-groups {args.num_query_groups} without --group-query-attention: "
+            "Megatron-LM would build multi-head attention; add --group-query-attention"
+        )
+    if args.lr_decay_style != "WSD" and args.lr_wsd_decay_iters is not None:
+        out.append(
+            f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) without --lr-decay-style WSD "
+            f"(it is {args.lr_decay_style})"
+        )
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        out.append("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.optimizer != "sgd" and args.sgd_momentum != 0.9:
+        out.append(f"--sgd-momentum {args.sgd_momentum} with --optimizer {args.optimizer}")
+    if args.recompute_method == "block":
+        out.append(
+            "--recompute-method block: only uniform recompute is built here "
+            "(use --recompute-method uniform)"
+        )
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        out.append(
+            f"--recompute-method {args.recompute_method} without --recompute-granularity full"
+        )
+    return out
+
+
 def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """Dotted ``RunConfig`` keys from Megatron-LM's standard arguments."""
-    problems = []
+    problems = _conflicts(args)
     if args.normalization != "RMSNorm":
         problems.append(f"--normalization {args.normalization}: only RMSNorm models are supported")
     if not args.swiglu:
@@ -160,7 +285,9 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         )
     if problems:
         raise ConfigError("Megatron arguments: " + "; ".join(problems))
-    vpp = args.virtual_pipeline_model_parallel_size
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp is None:
+        vpp = args.num_virtual_stages_per_pipeline_rank
     if vpp is None and args.num_layers_per_virtual_pipeline_stage:
         vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
     dp = world_size // (tp * cp * pp)
@@ -181,7 +308,7 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.max_position_embeddings": args.max_position_embeddings or args.seq_length,
         "model.rotary_base": float(args.rotary_base),
         **rope_tree,
-        "model.norm_epsilon": args.norm_epsilon,
+        "model.norm_epsilon": args.layernorm_epsilon,
         "model.add_qkv_bias": args.add_qkv_bias,
         "model.qk_layernorm": args.qk_layernorm,
         "model.tie_embeddings": not args.untie_embeddings_and_output_weights,
@@ -201,6 +328,15 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "train.adam_eps": args.adam_eps,
         "train.clip_grad": args.clip_grad,
         "train.use_distributed_optimizer": args.use_distributed_optimizer,
+        "train.optimizer": args.optimizer,
+        "train.sgd_momentum": args.sgd_momentum,
+        "train.lr_decay_style": args.lr_decay_style,
+        "train.lr_decay_steps": args.lr_decay_iters,
+        "train.lr_warmup_steps": args.lr_warmup_iters,
+        "train.lr_warmup_fraction": args.lr_warmup_fraction,
+        "train.lr_warmup_init": args.lr_warmup_init,
+        "train.lr_wsd_decay_style": args.lr_wsd_decay_style,
+        "train.lr_wsd_decay_steps": args.lr_wsd_decay_iters,
         "rollout.max_context": args.seq_length,
         "steps": args.train_iters,
         "checkpoint.load": args.load,

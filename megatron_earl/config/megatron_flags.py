@@ -2,111 +2,13 @@
 
 ``add_megatron_flags`` declares the flags ``config_from_megatron_args`` maps onto ``RunConfig``,
 with Megatron-LM's names, destinations and defaults (megatron/training/arguments.py), so the same
-namespace comes out of Megatron-LM's own parser and ours. ``IGNORED_FLAGS`` are flags recipes
-commonly carry that have no effect here (data loading, fusions, kernels, logging, schedules that
-RL post-training replaces); they are accepted so a recipe's argument list works unchanged.
+namespace comes out of Megatron-LM's own parser and ours. Every other Megatron-LM flag is refused
+or has no effect here (``megatron_flag_policy``).
 """
 
 from __future__ import annotations
 
 import argparse
-
-IGNORED_FLAGS: dict[str, int | str] = {
-    # flag -> number of values (0: a switch; "+": one or more)
-    **dict.fromkeys(
-        (
-            "--sequence-parallel",
-            "--use-flash-attn",
-            "--use-mcore-models",
-            "--overlap-grad-reduce",
-            "--overlap-param-gather",
-            "--accumulate-allreduce-grads-in-fp32",
-            "--attention-softmax-in-fp32",
-            "--no-masked-softmax-fusion",
-            "--no-bias-gelu-fusion",
-            "--no-bias-swiglu-fusion",
-            "--no-bias-dropout-fusion",
-            "--no-rope-fusion",
-            "--no-gradient-accumulation-fusion",
-            "--no-persist-layer-norm",
-            "--cross-entropy-loss-fusion",
-            "--tp-comm-overlap",
-            "--no-load-optim",
-            "--no-load-rng",
-            "--no-save-optim",
-            "--no-save-rng",
-            "--finetune",
-            "--use-checkpoint-args",
-            "--use-dist-ckpt",
-            "--auto-detect-ckpt-format",
-            "--async-save",
-            "--exit-on-missing-checkpoint",
-            "--calculate-per-token-loss",
-            "--log-throughput",
-            "--log-timers-to-tensorboard",
-            "--log-memory-to-tensorboard",
-            "--log-validation-ppl-to-tensorboard",
-            "--no-create-attention-mask-in-dataloader",
-            "--mock-data",
-            "--manual-gc",
-            "--use-precision-aware-optimizer",
-            "--no-check-for-nan-in-loss-and-grad",
-            "--override-opt_param-scheduler",
-            "--use-checkpoint-opt_param-scheduler",
-        ),
-        0,
-    ),
-    **dict.fromkeys(
-        (
-            "--micro-batch-size",
-            "--global-batch-size",
-            "--tokenizer-type",
-            "--tokenizer-model",
-            "--vocab-file",
-            "--merge-file",
-            "--split",
-            "--eval-iters",
-            "--eval-interval",
-            "--lr-decay-style",
-            "--lr-decay-iters",
-            "--lr-warmup-iters",
-            "--lr-warmup-fraction",
-            "--lr-warmup-init",
-            "--optimizer",
-            "--ckpt-format",
-            "--dist-ckpt-strictness",
-            "--distributed-backend",
-            "--distributed-timeout-minutes",
-            "--transformer-impl",
-            "--attention-backend",
-            "--recompute-method",
-            "--loss-scale",
-            "--initial-loss-scale",
-            "--min-loss-scale",
-            "--loss-scale-window",
-            "--hysteresis",
-            "--exit-interval",
-            "--exit-duration-in-mins",
-            "--num-workers",
-            "--data-cache-path",
-            "--log-interval",
-            "--tensorboard-log-interval",
-            "--timing-log-level",
-            "--wandb-project",
-            "--wandb-exp-name",
-            "--wandb-save-dir",
-            "--ddp-bucket-size",
-            "--pretrained-checkpoint",
-            "--ckpt-step",
-            "--train-samples",
-        ),
-        1,
-    ),
-    **dict.fromkeys(
-        ("--data-path", "--train-data-path", "--valid-data-path", "--rampup-batch-size"), "+"
-    ),
-}
-"""Accepted and ignored (documented in docs/megatron_args.md)."""
 
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
@@ -146,7 +48,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--mscale", type=float, default=1.0)
     add("--mscale-all-dim", type=float, default=0.0)
     add("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
-    add("--norm-epsilon", type=float, default=1e-5)
+    add("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon")  # as in 0.16
     add("--swiglu", action="store_true")
     add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     add("--add-qkv-bias", action="store_true")
@@ -161,6 +63,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--fp16", action="store_true")
     add("--recompute-granularity", default=None, choices=("full", "selective"))
     add("--recompute-num-layers", type=int, default=None)
+    add("--recompute-method", default=None, choices=("uniform", "block"))
 
     parallel = parser.add_argument_group("distributed (Megatron-LM)")
     add = parallel.add_argument
@@ -169,6 +72,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--context-parallel-size", type=int, default=1)
     add("--virtual-pipeline-model-parallel-size", type=int, default=None)
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
 
     train = parser.add_argument_group("training (Megatron-LM)")
     add = train.add_argument
@@ -180,6 +84,23 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--adam-eps", type=float, default=1e-08)
     add("--clip-grad", type=float, default=1.0)
     add("--use-distributed-optimizer", action="store_true")
+    add("--optimizer", default="adam", choices=("adam", "sgd"))
+    add("--sgd-momentum", type=float, default=0.9)
+    add(
+        "--lr-decay-style",
+        default="linear",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
+    add("--lr-decay-iters", type=int, default=None)
+    add("--lr-warmup-iters", type=int, default=0)
+    add("--lr-warmup-fraction", type=float, default=None)
+    add("--lr-warmup-init", type=float, default=0.0)
+    add(
+        "--lr-wsd-decay-style",
+        default="exponential",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )
+    add("--lr-wsd-decay-iters", type=int, default=None)
     add("--seed", type=int, default=1234)
     add("--train-iters", type=int, default=None)
 

@@ -72,6 +72,7 @@ from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.reference import ReferenceConfig, ReferencePolicy
 from megatron_earl.training.rl_step import RLStepConfig, micro_batch_logprobs, train_micro_batches
+from megatron_earl.training.setup import build_lr_scheduler, set_lr_step
 
 SAMPLE_ID_STRIDE = 1_000_000
 """Sample ids of rollout source d (replica or rank) start at d * SAMPLE_ID_STRIDE."""
@@ -285,6 +286,8 @@ class RLLoop:
             optimizer = self.selection.guard(optimizer)
         progress = progress or TrainProgress()
         for i in range(progress.done, n):
+            if update:  # the schedule's rate at this RL optimizer step (SFT steps not counted)
+                set_lr_step(self._lr_scheduler(), self.policy.version - self.config.sft.steps)
             whole = model_inputs(local.mini_batch(i), fields, layout.cp)
             progress.metrics = train_micro_batches(
                 self.policy.ddp_chunks, optimizer, whole, step_config
@@ -293,6 +296,17 @@ class RLLoop:
                 self.policy.version += 1
             progress.done = i + 1
         return progress.metrics
+
+    def _lr_scheduler(self):
+        """Megatron-Core's LR scheduler over the master's current optimizer (rebuilt when the
+        master moves and gets a new optimizer); the run has ``steps x num_mini_batches`` RL
+        optimizer steps."""
+        cached = getattr(self, "_lr_cache", None)
+        if cached is None or cached[0] is not self.policy.optimizer:
+            total = self.config.steps * self.config.batch.num_mini_batches
+            scheduler = build_lr_scheduler(self.policy.optimizer, self.config.train, total)
+            self._lr_cache = (self.policy.optimizer, scheduler)
+        return self._lr_cache[1]
 
     def move_master(self, layout: ParallelLayout) -> None:
         """Make ``layout`` the train layout: the master copy (weights and Adam state) moves

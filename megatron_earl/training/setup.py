@@ -41,7 +41,8 @@ def build_optimizer(ddp_chunks: list[nn.Module], optim: OptimConfig):
 
     dtype = ddp_chunks[0].config.params_dtype
     config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=optim.optimizer,
+        sgd_momentum=optim.sgd_momentum,
         lr=optim.lr,
         min_lr=optim.min_lr,
         weight_decay=optim.weight_decay,
@@ -75,3 +76,54 @@ def wire_schedule_hooks(ddp_chunks: list[nn.Module], optimizer=None) -> None:
     if len(ddp_chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]
     config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
+
+
+def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int):
+    """Megatron-Core's ``OptimizerParamScheduler`` over ``optimizer`` for ``optim``'s schedule;
+    ``total_steps`` (the run's optimizer steps) is the decay length when ``optim.lr_decay_steps``
+    is None. Call ``set_lr_step(scheduler, step)`` before optimizer step ``step`` (0-based)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = optim.lr_decay_steps or total_steps
+    warmup = optim.lr_warmup_steps
+    if optim.lr_warmup_fraction is not None:
+        warmup = int(optim.lr_warmup_fraction * decay)
+    if warmup >= decay:
+        raise ValueError(
+            f"lr warm-up ({warmup} optimizer steps) must be shorter than the decay "
+            f"({decay} steps): lower lr_warmup_steps or raise lr_decay_steps"
+        )
+    weight_decays = [group.get("weight_decay") for group in optimizer.param_groups]
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=optim.lr_warmup_init,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+        wsd_decay_steps=optim.lr_wsd_decay_steps,
+        lr_wsd_decay_style=optim.lr_wsd_decay_style,
+    )
+    for group, weight_decay in zip(optimizer.param_groups, weight_decays, strict=True):
+        group["weight_decay"] = weight_decay  # the constructor applied wd_mult: keep as built
+    return scheduler
+
+
+def set_lr_step(scheduler, step: int) -> float:
+    """Set the optimizer's learning rate to the schedule's value at optimizer step ``step``;
+    returns that rate. Stateless in the step, so a resumed run needs no saved scheduler state.
+
+    Only the rate is set: weight decay stays ``optim.weight_decay`` on every parameter group
+    as before (Megatron-LM's scheduler would also apply its ``wd_mult``, exempting biases and
+    norm weights; not done here, to keep the numerics of existing runs)."""
+    scheduler.num_steps = step
+    for group in scheduler.optimizer.param_groups:
+        group["lr"] = scheduler.get_lr(group)
+    return scheduler.get_lr(scheduler.optimizer.param_groups[0])

@@ -24,13 +24,13 @@ QWEN25_7B_RECIPE = """
     --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28
     --group-query-attention --num-query-groups 4 --kv-channels 128
     --max-position-embeddings 32768 --seq-length 4096
-    --use-rotary-position-embeddings --rotary-base 1000000 --rotary-percent 1.0
+    --use-rotary-position-embeddings --rotary-base 1000000
     --swiglu --disable-bias-linear --add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-6
     --untie-embeddings-and-output-weights --vocab-size 152064 --make-vocab-size-divisible-by 128
     --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
     --position-embedding-type rope --no-rope-fusion --attention-softmax-in-fp32
     --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2
-    --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce
+    --use-distributed-optimizer --overlap-grad-reduce
     --micro-batch-size 1 --global-batch-size 256 --train-iters 200
     --lr 1e-6 --lr-decay-style constant --min-lr 1e-7 --weight-decay 0.1
     --adam-beta1 0.9 --adam-beta2 0.98 --adam-eps 1e-8 --clip-grad 1.0
