@@ -87,3 +87,15 @@ class WeightUpdate(Vocabulary):
     DISTRIBUTED = "distributed"
     """``init_weights_update_group`` once, then ``update_weights_from_distributed`` per bucket
     while the trainer broadcasts it over the group (NCCL on GPUs, gloo on CPU)."""
+
+
+class TensorPayload(Vocabulary):
+    """The format of ``update_weights_from_tensor``'s ``serialized_named_tensors``
+    (``rollout.sglang.tensor_payload``; ``rollout/tensor_payload.py``)."""
+
+    PORTABLE = "portable"
+    """base64 of ``torch.save([(name, tensor), ...])``: the bytes travel (any host);
+    ``megatron-earl serve`` only."""
+    SGLANG = "sglang"
+    """SGLang's ``MultiprocessingSerializer`` format (base64 ``ForkingPickler``): handles
+    travel, the bytes stay (CUDA IPC / host shared memory; colocated engines only)."""
