@@ -47,6 +47,7 @@ import os
 import pickle
 import re
 import stat
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -180,9 +181,38 @@ def _reduce_storage(storage: torch.UntypedStorage):
         return reductions.reduce_storage(storage)  # raises, naming the device
     if storage.size() == 0:
         return reductions.rebuild_storage_empty, (type(storage),)
+    _start_shm_manager_quietly()
     manager, handle, size = storage._share_filename_cpu_()
     storage._shared_incref()  # the receiver's reference, dropped by rebuild_storage_filename
     return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
+
+
+_shm_manager_started = False
+
+
+def _start_shm_manager_quietly() -> None:
+    """torch starts its shared-memory manager (``torch_shm_manager``) at a process's first named
+    segment, as a daemon that inherits the process's stdout/stderr and lives on while engines
+    hold segments of it: a launcher reading this process's output would wait for it after this
+    process ended (measured: ``subprocess.run(capture_output=True)`` of the trainer hangs).
+    Start it once with /dev/null as its stdout and stderr."""
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        torch.UntypedStorage(1)._share_filename_cpu_()  # starts the manager; freed at once
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+    _shm_manager_started = True
 
 
 class RefusedGlobal(ValueError):
