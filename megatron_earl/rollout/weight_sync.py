@@ -40,10 +40,12 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.models.hf_mapping import megatron_to_hf
 from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
-from megatron_earl.rollout.tensor_payload import decode_payload as deserialize_named_tensors
-from megatron_earl.rollout.tensor_payload import serialize_portable as serialize_named_tensors
-
-__all__ = ["deserialize_named_tensors", "serialize_named_tensors"]  # the names callers use
+from megatron_earl.rollout.tensor_payload import (  # noqa: F401 (names callers import from here)
+    decode_payload as deserialize_named_tensors,
+)
+from megatron_earl.rollout.tensor_payload import (  # noqa: F401
+    serialize_portable as serialize_named_tensors,
+)
 
 NamedTensor = tuple[str, torch.Tensor]
 
