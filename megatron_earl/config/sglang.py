@@ -5,6 +5,7 @@
       engine_urls: [http://10.0.0.2:30000, http://10.0.0.3:30000]
       sglang:
         weight_update: distributed      # tensor (default) | disk | distributed
+        tensor_payload: portable        # tensor: portable (default) | sglang (colocated)
         bucket_bytes: 536870912
         router_url: http://10.0.0.1:30100   # SGLang's router in front of the engines (optional)
         colocated: false                    # engines share the trainer's GPUs: release/resume
@@ -19,11 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_earl.config.vocab import WeightUpdate
+from megatron_earl.config.vocab import TensorPayload, WeightUpdate
 
 PAUSE_MODES = ("retract", "in_place", "abort")
 GROUP_BACKENDS = ("gloo", "nccl")
 DISTRIBUTED_LOAD_FORMATS = ("tensors", "flattened_bucket")
+TENSOR_LOAD_FORMATS = ("tensors", "flattened_bucket")
 
 
 class SGLangConfigError(ValueError):
@@ -61,6 +63,15 @@ class SGLangConfig:
     distributed_load_format: str = "tensors"
     """distributed: "tensors" (one broadcast per tensor, SGLang's default) or
     "flattened_bucket" (one broadcast of the bucket's bytes)."""
+    tensor_payload: TensorPayload = TensorPayload.PORTABLE
+    """tensor: format of the payloads. "portable" (base64 ``torch.save``; ``megatron-earl
+    serve`` only, any host) or "sglang" (SGLang's ``MultiprocessingSerializer`` format: CUDA
+    IPC handles / host shared memory, so the engines must run on the trainer's node; what a real
+    SGLang server accepts; serve accepts it too)."""
+    tensor_load_format: str = "tensors"
+    """tensor: "tensors" (a list of (name, tensor); SGLang's default ``load_format``, the
+    model's ``load_weights``) or "flattened_bucket" (one uint8 tensor of the bucket's bytes plus
+    metadata; needs ``tensor_payload: sglang``)."""
     engine_tp: int = 1
     """TP ranks of each engine, its ``--tp-size`` (SGLang's or ``megatron-earl serve``'s; ranks
     it joins the group with; payloads per tensor push)."""
@@ -103,6 +114,23 @@ class SGLangConfig:
             problems.append(
                 f"distributed_load_format {self.distributed_load_format!r} is not one of "
                 f"{DISTRIBUTED_LOAD_FORMATS}"
+            )
+        try:
+            object.__setattr__(self, "tensor_payload", TensorPayload(self.tensor_payload))
+        except ValueError as err:
+            problems.append(f"tensor_payload: {err}")
+        if self.tensor_load_format not in TENSOR_LOAD_FORMATS:
+            problems.append(
+                f"tensor_load_format {self.tensor_load_format!r} is not one of "
+                f"{TENSOR_LOAD_FORMATS}"
+            )
+        elif (
+            self.tensor_load_format == "flattened_bucket"
+            and self.tensor_payload != TensorPayload.SGLANG
+        ):
+            problems.append(
+                f"tensor_load_format 'flattened_bucket' needs tensor_payload 'sglang', got "
+                f"{self.tensor_payload!r}"
             )
         if self.engine_tp < 1:
             problems.append(f"engine_tp ({self.engine_tp}) must be >= 1")

@@ -105,3 +105,15 @@ class MemoryTag(Vocabulary):
 
 MEMORY_TAGS: tuple[MemoryTag, ...] = tuple(MemoryTag)
 """Every tag: what ``tags: null`` (or ``[]``) means, as in SGLang."""
+
+
+class TensorPayload(Vocabulary):
+    """The format of ``update_weights_from_tensor``'s ``serialized_named_tensors``
+    (``rollout.sglang.tensor_payload``; ``rollout/tensor_payload.py``)."""
+
+    PORTABLE = "portable"
+    """base64 of ``torch.save([(name, tensor), ...])``: the bytes travel (any host);
+    ``megatron-earl serve`` only."""
+    SGLANG = "sglang"
+    """SGLang's ``MultiprocessingSerializer`` format (base64 ``ForkingPickler``): handles
+    travel, the bytes stay (CUDA IPC / host shared memory; colocated engines only)."""

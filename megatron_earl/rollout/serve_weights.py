@@ -1,6 +1,9 @@
-"""The weight-update endpoints of ``megatron-earl serve`` beyond ``update_weights_from_tensor``:
-SGLang's distributed protocol over gloo and ``update_weights_from_disk`` from an HF directory.
+"""The weight-update endpoints of ``megatron-earl serve``: ``update_weights_from_tensor`` (either
+payload format of ``tensor_payload``), SGLang's distributed protocol over gloo and
+``update_weights_from_disk`` from an HF directory.
 
+    POST /update_weights_from_tensor       {serialized_named_tensors: [payload], load_format,
+                                            weight_version, ...}     -> decode, check, apply
     POST /init_weights_update_group        {master_address, master_port, rank_offset, world_size,
                                             group_name, backend}        -> join the group
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, load_format, ...}
@@ -11,6 +14,10 @@ SGLang's distributed protocol over gloo and ``update_weights_from_disk`` from an
 ``WeightEndpoints`` is mixed into ``server.Server`` (it uses the server's ``engine``,
 ``_update`` and ``_json``). Rules, beyond SGLang's (which does neither check):
 
+- a tensor payload is portable (``torch.load(weights_only=True)``) or SGLang's
+  ``MultiprocessingSerializer`` format read by a restricted unpickler (never ``pickle.loads``):
+  a global it does not need is refused (400 naming it) before anything is called; CPU tensors
+  only (named shared memory of the same host; a CUDA IPC handle is refused);
 - metadata first: every name must be a tensor of the served model, with its shape and dtype;
   the first mismatch is refused (400, naming it) before a byte is received or anything changes,
   so the old version keeps serving. The trainer's broadcast of a refused bucket has no receiver,
@@ -40,6 +47,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from megatron_earl.rollout.tensor_payload import decode_payload, is_portable
 from megatron_earl.rollout.weight_group import (
     FLATTENED,
     LOAD_FORMATS,
@@ -51,6 +59,18 @@ from megatron_earl.rollout.weight_group import (
 
 logger = logging.getLogger("megatron_earl.serve")
 
+TENSOR_UPDATE_FIELDS = frozenset(
+    {
+        "rid",
+        "serialized_named_tensors",
+        "load_format",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "selector",
+        "torch_empty_cache",
+    }
+)
 INIT_GROUP_FIELDS = frozenset(
     {"rid", "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
 )
@@ -240,6 +260,49 @@ class WeightEndpoints:
                 await group.shutdown()
             except Exception:  # already broken: dropping the object closes its sockets
                 logger.exception("shutdown of weight-update group %s", name)
+
+    # ------------------------------------------------------------------ tensor
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        from megatron_earl.models.hf_mapping import apply_hf_tensor, hf_target
+        from megatron_earl.rollout.generate_api import BadRequest
+
+        body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
+        payloads = body.get("serialized_named_tensors")
+        tp = self.engine.tp_size
+        if not isinstance(payloads, list) or len(payloads) != tp:
+            raise BadRequest(
+                f"serialized_named_tensors must be a list of {tp} payload(s) (tp={tp})"
+            )
+        if is_portable(payloads[0]) and any(p != payloads[0] for p in payloads[1:]):
+            raise BadRequest(  # the bytes travel: one copy for every rank, as serve loads it
+                "serialized_named_tensors: serve loads the full tensors of the first payload on "
+                f"every TP rank, so all {tp} portable payloads must be identical"
+            )
+        load_format = body.get("load_format")
+        try:
+            # SGLang gives payload r to TP rank r; serve loads the full tensors of the first on
+            # every rank. The others are opened too (an sglang payload's shared memory is freed
+            # once its handle is opened) and must hold the same names.
+            named = await asyncio.to_thread(decode_payload, payloads[0], load_format)
+            for other in dict.fromkeys(payloads[1:]):
+                if other != payloads[0]:
+                    rest = await asyncio.to_thread(decode_payload, other, load_format)
+                    if [n for n, _ in rest] != [n for n, _ in named]:
+                        raise ValueError("the TP ranks' payloads hold different tensors")
+            for name, _ in named:
+                hf_target(name, self.engine.model_config)
+            check_named(named, self._expected())
+        except (ValueError, KeyError) as err:
+            raise BadRequest(
+                f"update_weights_from_tensor refused, nothing changed: {err}"
+            ) from None
+
+        def apply(full: dict[str, torch.Tensor]) -> None:
+            for name, tensor in named:
+                apply_hf_tensor(full, name, tensor, self.engine.model_config)
+
+        return await self._update(body, apply)
 
     # ------------------------------------------------------------------ distributed
 

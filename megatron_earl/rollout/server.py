@@ -22,7 +22,7 @@ SGLang's cumulative SSE events, one per token, then ``[DONE]``), ``/health``,
 ``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``
 (``/server_info``), ``/v1/models`` (field names of SGLang 0.5.23's answers, ``serve_model``),
 ``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
-``/update_weights_from_tensor`` (portable payload, see ``weight_sync``), SGLang's distributed
+``/update_weights_from_tensor`` (both payloads of ``tensor_payload``), SGLang's distributed
 protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``) and ``/update_weights_from_disk`` (an HF safetensors directory
 or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
@@ -76,23 +76,10 @@ from megatron_earl.rollout.serve_model import (
     server_args_json,
     server_info_json,
 )
-from megatron_earl.rollout.serve_weights import WeightEndpoints, check_named
+from megatron_earl.rollout.serve_weights import WeightEndpoints
 from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
 
 logger = logging.getLogger("megatron_earl.serve")
-
-TENSOR_UPDATE_FIELDS = frozenset(
-    {
-        "rid",
-        "serialized_named_tensors",
-        "load_format",
-        "flush_cache",
-        "abort_all_requests",
-        "weight_version",
-        "selector",
-        "torch_empty_cache",
-    }
-)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -394,42 +381,6 @@ class Server(WeightEndpoints, MemoryEndpoints):
         else:
             raise BadRequest("abort_request needs rid or abort_all=true")
         return web.Response(status=200)
-
-    async def update_from_tensor(self, request: web.Request) -> web.Response:
-        from megatron_earl.models.hf_mapping import apply_hf_tensor, hf_target
-        from megatron_earl.rollout.weight_sync import deserialize_named_tensors
-
-        body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
-        payloads = body.get("serialized_named_tensors")
-        tp = self.engine.tp_size
-        if not isinstance(payloads, list) or len(payloads) != tp:
-            raise BadRequest(
-                f"serialized_named_tensors must be a list of {tp} payload(s) (tp={tp})"
-            )
-        if any(p != payloads[0] for p in payloads[1:]):
-            raise BadRequest(  # SGLang gives payload r to TP rank r; serve loads one full copy
-                "serialized_named_tensors: serve loads the full tensors of the first payload on "
-                f"every TP rank, so all {tp} payloads must be identical"
-            )
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(
-                f"load_format {body['load_format']!r} is not supported (null, 'direct')"
-            )
-        try:
-            named = deserialize_named_tensors(payloads[0])
-            for name, _ in named:
-                hf_target(name, self.engine.model_config)
-            check_named(named, self._expected())
-        except (ValueError, KeyError) as err:
-            raise BadRequest(
-                f"update_weights_from_tensor refused, nothing changed: {err}"
-            ) from None
-
-        def apply(full: dict[str, torch.Tensor]) -> None:
-            for name, tensor in named:
-                apply_hf_tensor(full, name, tensor, self.engine.model_config)
-
-        return await self._update(body, apply)
 
     async def _update(
         self,

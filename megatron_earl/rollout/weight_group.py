@@ -93,6 +93,37 @@ def flattened_sizes(
     return sizes
 
 
+def flatten_bucket(bucket: Sequence[NamedTensor]) -> torch.Tensor:
+    """The bucket's bytes (uint8), tensors back to back in order (``flattened_sizes`` checks
+    their alignment). SGLang's ``FlattenedTensorBucket`` layout, also of the ``flattened_bucket``
+    payload of ``update_weights_from_tensor`` (``tensor_payload``)."""
+    flattened_sizes([n for n, _ in bucket], [t.dtype for _, t in bucket],
+                    [t.shape for _, t in bucket])  # fmt: skip
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+def unflatten_bucket(
+    flat: torch.Tensor,
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+) -> list[NamedTensor]:
+    """Views of ``flat`` (uint8, from ``flatten_bucket``) as the named tensors; ``ValueError``
+    when its size is not the tensors' total."""
+    sizes = flattened_sizes(names, dtypes, shapes)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != sum(sizes):
+        raise ValueError(
+            f"flattened bucket: a 1-D uint8 tensor of {sum(sizes)} bytes is needed for "
+            f"{len(names)} tensors, got {str(flat.dtype).removeprefix('torch.')} of shape "
+            f"{tuple(flat.shape)}"
+        )
+    out, offset = [], 0
+    for name, dtype, shape, size in zip(names, dtypes, shapes, sizes, strict=True):
+        out.append((name, flat[offset : offset + size].view(dtype).reshape(tuple(shape))))
+        offset += size
+    return out
+
+
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -105,10 +136,7 @@ def broadcast_bucket(
     """Send one bucket from rank 0 (the trainer). Call it while the engines handle the
     bucket's ``update_weights_from_distributed`` request (they receive it)."""
     if load_format == FLATTENED:
-        flattened_sizes([n for n, _ in bucket], [t.dtype for _, t in bucket],
-                        [t.shape for _, t in bucket])  # fmt: skip
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-        _broadcast(group, flat)
+        _broadcast(group, flatten_bucket(bucket))
         return
     for _, tensor in bucket:
         _broadcast(group, tensor.detach().contiguous())
@@ -127,11 +155,7 @@ def receive_bucket(
         sizes = flattened_sizes(names, dtypes, shapes)
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         _broadcast(group, flat)
-        out, offset = [], 0
-        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes, strict=True):
-            out.append((name, flat[offset : offset + size].view(dtype).reshape(shape)))
-            offset += size
-        return out
+        return unflatten_bucket(flat, names, dtypes, shapes)
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         tensor = torch.empty(tuple(shape), dtype=dtype, device=device)

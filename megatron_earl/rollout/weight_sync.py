@@ -11,11 +11,10 @@ new version only once every tensor arrived. Each bucket holds at most ``bucket_b
 
 Transports (one function each):
 * ``tensor``: ``/update_weights_from_tensor`` with ``serialized_named_tensors`` = one base64
-  payload per engine TP rank. The payload format is pluggable (``serialize``): the default,
-  ``serialize_named_tensors``, is portable -- ``torch.save`` of a list of (HF name, tensor) pairs,
-  loaded with ``torch.load(weights_only=True)``; ``megatron-earl serve`` accepts it. A real SGLang
-  server expects its ``MultiprocessingSerializer`` payload (CUDA IPC handles, colocated engines
-  only): pass SGLang's serializer there.
+  payload per engine TP rank, in the format of ``payload`` (``tensor_payload``): portable
+  (``torch.save`` of (HF name, tensor) pairs; ``megatron-earl serve`` only) or SGLang's
+  ``MultiprocessingSerializer`` format (handles, colocated engines only; what a real SGLang
+  server reads, and serve too), with ``load_format`` None or "flattened_bucket".
 * ``distributed``: ``/init_weights_update_group`` once, then per bucket
   ``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer rank broadcasts
   the tensors over that group (``weight_group.broadcast_bucket``); NCCL in production.
@@ -30,9 +29,7 @@ To the embedded engine no push is needed: weights are resharded into ``engine.mo
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import io
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,6 +39,13 @@ import torch
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.models.hf_mapping import megatron_to_hf
+from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
+from megatron_earl.rollout.tensor_payload import (  # noqa: F401 (names callers import from here)
+    decode_payload as deserialize_named_tensors,
+)
+from megatron_earl.rollout.tensor_payload import (  # noqa: F401
+    serialize_portable as serialize_named_tensors,
+)
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -115,34 +119,6 @@ def iter_buckets(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[li
         yield current
 
 
-def serialize_named_tensors(named: Sequence[NamedTensor]) -> str:
-    """Portable payload: base64 of ``torch.save([(name, tensor), ...])`` (contiguous CPU copies)."""
-    buf = io.BytesIO()
-    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named], buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(payload: str) -> list[NamedTensor]:
-    """Inverse of ``serialize_named_tensors``; ``ValueError`` says what is wrong with a payload."""
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"payload is not valid base64: {err}") from None
-    try:
-        items = torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception as err:
-        raise ValueError(
-            "payload is not a torch.save'd list of (name, tensor) pairs (the portable format of "
-            f"megatron_earl.rollout.weight_sync.serialize_named_tensors): {err}"
-        ) from None
-    if not isinstance(items, list) or not all(
-        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], torch.Tensor)
-        for i in items
-    ):
-        raise ValueError("payload must decode to a list of (name, tensor) pairs")
-    return [(str(n), t) for n, t in items]
-
-
 @contextlib.asynccontextmanager
 async def paused(clients: Sequence, config: WeightSyncConfig) -> AsyncIterator[None]:
     """The push order RL trainers use: pause -> flush (optional) -> body -> continue (always)."""
@@ -161,28 +137,33 @@ async def push_weights(
     version: int,
     config: WeightSyncConfig | None = None,
     *,
-    serialize: Callable[[Sequence[NamedTensor]], str] = serialize_named_tensors,
+    payload: TensorPayloadFormat | None = None,
     engine_tp: int = 1,
 ) -> PushStats:
     """Push ``named`` tensors to every client (``SGLangClient``) by ``update_weights_from_tensor``.
 
-    ``engine_tp`` payloads per bucket (SGLang wants one per engine TP rank; each rank takes the
-    whole tensors it needs). Runs on the one trainer process that holds the full tensors.
+    ``engine_tp`` payloads per bucket and engine (SGLang wants one per engine TP rank; each rank
+    takes the whole tensors it needs), in ``payload``'s format (default: portable); an sglang
+    payload is serialized once per engine rank (each opens its handles once). Runs on the one
+    trainer process that holds the full tensors.
     """
     config = config or WeightSyncConfig()
+    payload = payload or TensorPayloadFormat()
     start = time.perf_counter()
     async with paused(clients, config):
         buckets = list(iter_buckets(named, config.bucket_bytes))
         sent = tensors = 0
         for index, bucket in enumerate(buckets):
-            payload = serialize(bucket)
+            strings = payload.serialize(bucket, len(clients) * engine_tp)
             last = index == len(buckets) - 1
             await asyncio.gather(
                 *(
                     c.update_weights_from_tensor(
-                        [payload] * engine_tp, weight_version=version if last else None
+                        strings[i * engine_tp : (i + 1) * engine_tp],
+                        weight_version=version if last else None,
+                        load_format=payload.load_format,
                     )
-                    for c in clients
+                    for i, c in enumerate(clients)
                 )
             )
             sent += sum(t.numel() * t.element_size() for _, t in bucket)

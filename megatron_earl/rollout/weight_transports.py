@@ -10,8 +10,9 @@ Every push follows SGLang users' order: ``pause_generation`` -> ``flush_cache`` 
 ``continue_generation``; then each engine's weight version is read back (``get_model_info``)
 and must be the pushed one (``EngineError`` naming the engine otherwise).
 
-- ``tensor``: ``update_weights_from_tensor`` per bucket (``weight_sync.push_weights``), portable
-  payload (``serialize_named_tensors``; a real SGLang needs its own serializer, colocated).
+- ``tensor``: ``update_weights_from_tensor`` per bucket (``weight_sync.push_weights``), in the
+  payload format of ``tensor_payload`` / ``tensor_load_format`` (``rollout.tensor_payload``):
+  portable (serve only, any host) or SGLang's own (real SGLang and serve; colocated only).
 - ``disk``: the HF directory ``<weight_dir>/v<version>`` written by the streaming exporter
   (``convert.export_hf``), then ``update_weights_from_disk`` on every engine; the previous
   version's directory is removed once the engines serve the new one. The engines must see the
@@ -45,6 +46,7 @@ from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import WeightUpdate
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
 from megatron_earl.rollout.weight_group import (
     FLATTENED,
     broadcast_bucket,
@@ -118,9 +120,19 @@ async def check_versions(clients: Sequence[SGLangClient], version: int) -> None:
 class TensorTransport(WeightTransport):
     kind = WeightUpdate.TENSOR
 
+    def __init__(self, settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> None:
+        super().__init__(settings, model, run_dir)
+        load_format = FLATTENED if settings.tensor_load_format == FLATTENED else None
+        self.payload = TensorPayloadFormat(settings.tensor_payload, load_format)
+
     async def _push(self, clients, named, version):
         return await push_weights(
-            clients, named, version, self.sync, engine_tp=self.settings.engine_tp
+            clients,
+            named,
+            version,
+            self.sync,
+            payload=self.payload,
+            engine_tp=self.settings.engine_tp,
         )
 
 

@@ -1,18 +1,22 @@
 """SGLang's weight-update protocols between the trainer's client code
 (``rollout.weight_transports``, the calls the RL loop makes) and ``megatron-earl serve``: a
-server that receives weights W by ``tensor``, ``disk`` (an HF directory from the streaming
+server that receives weights W by ``tensor`` (portable payload, and SGLang's own payload format
+with ``load_format`` None and "flattened_bucket"), ``disk`` (an HF directory from the streaming
 exporter) or ``distributed`` (a gloo group, per-tensor and flattened buckets) then generates
 exactly what a server started with W loaded directly generates, and reports the pushed version.
 Bad pushes are refused before anything changes (wrong names, shapes, dtypes; the trainer's
 pending broadcast fails at once), a group the trainer never joins times out with a clear error
 while the server keeps generating, and a disk update outside ``--weight-dirs`` (symlinks
-resolved) is answered 403 and loads nothing."""
+resolved) is answered 403 and loads nothing. A hostile pickle in place of an SGLang payload is
+refused (400 naming the global) and runs nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
+import pickle
 import time
 from pathlib import Path
 
@@ -130,6 +134,13 @@ def _same_as_reference(env) -> bool:
     "settings",
     [
         SGLangConfig(weight_update="tensor", bucket_bytes=64 << 10),
+        SGLangConfig(weight_update="tensor", tensor_payload="sglang", bucket_bytes=64 << 10),
+        SGLangConfig(
+            weight_update="tensor",
+            tensor_payload="sglang",
+            tensor_load_format="flattened_bucket",
+            bucket_bytes=64 << 10,
+        ),
         SGLangConfig(weight_update="disk", weight_dir=None),
         SGLangConfig(weight_update="distributed", bucket_bytes=64 << 10, group_timeout_s=30),
         SGLangConfig(
@@ -139,12 +150,19 @@ def _same_as_reference(env) -> bool:
             group_timeout_s=30,
         ),
     ],
-    ids=["tensor", "disk", "distributed", "distributed-flattened"],
+    ids=[
+        "tensor",
+        "tensor-sglang",
+        "tensor-sglang-flattened",
+        "disk",
+        "distributed",
+        "distributed-flattened",
+    ],
 )
 def test_pushed_weights_serve_like_weights_loaded_directly(env, settings):
     if settings.weight_update == "disk":
         settings = dataclasses.replace(settings, weight_dir=str(env["allowed"] / "engine"))
-    version = 100 + len(settings.weight_update)
+    version = 100 + len(settings.weight_update) + 10 * len(settings.tensor_payload)
     transport = build_transport(settings, MODEL, env["tmp"])  # one per run, as the trainer's
     asyncio.run(_push_with(transport, env, weights(5), version - 1))  # other weights first
     assert not _same_as_reference(env)
@@ -260,3 +278,39 @@ def test_disk_updates_are_off_without_weight_dirs(env):
 
     with pytest.raises(EngineRequestError, match=r"HTTP 403.*--weight-dirs"):
         asyncio.run(body())
+
+
+class _Shell:
+    """Unpickles as ``os.system(command)`` (what a hostile client would send)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (self.command,)
+
+
+def test_a_hostile_sglang_payload_is_refused_and_nothing_runs(env, tmp_path):
+    asyncio.run(_push(env, SGLangConfig(tensor_payload="sglang"), W, 9))
+    marker = tmp_path / "ran"
+    hostile = [("lm_head.weight", _Shell(f"touch {marker}"))]
+    payloads = [
+        base64.b64encode(pickle.dumps(hostile)).decode(),
+        base64.b64encode(pickle.dumps({"flattened_tensor": _Shell(f"touch {marker}")})).decode(),
+    ]
+
+    async def send(payload: str, load_format: str | None) -> tuple[int, str]:
+        body = {"serialized_named_tensors": [payload], "load_format": load_format,
+                "weight_version": "10"}  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            async with s.post(env["target"] + "/update_weights_from_tensor", json=body) as r:
+                return r.status, await r.text()
+
+    for payload, load_format in zip(payloads, (None, "flattened_bucket"), strict=True):
+        status, text = asyncio.run(send(payload, load_format))
+        assert status == 400 and "refers to posix.system" in text and "refused" in text, text
+    assert not marker.exists()
+    assert asyncio.run(_version(env["target"])) == 9
+    assert _same_as_reference(env)

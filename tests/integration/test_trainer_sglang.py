@@ -1,7 +1,8 @@
 """The trainer with SGLang engines (``rollout.engine=sglang``, the disaggregated setup): two
 ``megatron-earl serve`` processes stand in for SGLang servers (same native HTTP API). The trainer
 (2 ranks under torchrun) pushes its weights to both before each rollout (versions tagged, read
-back) with each of SGLang's protocols (``rollout.sglang.weight_update``: tensor, disk through a
+back) with each of SGLang's protocols (``rollout.sglang.weight_update``: tensor -- portable and
+SGLang's own flattened-bucket payload --, disk through a
 shared directory the servers allow, distributed over a gloo group with both servers), drives
 multi-turn rollouts on them from every rank, and trains on the result (the switching demo config:
 pinned layouts, the master in tp2; SGLang engines take no selected rollout layout). Push time and
@@ -114,7 +115,8 @@ def _server_info(url: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("protocol", "colocated"), [("tensor", True), ("disk", False), ("distributed", False)]
+    ("protocol", "colocated"),
+    [("tensor", True), ("tensor-sglang", False), ("disk", False), ("distributed", False)],
 )
 def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
     servers, shared_dir, tmp_path, protocol, colocated
@@ -132,6 +134,12 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
             )
             router.wait_ready(timeout_s=60)
             extra.append(f"rollout.sglang.router_url={router.url}")
+        if protocol == "tensor-sglang":  # SGLang's own payload (engines on this host)
+            protocol = "tensor"
+            extra += [
+                "rollout.sglang.tensor_payload=sglang",
+                "rollout.sglang.tensor_load_format=flattened_bucket",
+            ]
         result = subprocess.run(
             [
                 sys.executable,
