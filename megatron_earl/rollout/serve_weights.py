@@ -275,10 +275,9 @@ class WeightEndpoints:
         if not 1 <= ints["master_port"] <= 65535:
             raise BadRequest(f"master_port {ints['master_port']} must be in [1, 65535]")
         tp = self.engine.tp_size
-        if not tp + 1 <= ints["world_size"] <= MAX_GROUP_WORLD_SIZE:
+        if ints["world_size"] > MAX_GROUP_WORLD_SIZE:
             raise BadRequest(
-                f"world_size {ints['world_size']} must be in [tp + 1 = {tp + 1}, "
-                f"{MAX_GROUP_WORLD_SIZE}] (the trainer's rank 0 and this server's {tp} TP rank(s))"
+                f"world_size {ints['world_size']} must be at most {MAX_GROUP_WORLD_SIZE}"
             )
         if not 1 <= ints["rank_offset"] <= ints["world_size"] - tp:
             raise BadRequest(
