@@ -1,6 +1,7 @@
 """The words the code uses everywhere, defined once: the phases of an RL step, the rollout
 engine kinds, when old log-probs are computed, the transformer-layer implementations, the weight
-update protocols and the memory tags of colocated engines. Use the
+update protocols and their distributed load formats, the memory tags of colocated engines and
+the pause modes. Use the
 members (``Phase.TRAIN``), never the bare strings: a typo then fails at import, not at step 300.
 
     from megatron_earl.config.vocab import Phase
@@ -117,3 +118,25 @@ class TensorPayload(Vocabulary):
     SGLANG = "sglang"
     """SGLang's ``MultiprocessingSerializer`` format (base64 ``ForkingPickler``): handles
     travel, the bytes stay (CUDA IPC / host shared memory; colocated engines only)."""
+
+
+class PauseMode(Vocabulary):
+    """What ``pause_generation`` does with the requests in flight (SGLang's ``mode``)."""
+
+    ABORT = "abort"
+    """Abort every request (SGLang's default)."""
+    IN_PLACE = "in_place"
+    """Keep the requests and their KV cache; they continue after ``continue_generation``."""
+    RETRACT = "retract"
+    """Put the running requests back in the queue; their context is prefilled again later."""
+
+
+class DistributedLoadFormat(Vocabulary):
+    """How a bucket of SGLang's distributed weight update travels over the group
+    (``rollout.sglang.distributed_load_format``; ``rollout/weight_group.py``)."""
+
+    TENSORS = "tensors"
+    """One broadcast per tensor (SGLang's default; ``load_format`` null on the wire)."""
+    FLATTENED_BUCKET = "flattened_bucket"
+    """One broadcast of the bucket's bytes, tensors back to back (``load_format``
+    ``"flattened_bucket"``)."""

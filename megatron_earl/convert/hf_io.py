@@ -3,7 +3,10 @@
 ``HFReader`` reads ``model.safetensors`` or a sharded ``model.safetensors.index.json`` directory;
 every shard the index names must exist (else ``ConversionError`` naming the file and tensors it
 holds). ``read`` opens each shard only for the tensors asked for and closes it again, so the
-process never keeps a whole shard mapped.
+process never keeps a whole shard mapped. ``confined=True`` (a directory named by an untrusted
+client, e.g. ``serve``'s disk update): the index, the single file and every shard the index names
+must resolve (symlinks followed) to a regular file inside the directory, else ``PermissionError``
+before anything is read or any other file is looked at.
 
 ``ShardedSafetensorsWriter`` buffers tensors up to ``max_shard_bytes`` and then writes a shard, so
 at most one shard's worth of output is held; ``finish`` names the shards
@@ -28,9 +31,11 @@ SINGLE = "model.safetensors"
 class HFReader:
     """Tensor names and lazy reads of an HF model directory."""
 
-    def __init__(self, hf_dir: str | Path):
+    def __init__(self, hf_dir: str | Path, *, confined: bool = False):
         self.dir = Path(hf_dir)
         index = self.dir / INDEX
+        if confined:
+            _check_inside(self.dir, [INDEX, SINGLE])
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.dir / SINGLE).is_file():
@@ -40,6 +45,8 @@ class HFReader:
         by_file: dict[str, list[str]] = defaultdict(list)
         for name, file in weight_map.items():
             by_file[file].append(name)
+        if confined:
+            _check_inside(self.dir, list(by_file))
         for file, names in sorted(by_file.items()):
             if not (self.dir / file).is_file():
                 raise ConversionError(
@@ -67,6 +74,23 @@ class HFReader:
                 for name in file_names:
                     out[name] = f.get_tensor(name).clone()
         return out
+
+
+def _check_inside(directory: Path, files: list[str]) -> None:
+    """``PermissionError`` unless each of ``files`` (names relative to ``directory``; absent
+    ones pass) resolves inside the resolved ``directory`` to a regular file."""
+    root = directory.resolve()
+    for file in files:
+        if not isinstance(file, str) or not file:
+            raise PermissionError(f"file name {file!r} in {directory} is not a relative path")
+        resolved = (root / file).resolve()
+        if not resolved.is_relative_to(root):
+            raise PermissionError(
+                f"file {file!r} of {directory} resolves outside the directory; only files "
+                "inside it are read"
+            )
+        if resolved.exists() and not resolved.is_file():
+            raise PermissionError(f"file {file!r} of {directory} is not a regular file")
 
 
 def _names_in(path: Path) -> list[str]:

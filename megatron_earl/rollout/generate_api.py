@@ -174,6 +174,27 @@ class BadRequest(ValueError):
     """Client error; the message goes back with HTTP 400."""
 
 
+def parse_weight_version(value: Any) -> int:
+    """A request's ``weight_version`` (SGLang sends a string, e.g. ``"3"``; an integer or an
+    integral finite float is taken too) as an int; ``BadRequest`` for anything else
+    (``"inf"``, ``1e400``, ``2.5``, ``true``)."""
+    if isinstance(value, bool):
+        raise BadRequest(f"weight_version {value!r} must be an integer or an integer string")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+    elif isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise BadRequest(
+        f'weight_version {value!r:.80} must be an integer or an integer string (e.g. "3")'
+    )
+
+
 def check_fields(body: Any, allowed: frozenset[str], what: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(f"{what} must be a JSON object, got {type(body).__name__}")

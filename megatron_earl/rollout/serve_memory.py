@@ -35,6 +35,7 @@ from aiohttp import web
 from megatron_earl.config.vocab import MemoryTag
 from megatron_earl.rollout.generate_api import BadRequest
 from megatron_earl.rollout.memory_occupation import MEMORY_FIELDS, parse_tags
+from megatron_earl.rollout.server_auth import error_response
 
 
 class MemoryEndpoints:
@@ -69,16 +70,10 @@ class MemoryEndpoints:
         released = self.engine.released
         if not released:
             return None
-        return web.json_response(
-            {
-                "error": {
-                    "message": f"memory {list(released)} is released "
-                    "(release_memory_occupation); generation resumes after "
-                    "resume_memory_occupation",
-                    "code": 503,
-                }
-            },
-            status=503,
+        return error_response(
+            503,
+            f"memory {list(released)} is released (release_memory_occupation); generation "
+            "resumes after resume_memory_occupation",
         )
 
     def check_weights_resident(self, what: str) -> None:

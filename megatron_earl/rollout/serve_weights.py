@@ -30,10 +30,14 @@ payload format of ``tensor_payload``), SGLang's distributed protocol over gloo a
   receives then run as engine steps, so generation waits meanwhile (as SGLang's scheduler
   does); see ``serve_tp``;
 - a disk update reads only below a directory given by ``--weight-dirs`` (symlinks resolved;
-  none by default): anything else is answered 403 and nothing is read. ``model_path`` is an HF
+  none by default): anything else is answered 403 and nothing is read. Every file it reads is a
+  regular file inside the resolved ``model_path`` (an index's shard names included: absolute,
+  ``..`` or symlinked out is a 403 before any file is opened). ``model_path`` is an HF
   directory (``model.safetensors`` or a sharded index, as the streaming exporter
-  ``convert.export_hf`` writes it and SGLang loads it) or a ``torch.save``'d full Megatron state
-  file (the older form).
+  ``convert.export_hf`` writes it and SGLang loads it; names, shapes and dtypes are checked
+  after reading, before loading) or a ``torch.save``'d full Megatron state file (the older
+  form: read whole, then its names and shapes are checked before loading);
+- a group is replaced, or a ``weight_version`` accepted, only once the whole request is valid.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from megatron_earl.rollout.generate_api import BadRequest, parse_weight_version
+from megatron_earl.rollout.server_auth import error_response
 from megatron_earl.rollout.tensor_payload import decode_payload, is_portable
 from megatron_earl.rollout.weight_group import (
     FLATTENED,
@@ -107,6 +113,8 @@ DISK_UPDATE_FIELDS = frozenset(
     }
 )
 DISK_LOAD_FORMATS = (None, "auto", "safetensors", "pt")
+MAX_GROUP_WORLD_SIZE = 65536
+"""Largest ``world_size`` a weight-update group may have (a trainer rank 0 plus engines)."""
 
 
 class LocalGroup:
@@ -218,17 +226,23 @@ def allowed_path(path: str, weight_dirs: Sequence[Path]) -> Path:
 
 def read_weights(path: Path, load_format: str | None) -> tuple[str, Any]:
     """("hf", [(name, tensor)]) of an HF safetensors directory, or ("full", state) of a
-    ``torch.save``'d full Megatron state file."""
+    ``torch.save``'d full Megatron state file. ``path`` is resolved; every file read must be a
+    regular file inside it (``HFReader(confined=True)``), else ``PermissionError`` and nothing
+    is read."""
     from megatron_earl.convert.hf_io import HFReader
 
     if path.is_dir():
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r} does not read an HF directory")
-        reader = HFReader(path)
+        reader = HFReader(path, confined=True)
         names = sorted(n for n in reader.names() if not n.endswith("rotary_emb.inv_freq"))
         return "hf", list(reader.read(names).items())
     if load_format not in (None, "auto", "pt"):
         raise ValueError(f"load_format {load_format!r} does not read a full-state file")
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if not path.is_file():  # a FIFO or device would block the reading thread for good
+        raise PermissionError(f"{path} is not a directory or a regular file")
     state = torch.load(path, weights_only=True)
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a full Megatron state dict")
@@ -241,17 +255,17 @@ class WeightEndpoints:
     weight_dirs: tuple[Path, ...] = ()
     dist_timeout_s: float = 300.0
 
+    def _init_weight_endpoints(self) -> None:
+        """The endpoints' state (``Server.__init__`` calls it)."""
+        self.groups: dict[str, Any] = {}
+        """Joined weight-update groups by name (``LocalGroup`` or ``serve_tp.TPGroup``)."""
+        self._expected_hf: dict[str, tuple[tuple, torch.dtype]] | None = None
+
     def _expected(self) -> dict[str, tuple[tuple, torch.dtype]]:
-        if getattr(self, "_expected_hf", None) is None:
+        if self._expected_hf is None:
             dtype = next(self.engine.model_chunks[0].parameters()).dtype
             self._expected_hf = expected_hf_tensors(self.engine.model_config, dtype)
         return self._expected_hf
-
-    @property
-    def groups(self) -> dict[str, Any]:
-        if getattr(self, "_groups", None) is None:
-            self._groups: dict[str, Any] = {}
-        return self._groups
 
     async def _drop_group(self, name: str) -> None:
         group = self.groups.pop(name, None)
@@ -307,8 +321,6 @@ class WeightEndpoints:
     # ------------------------------------------------------------------ distributed
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from megatron_earl.rollout.generate_api import BadRequest
-
         body = await self._json(request, INIT_GROUP_FIELDS, "init_weights_update_group")
         missing = sorted({"master_address", "master_port", "rank_offset", "world_size"} - set(body))
         if missing:
@@ -320,21 +332,32 @@ class WeightEndpoints:
                 f"backend {backend!r}: megatron-earl serve runs on CPU and joins with 'gloo' "
                 "(SGLang on GPUs uses 'nccl')"
             )
-        await self._drop_group(name)  # SGLang replaces a group of the same name (a new trainer)
         ints = {k: body[k] for k in ("master_port", "rank_offset", "world_size")}
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints.values()):
             raise BadRequest(f"master_port, rank_offset, world_size must be integers: {ints}")
+        if not 1 <= ints["master_port"] <= 65535:
+            raise BadRequest(f"master_port {ints['master_port']} must be in [1, 65535]")
         tp = self.engine.tp_size
+        if ints["world_size"] > MAX_GROUP_WORLD_SIZE:
+            raise BadRequest(
+                f"world_size {ints['world_size']} must be at most {MAX_GROUP_WORLD_SIZE}"
+            )
         if not 1 <= ints["rank_offset"] <= ints["world_size"] - tp:
             raise BadRequest(
                 f"rank_offset {ints['rank_offset']} must be in [1, world_size - tp = "
                 f"{ints['world_size'] - tp}] (rank 0 is the trainer; this server's {tp} TP "
                 "rank(s) join as rank_offset + tp_rank)"
             )
+        address = body["master_address"]
+        if not isinstance(address, str) or not address:
+            raise BadRequest(f"master_address must be a non-empty string, got {address!r}")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"group_name must be a non-empty string, got {name!r}")
+        await self._drop_group(name)  # SGLang replaces a group of the same name (a new trainer)
         try:
             group = await join_group(
                 self.engine,
-                str(body["master_address"]),
+                address,
                 ints["master_port"],
                 ints["rank_offset"],
                 ints["world_size"],
@@ -342,7 +365,7 @@ class WeightEndpoints:
                 backend,
                 self.dist_timeout_s,
             )
-        except (TimeoutError, RuntimeError, ValueError) as err:
+        except (TimeoutError, RuntimeError, ValueError, TypeError) as err:
             raise BadRequest(f"Failed to initialize custom process group: {err}") from None
         self.groups[name] = group
         return web.json_response(
@@ -351,7 +374,6 @@ class WeightEndpoints:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         from megatron_earl.models.hf_mapping import apply_hf_tensor
-        from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(
             request, DISTRIBUTED_UPDATE_FIELDS, "update_weights_from_distributed"
@@ -384,7 +406,7 @@ class WeightEndpoints:
             if load_format == FLATTENED:
                 flattened_sizes(names, dtypes, shapes)
             if body.get("weight_version") is not None:
-                int(body["weight_version"])  # checked again by _update, after the receive
+                parse_weight_version(body["weight_version"])  # _update parses it after receiving
         except (ValueError, TypeError) as err:
             await self._drop_group(name)  # its sender has no receiver for this bucket
             raise BadRequest(
@@ -410,8 +432,6 @@ class WeightEndpoints:
         return await self._update(body, apply, before=receive)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        from megatron_earl.rollout.generate_api import BadRequest
-
         body = await self._json(request, DESTROY_GROUP_FIELDS, "destroy_weights_update_group")
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
@@ -425,7 +445,6 @@ class WeightEndpoints:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         from megatron_earl.models.hf_mapping import apply_hf_tensor
-        from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(request, DISK_UPDATE_FIELDS, "update_weights_from_disk")
         path = body.get("model_path")
@@ -437,11 +456,13 @@ class WeightEndpoints:
         try:
             resolved = allowed_path(path, self.weight_dirs)
         except Forbidden as err:
-            return _forbidden(str(err))
+            return error_response(403, str(err))
         try:
             kind, weights = await asyncio.to_thread(read_weights, resolved, load_format)
             if kind == "hf":
                 check_named(weights, self._expected())
+        except PermissionError as err:
+            return error_response(403, f"update_weights_from_disk refused: {err}")
         except Exception as err:
             raise BadRequest(
                 f"update_weights_from_disk refused, nothing changed: cannot load {path!r}: {err}"
@@ -454,7 +475,3 @@ class WeightEndpoints:
                 apply_hf_tensor(full, hf_name, tensor, self.engine.model_config)
 
         return await self._update(body, apply)
-
-
-def _forbidden(message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": 403}}, status=403)

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -53,6 +55,7 @@ import torch
 from aiohttp import web
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import PauseMode
 from megatron_earl.rollout import serve_tp
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, RequestError
 from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
@@ -61,6 +64,7 @@ from megatron_earl.rollout.generate_api import (
     BadRequest,
     GeneratePlan,
     parse_generate,
+    parse_weight_version,
 )
 from megatron_earl.rollout.generate_api import check_fields as _check_fields
 from megatron_earl.rollout.serve_memory import MemoryEndpoints
@@ -77,13 +81,21 @@ from megatron_earl.rollout.serve_model import (
     server_info_json,
 )
 from megatron_earl.rollout.serve_weights import WeightEndpoints
-from megatron_earl.rollout.server_auth import ADMIN_PATHS, RequestLimits, allowed
+from megatron_earl.rollout.server_auth import (
+    ADMIN_PATHS,
+    RequestLimits,
+    allowed,
+    error_response,
+)
 
 logger = logging.getLogger("megatron_earl.serve")
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+def _finished_control(task: asyncio.Task) -> None:
+    """Done callback of a shielded control handler (``_answer`` answers every error but an HTTP
+    one): an HTTP error raised after its client left is retrieved, so asyncio does not warn."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Server(WeightEndpoints, MemoryEndpoints):
@@ -125,6 +137,11 @@ class Server(WeightEndpoints, MemoryEndpoints):
         """How long a weight-update group waits for its other ranks to join."""
         self.updating = False
         self._update_lock = asyncio.Lock()
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "serve-tokenizer")
+        """Parses ``/generate`` bodies (tokenizes their text), one at a time, off the loop."""
+        self._control_tasks: set[asyncio.Task] = set()
+        """Control handlers running shielded from their client's disconnect (``_middleware``)."""
+        self._init_weight_endpoints()
 
     def detokenize(self, ids: Any, skip_special_tokens: bool = True) -> str:
         codec = self.served.codec
@@ -168,30 +185,42 @@ class Server(WeightEndpoints, MemoryEndpoints):
         header = request.headers.get("Authorization")
         if not allowed(request.method, request.path, header, self.api_key, self.admin_api_key):
             kind = "admin key" if request.path in ADMIN_PATHS and self.admin_api_key else "api key"
-            return _error(401, f"{request.path} needs 'Authorization: Bearer <{kind}>'")
+            return error_response(401, f"{request.path} needs 'Authorization: Bearer <{kind}>'")
         limit = self.limits.for_path(request.path)
         if request.content_length is not None and request.content_length > limit:
-            return _error(
+            return error_response(
                 413,
                 f"request body of {request.content_length} bytes exceeds the limit of "
                 f"{limit} bytes for {request.path}",
             )
         request = request.clone(client_max_size=limit)  # also bounds bodies without a length
+        if request.path == "/generate":  # a gone client cancels it: its sequences are aborted
+            return await self._answer(request, handler, limit)
+        # Every other handler runs to completion whatever the client does: a control or weight
+        # operation cancelled between its engine step and its bookkeeping (released tags, the
+        # weight version, a group) would leave the engine inconsistent.
+        task = asyncio.ensure_future(self._answer(request, handler, limit))
+        self._control_tasks.add(task)
+        task.add_done_callback(self._control_tasks.discard)
+        task.add_done_callback(_finished_control)
+        return await asyncio.shield(task)
+
+    async def _answer(
+        self, request: web.Request, handler: Callable[..., Awaitable], limit: int
+    ) -> web.StreamResponse:
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            return _error(
+            return error_response(
                 413, f"request body exceeds the limit of {limit} bytes for {request.path}"
             )
-        except BadRequest as err:
-            return _error(400, str(err))
-        except RequestError as err:
-            return _error(400, str(err))
+        except (BadRequest, RequestError) as err:
+            return error_response(400, str(err))
         except web.HTTPException:
             raise
         except Exception as err:  # a bug answered for this request only; the server goes on
             logger.exception("%s failed", request.path)
-            return _error(500, f"{request.path} failed: {type(err).__name__}: {err}")
+            return error_response(500, f"{request.path} failed: {type(err).__name__}: {err}")
 
     async def _json(self, request: web.Request, allowed: frozenset[str], what: str) -> dict:
         if not request.can_read_body:
@@ -203,8 +232,10 @@ class Server(WeightEndpoints, MemoryEndpoints):
             raise web.HTTPRequestTimeout(
                 text=f"the request body of {request.path} was not received within {timeout:g}s"
             ) from None
-        try:
-            body = json.loads(raw)
+        try:  # a weight payload of up to --max-weight-body-mb: decoded off the event loop
+            body = (
+                await asyncio.to_thread(json.loads, raw) if len(raw) > 1 << 20 else json.loads(raw)
+            )
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise BadRequest(f"malformed JSON in {what}: {err}") from None
         return _check_fields(body, allowed, what)
@@ -214,36 +245,37 @@ class Server(WeightEndpoints, MemoryEndpoints):
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's ``/generate`` (``generate_api``: the schema, the response shape)."""
         body = await self._json(request, GENERATE_FIELDS, "the /generate request")
-        if self.updating:
-            return _error(503, "a weight update is in progress; retry shortly")
-        if (released := self.released_response()) is not None:
-            return released
         codec, max_seq = self.served.codec, self.engine.config.max_seq_len
-        plan = parse_generate(
+        parse = functools.partial(
+            parse_generate,
             body,
             max_seq_len=max_seq,
             tokenize=codec.encode if codec is not None else None,
             eos_token_ids=self.served.eos_token_ids,
-        )
+        )  # tokenizing long text: in one thread, off the event loop (/health keeps answering)
+        plan = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, parse)
+        if self.updating:  # checked after the parse: an update may have begun meanwhile
+            return error_response(503, "a weight update is in progress; retry shortly")
+        if (released := self.released_response()) is not None:
+            return released
         for req in plan.requests:
             self.engine.validate(req)
         queued = self.engine.num_requests
         if queued + len(plan.requests) > self.limits.max_queued_requests:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"the engine holds {queued} requests; {len(plan.requests)} "
-                        f"more would exceed --max-queued-requests "
-                        f"{self.limits.max_queued_requests}: retry later",
-                        "code": 429,
-                    }
-                },
-                status=429,
+            return error_response(
+                429,
+                f"the engine holds {queued} requests; {len(plan.requests)} more would exceed "
+                f"--max-queued-requests {self.limits.max_queued_requests}: retry later",
                 headers={"Retry-After": "1"},
             )
         if plan.stream:
             return await self._stream(request, plan)
-        results = await asyncio.gather(*(self.engine.generate(r) for r in plan.requests))
+        tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in plan.requests]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # one sequence failed (or the client left): its siblings are aborted
+            for task in tasks:
+                task.cancel()
         return web.json_response(plan.response(results, self.detokenize))
 
     async def _stream(self, request: web.Request, plan: GeneratePlan) -> web.StreamResponse:
@@ -362,7 +394,11 @@ class Server(WeightEndpoints, MemoryEndpoints):
 
     async def pause(self, request: web.Request) -> web.Response:
         body = await self._json(request, frozenset({"rid", "mode"}), "pause_generation")
-        await self.engine.pause(body.get("mode", "abort"))
+        try:
+            mode = PauseMode(body.get("mode", PauseMode.ABORT))
+        except ValueError as err:
+            raise BadRequest(f"pause_generation: {err}") from None
+        await self.engine.pause(mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -392,12 +428,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
         it. ``before`` runs first inside the update window (receiving a broadcast bucket)."""
         version = self.engine.weight_version
         if body.get("weight_version") is not None:
-            try:
-                version = int(body["weight_version"])
-            except (TypeError, ValueError):
-                raise BadRequest(
-                    f"weight_version {body['weight_version']!r} must be an integer string"
-                ) from None
+            version = parse_weight_version(body["weight_version"])
         async with self._update_lock:
             self.check_weights_resident("the weight update")
             self.updating = True
@@ -407,16 +438,21 @@ class Server(WeightEndpoints, MemoryEndpoints):
                 if body.get("abort_all_requests"):
                     await self.engine.abort_all("aborted for a weight update")
                 full = await self.engine.state_dict()
-                shapes = {name: (t.shape, t.dtype) for name, t in full.items()}
-                try:
-                    apply(full)
-                except (KeyError, ValueError) as err:
-                    raise BadRequest(f"weight update rejected: {err}") from None
-                _check_update(full, shapes)
+                await asyncio.to_thread(_apply_checked, full, apply)  # off the event loop
                 await self.engine.load_state_dict(full, version)
             finally:
                 self.updating = False
         return web.json_response({"success": True, "message": f"weight version {version}"})
+
+
+def _apply_checked(full: dict[str, torch.Tensor], apply: Callable[[dict], None]) -> None:
+    """``apply`` the update to ``full`` (a copy of the served state), then ``_check_update``."""
+    shapes = {name: (t.shape, t.dtype) for name, t in full.items()}
+    try:
+        apply(full)
+    except (KeyError, ValueError) as err:
+        raise BadRequest(f"weight update rejected: {err}") from None
+    _check_update(full, shapes)
 
 
 def _check_update(full: dict[str, torch.Tensor], before: dict[str, tuple]) -> None:
@@ -506,6 +542,7 @@ async def serve(args: argparse.Namespace) -> None:
     await stop.wait()
     await runner.cleanup()
     await engine.shutdown()
+    server._tokenizer_thread.shutdown()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

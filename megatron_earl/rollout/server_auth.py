@@ -12,13 +12,26 @@ the pinned wheel; the decision table is in ``megatron_earl/docs/engines.md``):
   set (an admin key alone leaves them open, as in SGLang).
 
 Keys travel as ``Authorization: Bearer KEY`` and are compared in constant time. A refusal is 401
-(wrong or missing key). Pure functions, no I/O.
+(wrong or missing key). Pure functions, no I/O; ``error_response`` builds the one error body
+every endpoint answers with (``{"error": {"message", "code"}}``).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from aiohttp import web
+
+
+def error_response(
+    status: int, message: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """The error answer of every ``serve`` endpoint: ``{"error": {"message", "code"}}``."""
+    body = {"error": {"message": message, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_PATHS = frozenset(

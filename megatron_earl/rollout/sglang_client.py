@@ -302,7 +302,9 @@ class SGLangClient:
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        out = await self._weights_call("/update_weights_from_distributed", body)
+        # Never retried: the trainer broadcasts each bucket once, a second receive would wait for
+        # a broadcast that never comes.
+        out = await self._weights_call("/update_weights_from_distributed", body, retries=0)
         if weight_version is not None:
             self._version = weight_version
         return out
@@ -341,8 +343,10 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ transport
 
-    async def _weights_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        out = await self._call("POST", path, body, self.config.control_timeout_s * 10)
+    async def _weights_call(
+        self, path: str, body: dict[str, Any], retries: int | None = None
+    ) -> dict[str, Any]:
+        out = await self._call("POST", path, body, self.config.control_timeout_s * 10, retries)
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineRequestError(400, f"{path}: {out.get('message')}")
         return out

@@ -27,8 +27,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_earl.config.vocab import DistributedLoadFormat
+
 NamedTensor = tuple[str, torch.Tensor]
-FLATTENED = "flattened_bucket"
+FLATTENED = DistributedLoadFormat.FLATTENED_BUCKET
 LOAD_FORMATS = (None, FLATTENED)
 """``load_format`` values of ``update_weights_from_distributed`` both sides implement."""
 

@@ -32,7 +32,7 @@ from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.sglang_client import EngineRequestError, SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
-from megatron_earl.rollout.weight_sync import hf_named_tensors
+from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
 from megatron_earl.rollout.weight_transports import build_transport
 from megatron_earl.testing.distributed import free_port
 
@@ -314,3 +314,88 @@ def test_a_hostile_sglang_payload_is_refused_and_nothing_runs(env, tmp_path):
     assert not marker.exists()
     assert asyncio.run(_version(env["target"])) == 9
     assert _same_as_reference(env)
+
+
+def test_disk_updates_read_no_file_outside_the_directory(env):
+    """Shards an index names outside its directory (absolute, ``..``, a symlink), or a FIFO as
+    the full-state file: 403, nothing read, and the answer says nothing about the outside
+    path (a missing and an existing outside file get the same answer)."""
+    import os
+
+    tmp, allowed = env["tmp"], env["allowed"]
+    asyncio.run(_push(env, SGLangConfig(), W, 30))
+    export_hf(hf_named_tensors(weights(4), MODEL), MODEL, tmp / "outside4")
+    shard = next((tmp / "outside4").glob("*.safetensors"))
+
+    def hf_dir(name: str, file: str) -> Path:
+        target = allowed / name
+        export_hf(hf_named_tensors(weights(4), MODEL), MODEL, target)
+        index = json.loads((target / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {n: file for n in index["weight_map"]}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index))
+        return target
+
+    linked = hf_dir("linked", "linked.safetensors")
+    (linked / "linked.safetensors").symlink_to(shard)
+    os.mkfifo(allowed / "fifo.pt")
+    cases = [
+        (hf_dir("absolute", str(shard)), "resolves outside"),
+        (hf_dir("dotdot", f"../../{shard.parent.name}/{shard.name}"), "resolves outside"),
+        (hf_dir("absent", "/nonexistent/x.safetensors"), "resolves outside"),
+        (linked, "resolves outside"),
+        (allowed / "fifo.pt", "not a directory or a regular file"),
+    ]
+
+    async def post(path: Path) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            body = {"model_path": str(path), "weight_version": "31"}
+            async with s.post(env["target"] + "/update_weights_from_disk", json=body) as r:
+                return r.status, (await r.json())["error"]["message"]
+
+    answers = {}
+    for path, needle in cases:
+        status, message = asyncio.run(asyncio.wait_for(post(path), 30))
+        assert status == 403 and needle in message, (path, status, message)
+        answers[path.name] = message.replace(path.name, "")
+        assert asyncio.run(_version(env["target"])) == 30
+    assert answers["absolute"].replace(str(shard), "") == answers["absent"].replace(
+        "/nonexistent/x.safetensors", ""
+    )
+    assert _same_as_reference(env)
+
+
+def test_bad_group_init_and_versions_get_400_and_keep_a_working_group(env):
+    """A bad init (port, world size, rank offset) or a non-integral ``weight_version`` is a 400
+    before anything changes: a group of the same name keeps working."""
+    settings = SGLangConfig(weight_update="distributed", bucket_bytes=64 << 10, group_timeout_s=30)
+    transport = build_transport(settings, MODEL, env["tmp"])
+
+    async def post(path: str, body: dict) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(env["target"] + path, json=body) as r:
+                return r.status, await r.text()
+
+    base = {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    base["group_name"] = "weight_update_group"
+    try:
+        asyncio.run(_push_with(transport, env, weights(5), 40))
+        for change, needle in [
+            ({"master_port": 70000}, "master_port 70000 must be in [1, 65535]"),
+            ({"master_port": -1}, "master_port -1 must be in [1, 65535]"),
+            ({"master_port": 29500, "world_size": 1 << 40}, "world_size"),
+            ({"master_port": 29500, "rank_offset": 0}, "rank_offset 0"),
+        ]:
+            status, text = asyncio.run(post("/init_weights_update_group", base | change))
+            assert status == 400 and needle in text, (change, status, text)
+        payload = serialize_named_tensors([("model.norm.weight", torch.full((32,), 2.0))])
+        for version in (float("inf"), 2.5, True, "1e3"):
+            body = {"serialized_named_tensors": [payload], "weight_version": version}
+            status, text = asyncio.run(post("/update_weights_from_tensor", body))
+            assert status == 400 and "weight_version" in text, (version, status, text)
+        assert asyncio.run(_version(env["target"])) == 40
+        asyncio.run(_push_with(transport, env, W, 41))  # the same group still works
+        assert asyncio.run(_version(env["target"])) == 41
+        assert _same_as_reference(env)
+    finally:
+        if transport.group is not None:
+            asyncio.run(_push_with(transport, env, W, 42, close=True))
