@@ -20,12 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_earl.config.vocab import TensorPayload, WeightUpdate
+from megatron_earl.config.vocab import DistributedLoadFormat, PauseMode, TensorPayload, WeightUpdate
 
-PAUSE_MODES = ("retract", "in_place", "abort")
+PAUSE_MODES = tuple(PauseMode)
 GROUP_BACKENDS = ("gloo", "nccl")
-DISTRIBUTED_LOAD_FORMATS = ("tensors", "flattened_bucket")
-TENSOR_LOAD_FORMATS = ("tensors", "flattened_bucket")
+DISTRIBUTED_LOAD_FORMATS = tuple(DistributedLoadFormat)
+TENSOR_LOAD_FORMATS = tuple(DistributedLoadFormat)  # the same two layouts
 
 
 class SGLangConfigError(ValueError):
@@ -125,7 +125,7 @@ class SGLangConfig:
                 f"{TENSOR_LOAD_FORMATS}"
             )
         elif (
-            self.tensor_load_format == "flattened_bucket"
+            self.tensor_load_format == DistributedLoadFormat.FLATTENED_BUCKET
             and self.tensor_payload != TensorPayload.SGLANG
         ):
             problems.append(

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.vocab import PauseMode
 from megatron_earl.models.hf_mapping import megatron_to_hf
 from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
 from megatron_earl.rollout.tensor_payload import (  # noqa: F401 (names callers import from here)
@@ -65,9 +66,9 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
-        if self.pause_mode not in ("retract", "in_place", "abort"):
+        if self.pause_mode not in tuple(PauseMode):
             raise ValueError(
-                f"pause_mode {self.pause_mode!r} is not one of 'retract', 'in_place', 'abort'"
+                f"pause_mode {self.pause_mode!r} is not one of {[str(m) for m in PauseMode]}"
             )
 
 
