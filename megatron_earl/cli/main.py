@@ -62,12 +62,20 @@ def _torchrun(module: str, argv: list[str]) -> int:
     return rc
 
 
+class UsageError(ValueError):
+    """A command-line argument this launcher cannot take; the message names it."""
+
+
 def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
-    """(``--nproc`` value, default 2; the arguments without it)."""
+    """(``--nproc`` value, default 2; the arguments without it). ``UsageError`` names a missing
+    or non-positive-integer value."""
     if "--nproc" not in argv:
         return 2, argv
     i = argv.index("--nproc")
-    return int(argv[i + 1]), argv[:i] + argv[i + 2 :]
+    value = argv[i + 1] if i + 1 < len(argv) else None
+    if value is None or not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--nproc takes a number of processes >= 1, got {value!r}")
+    return int(value), argv[:i] + argv[i + 2 :]
 
 
 def _torchrun_to(module: str, argv: list[str], extra_env: dict[str, str]) -> int:
@@ -97,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    try:
+        return _dispatch(argv)
+    except UsageError as err:
+        print(f"megatron-earl {argv[0]}: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv[0] == "train":
         # Validate the whole run before any process (or process group) is started.
         from megatron_earl.cli.train import checked_config
