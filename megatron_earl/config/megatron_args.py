@@ -318,6 +318,7 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.params_dtype": dtype,
         "model.recompute_granularity": args.recompute_granularity,
         "model.recompute_num_layers": args.recompute_num_layers or 1,
+        "model.sequence_parallel": args.sequence_parallel,
         "layouts.train": layout,
         "seed": args.seed,
         "train.lr": args.lr,

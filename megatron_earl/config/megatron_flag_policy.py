@@ -156,11 +156,6 @@ NO_EFFECT_FLAGS: dict[str, int | str] = _flags(
 """Accepted, no effect here (flag -> number of values); listed at start-up when given."""
 
 _REFUSED_BY_REASON: dict[str, str] = {
-    "sequence parallelism is not supported: packed micro-batches are padded per sequence to a "
-    "multiple of 2 x cp only, not of tp, so the sequence dimension cannot be split over tp "
-    "ranks; drop the flag (for activation memory use --recompute-granularity)": """
-    --sequence-parallel
-    """,
     "only dense SwiGLU decoder models (Llama/Qwen family) are built here; mixture-of-experts, "
     "MLA, multi-token prediction, Mamba/hybrid, linear or sparse attention variants, "
     "encoder-decoder, BERT/ICT/vision models are not": """

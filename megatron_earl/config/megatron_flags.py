@@ -70,6 +70,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-parallel-size", type=int, default=1)
+    add("--sequence-parallel", action="store_true")
     add("--virtual-pipeline-model-parallel-size", type=int, default=None)
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)

@@ -125,6 +125,12 @@ class ModelConfig:
     """None, "full" or "selective" activation recompute."""
     recompute_num_layers: int = 1
     """Layers per recompute block when recompute_granularity == "full" (uniform method)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism in every layout with tp > 1 (off at tp = 1, as Megatron-LM
+    does): the norms, residuals and dropouts hold 1/tp of the sequence per TP rank (activation
+    memory), all-gathered before and reduce-scattered after the tensor-parallel blocks. Packed
+    micro-batches are padded at their end so each rank's share divides by tp
+    (``parallel.cp.sequence_parallel_padding``)."""
     transformer_impl: TransformerImpl = TransformerImpl.AUTO
     """Layer implementation: "auto" (Transformer Engine when importable on CUDA, unless the rollout
     engine is the embedded one; else local), "local" or "transformer_engine"."""
@@ -301,6 +307,12 @@ class ModelConfig:
         return out | {"transformer_impl": self.transformer_impl.value}
 
 
+def sequence_parallel_size(model: ModelConfig, tp: int) -> int:
+    """How many ranks split the sequence of ``model`` built at ``tp``: tp under sequence
+    parallelism, else 1 (the ``sp`` of ``training.microbatch.thd_micro_batch``)."""
+    return tp if model.sequence_parallel and tp > 1 else 1
+
+
 def build_transformer_config(
     model: ModelConfig,
     *,
@@ -347,7 +359,7 @@ def build_transformer_config(
         context_parallel_size=cp,
         cp_comm_type=model.cp_comm_type or "p2p",
         virtual_pipeline_model_parallel_size=vpp,
-        sequence_parallel=False,
+        sequence_parallel=model.sequence_parallel and tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -23,6 +23,7 @@ from megatron_earl import runtime
 from megatron_earl.compat.optional import has_transformer_engine
 from megatron_earl.config.model import ModelConfig, ModelConfigError, build_transformer_config
 from megatron_earl.config.vocab import TransformerImpl
+from megatron_earl.models.norms import HeadRMSNorm, HiddenRMSNorm
 from megatron_earl.patches import cpu_redirect
 
 
@@ -142,6 +143,13 @@ def layer_spec(model: ModelConfig, cp: int = 1) -> ModuleSpec:
     spec = copy.deepcopy(
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
     )
+    # Megatron's WrappedTorchNorm refuses sequence parallelism: the same torch.nn.RMSNorm, marked
+    # for it (models/norms.py). The final layernorm is set per chunk (block_spec).
+    spec.submodules.input_layernorm = HiddenRMSNorm
+    spec.submodules.pre_mlp_layernorm = HiddenRMSNorm
+    if model.qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = HeadRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = HeadRMSNorm
     if model.attention_backend == "local":
         if cp > 1:
             raise ModelConfigError("attention_backend='local' does not support cp > 1; use 'sdpa'")
@@ -185,7 +193,7 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
             _build_chunk(
                 model,
                 config=config,
-                transformer_layer_spec=spec,
+                transformer_layer_spec=block_spec(spec, config, stage),
                 vocab_size=model.padded_vocab_size,
                 max_sequence_length=model.max_position_embeddings,
                 pre_process=parallel_state.is_pipeline_first_stage(
@@ -201,6 +209,21 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
             )
         )
     return chunks
+
+
+def block_spec(spec: ModuleSpec, config, vp_stage: int | None):
+    """The decoder block of one chunk: ``spec``'s layers as Megatron counts them for this stage,
+    and a final layernorm like the layers' (the local spec's ``HiddenRMSNorm``; Megatron's default
+    otherwise). A TE layer spec is returned as is (TE's norms handle sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if spec.submodules.input_layernorm is not HiddenRMSNorm:
+        return spec
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=HiddenRMSNorm)
 
 
 def rope_kwargs(model: ModelConfig) -> dict:

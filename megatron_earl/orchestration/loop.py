@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_earl import runtime
+from megatron_earl.config.model import sequence_parallel_size
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.dispatch import Destination
@@ -230,7 +231,7 @@ class RLLoop:
             consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
         )
         local = execute(plan, batch)
-        inputs = model_inputs(local.micro_batches, fields, layout.cp)
+        inputs = model_inputs(local.micro_batches, fields, layout.cp, self._sp(layout))
         names = []
         if self.old_logprobs:
             out = micro_batch_logprobs(
@@ -288,7 +289,7 @@ class RLLoop:
         for i in range(progress.done, n):
             if update:  # the schedule's rate at this RL optimizer step (SFT steps not counted)
                 set_lr_step(self._lr_scheduler(), self.policy.version - self.config.sft.steps)
-            whole = model_inputs(local.mini_batch(i), fields, layout.cp)
+            whole = model_inputs(local.mini_batch(i), fields, layout.cp, self._sp(layout))
             progress.metrics = train_micro_batches(
                 self.policy.ddp_chunks, optimizer, whole, step_config
             )
@@ -296,6 +297,11 @@ class RLLoop:
                 self.policy.version += 1
             progress.done = i + 1
         return progress.metrics
+
+    def _sp(self, layout: ParallelLayout) -> int:
+        """Ranks that split a packed micro-batch's sequence in ``layout`` (tp under sequence
+        parallelism, else 1): its inputs are padded so each rank's share divides by it."""
+        return sequence_parallel_size(self.config.model, layout.tp)
 
     def _lr_scheduler(self):
         """Megatron-Core's LR scheduler over the master's current optimizer (rebuilt when the

@@ -128,13 +128,13 @@ def consumer_plan(layout: ParallelLayout, budget: int, num_mini_batches: int = 1
 
 
 def model_inputs(
-    micro_batches: Sequence[MicroBatch], fields: Sequence[str], cp: int
+    micro_batches: Sequence[MicroBatch], fields: Sequence[str], cp: int, sp: int = 1
 ) -> list[dict[str, object]]:
     """The model's packed (thd, not CP-split) form of dispatched micro-batches (whole samples):
-    their per-token ``fields``, padded for ``cp`` (views of the received tensors when cp = 1),
-    labelled by sample id."""
+    their per-token ``fields``, padded for ``cp`` and sequence parallelism over ``sp`` ranks
+    (views of the received tensors when nothing is padded), labelled by sample id."""
     return [
-        thd_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, cp, mb.sample_ids)
+        thd_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, cp, mb.sample_ids, sp)
         for mb in micro_batches
     ]
 

@@ -33,6 +33,7 @@ __all__ = [
     "cp_token_index",
     "merge_cp_shards",
     "packed_cp_token_index",
+    "sequence_parallel_padding",
     "split_batch_for_cp",
 ]
 
@@ -48,6 +49,26 @@ def cp_padded_length(seq_len: int, cp: int) -> int:
         return seq_len
     step = 2 * cp
     return -(-seq_len // step) * step
+
+
+def sequence_parallel_padding(padded_lengths: Sequence[int], cp: int, sp: int) -> int:
+    """Tokens to add to the last sequence of a packed micro-batch (already padded for CP:
+    ``padded_lengths``) so that every CP rank's share splits evenly over ``sp`` sequence-parallel
+    ranks (``sp`` = tp with sequence parallelism, else 1). The last sequence stays a multiple of
+    ``2 * cp``; the answer is at most ``2 * cp * (sp - 1)`` tokens (``sp - 1`` at cp = 1).
+    Example: ``sequence_parallel_padding([5, 6], cp=1, sp=4) == 1``;
+    ``sequence_parallel_padding([4, 8], cp=2, sp=4) == 4`` (the shares grow from 6 to 8)."""
+    if cp < 1 or sp < 1:
+        raise ValueError(f"sequence_parallel_padding needs cp >= 1 and sp >= 1, got {cp}, {sp}")
+    total = sum(padded_lengths)
+    if total % cp:
+        raise ValueError(f"packed length {total} is not a multiple of cp = {cp}: pad for CP first")
+    step = 2 * cp if cp > 1 else 1  # what the last sequence may grow by, in global tokens
+    share, share_step = total // cp, step // cp
+    for k in range(sp):
+        if (share + k * share_step) % sp == 0:
+            return k * step
+    raise AssertionError(f"no tail padding for share {share}, step {share_step}, sp {sp}")
 
 
 def cp_chunk_bounds(seq_len: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -12,7 +12,7 @@ of *packed* tokens ``[T, h]`` (a decode step: one token per running request; a p
 whole contexts of the requests admitted together) over the model's own parameters, in the order
 ``TransformerLayer`` applies its submodules:
 
-    embedding (Megatron's VocabParallelEmbedding) -> per layer: input_layernorm, fused QKV
+    embedding (the VocabParallelEmbedding's shard) -> per layer: input_layernorm, fused QKV
     projection (+ qkv bias, q/k layernorm), RoPE at each token's position, KV-cache write,
     attention, output projection + TP all-reduce + bias, residual, pre_mlp_layernorm, fc1,
     SwiGLU, fc2 + TP all-reduce + bias, residual -> final_layernorm and output layer (+ TP
@@ -126,7 +126,6 @@ def check_supported(gpt: nn.Module) -> None:
         ),
         "attention_output_gate": getattr(config, "attention_output_gate", False),
         "num_moe_experts": bool(config.num_moe_experts),
-        "sequence_parallel": config.sequence_parallel,
         "context_parallel_size > 1": config.context_parallel_size > 1,
         "no_rope_freq": bool(getattr(config, "no_rope_freq", None)),
         "an MLP other than SwiGLU": not (
@@ -252,6 +251,17 @@ class BatchedForward:
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)
 
+    def _embed(self, ids_T: torch.Tensor) -> torch.Tensor:
+        """The input embeddings ``[T, h]``: this rank's vocabulary shard looked up, other ranks'
+        ids zeroed, summed over TP (``VocabParallelEmbedding``'s forward without its reduce-scatter
+        under sequence parallelism: here every TP rank keeps every token)."""
+        table = self.gpt.embedding.word_embeddings
+        if self.tp == 1:
+            return F.embedding(ids_T, table.weight)
+        outside = (ids_T < table.vocab_start_index) | (ids_T >= table.vocab_end_index)
+        local = (ids_T - table.vocab_start_index).masked_fill_(outside, 0)
+        return self._reduce(F.embedding(local, table.weight).masked_fill_(outside[:, None], 0.0))
+
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's partial sums summed over TP (every TP rank calls)."""
         if self.tp > 1:
@@ -280,7 +290,7 @@ class BatchedForward:
                 .expand(n, ng, 1, -1)
                 .reshape(n * ng, 1, -1)
             )
-        x = self.gpt.embedding(input_ids=ids[None], position_ids=pos_T[None])[:, 0]  # [T, h]
+        x = self._embed(ids)  # [T, h]
         for i, layer in enumerate(self.layers):
             qkv = F.linear(layer.norm1(x), layer.qkv_weight, layer.qkv_bias)
             qkv = qkv.view(-1, ng, rep + 2, hn)  # groups of [q x rep, k, v]

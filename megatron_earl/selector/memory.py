@@ -47,7 +47,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.model import ModelConfig, sequence_parallel_size
 from megatron_earl.config.vocab import PHASES, Phase
 from megatron_earl.parallel.layout import ParallelLayout
 
@@ -318,7 +318,10 @@ class MemoryModel:
         h, f = m.hidden_size, m.ffn_hidden_size
         q = m.num_attention_heads * m.head_dim
         kv = m.query_groups * m.head_dim
-        norms = 4 * h  # input and output of both RMSNorms (replicated over TP without SP)
+        # input and output of both RMSNorms: replicated over TP, or 1/tp of the sequence each
+        # under sequence parallelism (the projections save their un-gathered input and gather
+        # it again in backward, as Megatron's linear layers do)
+        norms = 4 * h / sequence_parallel_size(m, tp)
         qkv = q + 2 * kv  # fused QKV output
         rotated = q + kv
         # CP all-gathers K/V of the whole sequence (cp x the local tokens), then GQA repeats them
@@ -340,7 +343,11 @@ class MemoryModel:
         kv = m.query_groups * m.head_dim
         attn = (q + 2 * kv) + (q + kv) + (2 * kv * cp if cp > 1 else 0) + q
         attn += 2 * q * cp if m.query_groups != m.num_attention_heads else 0
-        return 2 * m.hidden_size + max(attn, 4 * m.ffn_hidden_size) / tp
+        sp = sequence_parallel_size(m, tp)
+        # under sequence parallelism: 1/tp of the residual and norm output, plus the gathered
+        # input of the projections
+        stream = 2 * m.hidden_size if sp == 1 else 2 * m.hidden_size / sp + m.hidden_size
+        return stream + max(attn, 4 * m.ffn_hidden_size) / tp
 
     def saved_activation_bytes(
         self, phase: str, layout: ParallelLayout, work: PhaseWorkload, stage: str = "last"
@@ -355,7 +362,8 @@ class MemoryModel:
             # 1F1B: the first stage holds min(pp, micro-batches) in flight, the last stage one
             in_flight = min(layout.pp, work.num_micro_batches) if stage == "first" else 1
             if s.recompute == "full":  # layer inputs of every micro-batch in flight + one layer
-                saved = layers * m.hidden_size * in_flight + per_layer
+                inputs = m.hidden_size / sequence_parallel_size(m, layout.tp)
+                saved = layers * inputs * in_flight + per_layer
             else:
                 saved = layers * per_layer * in_flight
             elements = (saved + 3 * m.hidden_size) * tokens

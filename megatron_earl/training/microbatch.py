@@ -23,7 +23,10 @@ model's form with ``thd_micro_batch`` (views when cp = 1), never unpacking it in
 ``thd_micro_batch`` makes packed per-token fields (samples back to back) one row ``[1, t]`` with
 ``PackedSeqParams(qkv_format="thd")``; with cp > 1 every sample is padded to a multiple of
 ``2 * cp`` (``parallel.cp.cp_padded_length``; padding has ``loss_mask`` 0) and
-``split_micro_batch`` keeps this CP rank's chunks (``parallel.cp.split_batch_for_cp``).
+``split_micro_batch`` keeps this CP rank's chunks (``parallel.cp.split_batch_for_cp``). Under
+sequence parallelism (``sp`` = tp) the last sample is padded further so each CP rank's share
+divides by tp: at most ``2 * cp * (tp - 1)`` tokens per micro-batch, outside the dispatcher's
+token budget.
 ``pack_micro_batch`` does the same for a list of per-sample dicts (tests, SFT, profiling).
 A packed micro-batch dict holds ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` (float),
 ``seq_ids`` (the sample's slot in the micro-batch for every token, its CP padding included: then
@@ -43,7 +46,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_earl import runtime
 from megatron_earl.dispatch.plan import balance_micro_batches
-from megatron_earl.parallel.cp import cp_padded_length, merge_cp_shards, split_batch_for_cp
+from megatron_earl.parallel.cp import (
+    cp_padded_length,
+    merge_cp_shards,
+    sequence_parallel_padding,
+    split_batch_for_cp,
+)
 
 Sample = Mapping[str, torch.Tensor]
 REQUIRED_FIELDS = ("tokens", "labels", "loss_mask")
@@ -131,6 +139,7 @@ def thd_micro_batch(
     lengths: Sequence[int],
     cp: int = 1,
     sample_index: Sequence[int] | None = None,
+    sp: int = 1,
 ) -> dict[str, object]:
     """The packed (thd) micro-batch of samples held back to back (whole, not CP-split).
 
@@ -138,10 +147,13 @@ def thd_micro_batch(
     ``sample_index`` labels the samples (default ``0..n-1``). ``tokens``/``labels`` become int64,
     the rest float32 (no copy when they already are). With cp > 1 each sample is padded to
     ``cp_padded_length`` with token 0, loss mask 0, the sample's seq id and zeros elsewhere.
+    ``sp`` > 1 (the model's tp under sequence parallelism) pads the last sample further, the same
+    way, so each CP rank's share divides by ``sp`` (``parallel.cp.sequence_parallel_padding``).
     """
     if not lengths:
         raise MicroBatchError("a micro-batch needs at least one sample")
     padded = [cp_padded_length(n, cp) for n in lengths]
+    padded[-1] += sequence_parallel_padding(padded, cp, sp)
     # The layout of the packed row is computed on the host from Python ints and moved to the
     # compute device once (boundary "packing metadata", docs/devices.md).
     cu = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32)
@@ -181,7 +193,7 @@ def thd_micro_batch(
 
 
 def pack_micro_batch(
-    samples: Sequence[Sample], indices: Sequence[int], cp: int = 1
+    samples: Sequence[Sample], indices: Sequence[int], cp: int = 1, sp: int = 1
 ) -> dict[str, object]:
     """One packed (thd) micro-batch of ``samples[i] for i in indices`` (``thd_micro_batch`` of
     their concatenation; ``sample_index`` = ``indices``)."""
@@ -189,7 +201,7 @@ def pack_micro_batch(
         raise MicroBatchError("a micro-batch needs at least one sample")
     chosen = [samples[i] for i in indices]
     fields = {name: torch.cat([s[name] for s in chosen]) for name in chosen[0]}
-    return thd_micro_batch(fields, [sample_length(s) for s in chosen], cp, indices)
+    return thd_micro_batch(fields, [sample_length(s) for s in chosen], cp, indices, sp)
 
 
 def split_micro_batch(micro_batch: dict[str, object], cp: int, cp_rank: int) -> dict[str, object]:
@@ -205,12 +217,12 @@ def split_micro_batch(micro_batch: dict[str, object], cp: int, cp_rank: int) -> 
 
 
 def build_micro_batches(
-    samples: Sequence[Sample], max_tokens: int, cp: int = 1
+    samples: Sequence[Sample], max_tokens: int, cp: int = 1, sp: int = 1
 ) -> list[dict[str, object]]:
     """Check, plan and pack ``samples`` into whole (not CP-split) packed micro-batches."""
     check_samples(samples)
     plan = plan_micro_batches([sample_length(s) for s in samples], max_tokens, cp)
-    return [pack_micro_batch(samples, mb, cp) for mb in plan]
+    return [pack_micro_batch(samples, mb, cp, sp) for mb in plan]
 
 
 def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torch.Tensor:

@@ -55,6 +55,7 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.loss import PolicyLossConfig
+from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.training.logprobs import (
     DEFAULT_CHUNK_SIZE,
@@ -180,11 +181,39 @@ def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
     return out, len(bad)
 
 
-def _packed(samples: Sequence[Sample], max_tokens: int, cp: int) -> list[dict[str, Any]]:
+def _packed(
+    samples: Sequence[Sample], max_tokens: int, cp: int, sp: int
+) -> list[dict[str, Any]]:
     check_samples(samples)
     if not samples:
         raise ValueError("this rank has 0 samples; every DP rank needs at least one sample")
-    return build_micro_batches(samples, max_tokens, cp)
+    return build_micro_batches(samples, max_tokens, cp, sp)
+
+
+def _sequence_split(chunks: Sequence[nn.Module]) -> int:
+    """Ranks splitting the sequence inside the model: tp under sequence parallelism, else 1."""
+    config = unwrap_chunk(chunks[0]).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _local_micro_batches(
+    whole: Sequence[dict[str, Any]], chunks: Sequence[nn.Module]
+) -> list[dict[str, Any]]:
+    """This CP rank's share of each whole micro-batch; raises ``ValueError`` (naming the values)
+    when a share does not divide by the sequence-parallel size (inputs packed without ``sp``)."""
+    cp = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    sp = _sequence_split(chunks)
+    local = [split_micro_batch(mb, cp, cp_rank) for mb in whole]
+    for i, mb in enumerate(local):
+        tokens = mb["tokens"].size(1)
+        if tokens % sp:
+            raise ValueError(
+                f"micro-batch {i} holds {tokens} tokens on this CP rank, not a multiple of "
+                f"tp = {sp}: the model runs with sequence parallelism, so pack its inputs with "
+                f"thd_micro_batch(..., sp={sp}) (or model_inputs(..., sp={sp}))"
+            )
+    return local
 
 
 def _cp_sum(cp_group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -308,9 +337,10 @@ def rl_train_step(
     Which ranks call: every rank of the world; ranks of one DP replica pass the same samples.
     """
     cp = parallel_state.get_context_parallel_world_size()
+    sp = _sequence_split(ddp_chunks)
     budget = config.max_tokens_per_micro_batch
     return _train(
-        ddp_chunks, optimizer, lambda: _checked(_packed(samples, budget, cp), config), config
+        ddp_chunks, optimizer, lambda: _checked(_packed(samples, budget, cp, sp), config), config
     )
 
 
@@ -332,8 +362,6 @@ def train_micro_batches(
 def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig):
     start = time.perf_counter()
     dp = parallel_state.get_data_parallel_world_size()
-    cp = parallel_state.get_context_parallel_world_size()
-    cp_rank = parallel_state.get_context_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     whole, num_bad = agree(prepare)
 
@@ -356,7 +384,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     dist.all_reduce(num_mb_max, op=dist.ReduceOp.MAX, group=host_group())
     normaliser = counts[0].float()
 
-    micro_batches = [split_micro_batch(mb, cp, cp_rank) for mb in whole]
+    micro_batches = _local_micro_batches(whole, ddp_chunks)
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -404,7 +432,8 @@ def forward_logprobs(
     Which ranks call: every rank of the world, ranks of one DP replica with the same samples.
     """
     cp = parallel_state.get_context_parallel_world_size()
-    whole = agree(lambda: _packed(samples, max_tokens, cp))
+    sp = _sequence_split(chunks)
+    whole = agree(lambda: _packed(samples, max_tokens, cp, sp))
     out = _logprobs(chunks, whole, chunk_size, vocab_size, entropy)
     if out is None:
         return None
@@ -458,7 +487,6 @@ def _logprobs(
     merged over CP, keyed "logprobs" / "entropy", on the last stage; None elsewhere.
     Which ranks call: every rank of the world."""
     cp = parallel_state.get_context_parallel_world_size()
-    cp_rank = parallel_state.get_context_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     model = _last_chunk(chunks)
 
@@ -474,7 +502,7 @@ def _logprobs(
         values = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
         return hidden.new_zeros(()), values
 
-    micro_batches = [split_micro_batch(mb, cp, cp_rank) for mb in whole]
+    micro_batches = _local_micro_batches(whole, chunks)
     with output_hidden_states(chunks), torch.no_grad():
         per_mb = forward_backward(
             chunks, micro_batches, loss_fn, forward_only=True, variable_seq_lengths=pp > 1

@@ -143,10 +143,10 @@ def _megatron_lm_like_parser() -> argparse.ArgumentParser:
 
 def test_refused_flag_fails_with_megatron_lms_own_parser_too():
     parser = _megatron_lm_like_parser()
-    args = parser.parse_args([*MINIMAL, "--sequence-parallel", "--muon-momentum", "0.95"])
+    args = parser.parse_args([*MINIMAL, "--multi-latent-attention", "--muon-momentum", "0.95"])
     with pytest.raises(ConfigError) as err:
         config_from_megatron_args(args, world_size=1)
-    assert "--sequence-parallel: sequence parallelism" in str(err.value)
+    assert "--multi-latent-attention: only dense SwiGLU" in str(err.value)
     assert "--muon-momentum: " in str(err.value)
     # not given: no error, and no-effect flags are only noted
     args = parser.parse_args([*MINIMAL, "--log-interval", "5", "--use-flash-attn"])

@@ -28,6 +28,7 @@ RUN_ONLY = {
     "transformer_impl",
     "attention_backend",
     "cp_comm_type",
+    "sequence_parallel",
 }
 # Fields compared by their effective value: kv_channels None means hidden / heads, and
 # num_query_groups None means one group per head.
@@ -110,6 +111,13 @@ def test_recipe_attention_features():
     assert llama3.query_groups == 8 < llama3.num_attention_heads and not llama3.tie_embeddings
 
 
+def test_recipe_sequence_parallel_is_mapped():
+    """--sequence-parallel turns Megatron's sequence parallelism on (layouts with tp > 1)."""
+    llama31 = parse_recipe("llama3.1_8b")[1]
+    assert llama31.model.sequence_parallel and llama31.layouts.train.startswith("tp4cp2")
+    assert not parse_recipe("llama3_8b")[1].model.sequence_parallel
+
+
 def test_recipe_optimizer_and_schedule():
     _, qwen25 = parse_recipe("qwen2.5_7b")
     t = qwen25.train
@@ -140,5 +148,5 @@ def test_unsupported_flags_fail_naming_each():
     with pytest.raises(ConfigError) as err:
         parse_recipe("bad_unsupported_flag")
     message = str(err.value)
-    assert "--sequence-parallel: sequence parallelism is not supported" in message
+    assert "--multi-latent-attention: only dense SwiGLU decoder models" in message
     assert "--decoupled-lr:" in message and "use --optimizer adam|sgd" in message

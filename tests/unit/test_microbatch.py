@@ -152,3 +152,48 @@ def test_thd_of_packed_fields_equals_packing_the_samples(cp):
     assert torch.equal(real_tokens(got["labels"], got), packed["labels"])
     with pytest.raises(MicroBatchError, match="at least one sample"):
         thd_micro_batch({}, [], cp)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, 2, 3, 4, 8])
+def test_sequence_parallel_padding_makes_every_share_divide_by_tp(cp, sp):
+    """Under sequence parallelism each CP rank's share of a micro-batch divides by tp: the last
+    sample is padded further (a multiple of 2 x cp, at most 2 x cp x (tp - 1) tokens), its
+    padding masked; the other samples and the unpacked results are unchanged."""
+    from megatron_earl.parallel.cp import cp_padded_length, sequence_parallel_padding
+
+    rng = random.Random(cp * 10 + sp)
+    for _ in range(20):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
+        samples = [_sample(n, i) for i, n in enumerate(lengths)]
+        mb = pack_micro_batch(samples, list(range(len(lengths))), cp=cp, sp=sp)
+        plain = pack_micro_batch(samples, list(range(len(lengths))), cp=cp)
+        cp_padded = [cp_padded_length(n, cp) for n in lengths]
+        extra = mb["tokens"].size(1) - sum(cp_padded)
+        assert extra == sequence_parallel_padding(cp_padded, cp, sp)
+        assert 0 <= extra <= (2 * cp if cp > 1 else 1) * (sp - 1)
+        assert extra % (2 * cp if cp > 1 else 1) == 0
+        shards = [split_micro_batch(mb, cp, r) for r in range(cp)]
+        assert all(s["tokens"].size(1) % sp == 0 for s in shards)
+        params = mb["packed_seq_params"]
+        assert params.cu_seqlens_q.tolist() == plain["packed_seq_params"].cu_seqlens_q.tolist()
+        assert params.max_seqlen_q == max(params.cu_seqlens_q_padded.diff().tolist())
+        assert float(mb["loss_mask"].sum()) == float(plain["loss_mask"].sum())
+        assert mb["seq_ids"][0, -1] == len(lengths) - 1  # the tail belongs to the last sample
+        pieces = unpack_per_sample(merge_cp([s["labels"] for s in shards], mb), mb)
+        for piece, sample in zip(pieces, samples, strict=True):
+            assert torch.equal(piece, sample["labels"])
+        assert torch.equal(real_tokens(mb["labels"], mb), real_tokens(plain["labels"], plain))
+
+
+def test_sequence_parallel_padding_examples_and_bad_input():
+    from megatron_earl.parallel.cp import sequence_parallel_padding
+
+    assert sequence_parallel_padding([5, 6], cp=1, sp=4) == 1
+    assert sequence_parallel_padding([4, 8], cp=2, sp=4) == 4  # shares 6 -> 8
+    assert sequence_parallel_padding([4, 8], cp=2, sp=3) == 0  # shares of 6 divide by 3
+    assert sequence_parallel_padding([7], cp=1, sp=1) == 0
+    with pytest.raises(ValueError, match="sp >= 1"):
+        sequence_parallel_padding([4], cp=1, sp=0)
+    with pytest.raises(ValueError, match="not a multiple of cp = 2"):
+        sequence_parallel_padding([5], cp=2, sp=2)

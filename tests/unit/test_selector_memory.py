@@ -67,6 +67,29 @@ def test_activation_and_kv_by_hand():
     assert mem.kv_cache(ParallelLayout(tp=2), rollout) == pytest.approx(kv / 2)
 
 
+def test_sequence_parallel_splits_the_norm_activations_by_hand():
+    """model.sequence_parallel at tp2: the norms' 4h saved elements per token become 4h/2 (the
+    rest is unchanged); at tp1 nothing changes (sequence parallelism is off there)."""
+    import dataclasses
+
+    settings = MemorySettings.gpu(overhead_bytes=0.0)
+    plain, split = (
+        MemoryModel(dataclasses.replace(TINY, sequence_parallel=sp), settings)
+        for sp in (False, True)
+    )
+    work = PhaseWorkload("train", 1000, 1000)
+    tp2 = ParallelLayout(tp=2)
+    saved = plain.activations("train", tp2, work) - split.activations("train", tp2, work)
+    assert saved == pytest.approx(2 * (4 * 64 / 2) * 1000 * 4)  # layers x 2h x tokens x fp32
+    one = ParallelLayout()
+    assert split.activations("train", one, work) == plain.activations("train", one, work)
+    # forward only: 2h/tp of residual and norm output + the gathered h, so less from tp 4 on
+    exp, tp4 = PhaseWorkload("experience", 1000, 1000), ParallelLayout(tp=4)
+    assert split.activations("experience", tp2, exp) == plain.activations("experience", tp2, exp)
+    saved = plain.activations("experience", tp4, exp) - split.activations("experience", tp4, exp)
+    assert saved == pytest.approx((2 * 64 - (2 * 64 / 4 + 64)) * 1000 * 4)
+
+
 def test_axes_reduce_memory_where_they_should():
     model = KNOWN_MODELS["qwen2.5-7b"]
     mem = MemoryModel(model, MemorySettings.gpu())
