@@ -181,9 +181,7 @@ def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
     return out, len(bad)
 
 
-def _packed(
-    samples: Sequence[Sample], max_tokens: int, cp: int, sp: int
-) -> list[dict[str, Any]]:
+def _packed(samples: Sequence[Sample], max_tokens: int, cp: int, sp: int) -> list[dict[str, Any]]:
     check_samples(samples)
     if not samples:
         raise ValueError("this rank has 0 samples; every DP rank needs at least one sample")
