@@ -149,15 +149,23 @@ GIVEN = "earl_given_flags"
 default, as parsed (before Megatron-LM's ``validate_args`` derives other arguments from them)."""
 
 
+PRESENT = "earl_present_flags"
+"""Namespace attribute: every flag on the command line, whatever its value (a conflict such as
+``--rope-scaling-factor 8.0`` without ``--use-rope-scaling`` is told even at the default)."""
+
+
 def _recording(cls: type[argparse.Action]) -> type[argparse.Action]:
     """``cls`` that also notes its flag in ``namespace.earl_given_flags`` when the parsed value
     differs from the default, so refused and no-effect flags are told given after parsing, with
-    Megatron-LM's parser as with ours."""
+    Megatron-LM's parser as with ours, and in ``namespace.earl_present_flags`` always."""
     if getattr(cls, "_earl_recording", False):
         return cls
 
     def __call__(self, parser, namespace, values, option_string=None):
         cls.__call__(self, parser, namespace, values, option_string)
+        if getattr(namespace, PRESENT, None) is None:
+            setattr(namespace, PRESENT, [])
+        getattr(namespace, PRESENT).append(self.option_strings[0])
         if getattr(namespace, self.dest, None) != self.default:
             if getattr(namespace, GIVEN, None) is None:
                 setattr(namespace, GIVEN, [])
@@ -384,7 +392,10 @@ def _rope_tree(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     chosen = [k for k, on in kinds.items() if on]
     if len(chosen) > 1:
         problems.append(f"{' and '.join(chosen)} are different RoPE scalings; give one")
-    if args.rope_scaling_factor != 8.0 and not args.use_rope_scaling:  # 8.0: Megatron-LM's default
+    factor_given = args.rope_scaling_factor != 8.0 or "--rope-scaling-factor" in (
+        getattr(args, PRESENT, None) or []
+    )  # 8.0: Megatron-LM's default, told given by the recording parser
+    if factor_given and not args.use_rope_scaling:
         problems.append(
             f"--rope-scaling-factor {args.rope_scaling_factor} is given without "
             "--use-rope-scaling (it needs it)"

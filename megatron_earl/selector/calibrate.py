@@ -95,7 +95,7 @@ def _split(
     fit, ``MemoryModel.logprob_buffers``)."""
     layout, work = ParallelLayout.parse(point.layout), point.workload()
     breakdown = memory.peak(point.phase, layout, work, point.master_layout())
-    known = breakdown.static + breakdown.overhead + breakdown.kv_cache
+    known = breakdown.static + breakdown.overhead + breakdown.kv_cache + breakdown.rotary_tables
     known += memory.cp_mask_bytes(point.phase, layout, work)
     stage = memory.peak_stage(point.phase, layout, work, buffers=not absorb_buffers)
     if stage == "last" and not absorb_buffers:

@@ -242,6 +242,11 @@ class MemorySettings:
         return self.activation_scale[phase], self.fixed_bytes[phase]
 
 
+ROTARY_LRU_ENTRIES = 32
+"""``functools.lru_cache(maxsize=32)`` on Megatron-Core 0.16's ``RotaryEmbedding.forward`` and
+``YarnRotaryEmbedding.forward``: one fp32 table per distinct (length, offset, packed) call."""
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Predicted peak bytes per rank, by term."""
@@ -253,6 +258,10 @@ class MemoryBreakdown:
     logprob_buffers: float
     kv_cache: float
     overhead: float
+    rotary_tables: float = 0.0
+    """RoPE tables: Megatron's rotary forward caches up to ``ROTARY_LRU_ENTRIES`` fp32 tables
+    (one per distinct packed length, kept across steps) and YaRN its cos/sin; the embedded
+    engine's cos/sin tables in the rollout phase."""
 
     @property
     def total(self) -> float:
@@ -264,6 +273,7 @@ class MemoryBreakdown:
             + self.logprob_buffers
             + self.kv_cache
             + self.overhead
+            + self.rotary_tables
         )
 
     @property
@@ -273,7 +283,7 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, float]:
         names = ("weights", "gradients", "optimizer", "activations", "logprob_buffers")
-        out = {k: getattr(self, k) for k in (*names, "kv_cache", "overhead")}
+        out = {k: getattr(self, k) for k in (*names, "kv_cache", "overhead", "rotary_tables")}
         out["total"] = self.total
         return out
 
@@ -427,6 +437,19 @@ class MemoryModel:
         buffers = s.logprob_buffers if phase == Phase.TRAIN else s.logprob_buffers / 2
         return chunk * vocab * 4 * buffers
 
+    def rotary_tables(self, phase: str, work: PhaseWorkload) -> float:
+        """RoPE table bytes per rank (not split by any axis): in train/experience, Megatron's
+        ``RotaryEmbedding.forward`` LRU cache (``ROTARY_LRU_ENTRIES`` entries of ``[s, head
+        dim]`` fp32 at most, s up to the longest sequence; with ``rope_type: yarn`` also its
+        cos/sin cache); in rollout the engine's cos and sin ``[s, head dim]``."""
+        m, s = self.model, work.max_seq_len
+        if phase == Phase.ROLLOUT:
+            return 2 * s * m.head_dim * self.param_bytes
+        tables = ROTARY_LRU_ENTRIES * s * m.head_dim * 4
+        if m.rope_type == "yarn":
+            tables += 2 * s * m.head_dim * self.param_bytes
+        return tables
+
     def kv_cache(self, layout: ParallelLayout, work: PhaseWorkload) -> float:
         m = self.model
         kv_heads = max(1.0, m.query_groups / layout.tp)
@@ -485,4 +508,5 @@ class MemoryModel:
             logprob_buffers=buffers,
             kv_cache=self.kv_cache(layout, work) if phase == Phase.ROLLOUT else 0.0,
             overhead=s.overhead_bytes,
+            rotary_tables=self.rotary_tables(phase, work),
         )

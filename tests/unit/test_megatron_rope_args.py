@@ -94,6 +94,8 @@ def test_linear_interpolation_and_no_scaling():
     "flags, fragments",
     [
         ("--rope-scaling-factor 32", ["--rope-scaling-factor", "without --use-rope-scaling"]),
+        # Megatron-LM's default value given explicitly: still the conflict, named
+        ("--rope-scaling-factor 8.0", ["--rope-scaling-factor 8.0", "without --use-rope-scaling"]),
         (
             "--use-rope-scaling --rotary-seq-len-interpolation-factor 2",
             ["--use-rope-scaling and --rotary-seq-len-interpolation-factor"],

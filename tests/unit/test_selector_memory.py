@@ -156,3 +156,34 @@ def test_roofline_prefers_less_parallelism_when_it_fits():
     assert fast > roofline.tokens_per_s("train", ParallelLayout(tp=8), 4096)
     assert fast > roofline.tokens_per_s("train", ParallelLayout(pp=8), 4096)
     assert roofline.tokens_per_s("train", ParallelLayout(dp=8), 65536) < fast
+
+
+def test_rotary_tables_by_hand():
+    """Megatron's rotary LRU cache (32 fp32 tables of [s, head dim]) in train/experience, plus
+    YaRN's cos/sin; the engine's cos/sin in rollout; counted in the total, not split by tp."""
+    import dataclasses
+
+    from megatron_earl.selector.memory import ROTARY_LRU_ENTRIES
+
+    settings = MemorySettings.gpu(overhead_bytes=0.0)
+    work = PhaseWorkload("train", 4096, 4096)
+    plain = MemoryModel(TINY, settings)
+    yarn = MemoryModel(
+        dataclasses.replace(
+            TINY,
+            rope_type="yarn",
+            rope_scaling_factor=4.0,
+            rope_original_max_position_embeddings=1024,
+        ),
+        settings,
+    )
+    lru = ROTARY_LRU_ENTRIES * 4096 * 16 * 4
+    for layout in (ParallelLayout(), ParallelLayout(tp=2)):
+        peak = plain.peak("train", layout, work)
+        assert peak.rotary_tables == lru
+        assert peak.total == pytest.approx(
+            sum(v for k, v in peak.as_dict().items() if k != "total")
+        )
+        assert yarn.peak("train", layout, work).rotary_tables == lru + 2 * 4096 * 16 * 4
+    rollout = PhaseWorkload("rollout", 4096, 4096, concurrent_sequences=2)
+    assert plain.peak("rollout", ParallelLayout(), rollout).rotary_tables == 2 * 4096 * 16 * 4
