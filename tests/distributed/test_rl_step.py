@@ -278,7 +278,11 @@ def _bad_inputs():
     attempt("budget", long, _config())
     # 4. a rank without samples
     attempt("no_samples", base if rank == 0 else [], _config())
-    # 5. a NaN weight: non-finite loss and grads, the update is skipped
+    # 5. an off-policy correction, and rank 1's samples lack the behaviour log-probs
+    no_rollout = base if rank == 0 else [{k: v for k, v in s.items() if k != "rollout_logprobs"}
+                                         for s in base]  # fmt: skip
+    attempt("no_rollout", no_rollout, _config(SEQ_MIS))
+    # 6. a NaN weight: non-finite loss and grads, the update is skipped
     with torch.no_grad():
         output_weight(chunks[0])[5, 0] = float("nan")
     before = [p.local.detach().clone() for p in shard_pieces(chunks)]
@@ -300,6 +304,8 @@ def test_bad_input_is_reported_or_rejected_on_every_rank():
         assert out["empty"]["num_empty_samples"] == 1 and math.isfinite(out["empty"]["loss"])
         assert "rank 0: " in out["budget"] and "above the micro-batch budget" in out["budget"]
         assert "rank 1: ValueError: this rank has 0 samples" in out["no_samples"]
+        missing = "rank 1: ValueError: off_policy_correction='mis' needs a rollout_logprobs"
+        assert missing in out["no_rollout"]
         nan_weight = out["nan_weight"]
         assert nan_weight["skipped_step"] == 1 and nan_weight["update_ok"] == 0
         assert math.isnan(nan_weight["grad_norm"])
