@@ -72,19 +72,16 @@ def behaviour_weight(
     if correction == "none":
         return BehaviourWeight(raw, torch.ones_like(raw), nothing, nothing, no_sample, no_sample)
     low, high = config.is_weight_low, config.is_weight_high
+
+    def outside(w: torch.Tensor) -> torch.Tensor:  # bounds inclusive, as AReaL's w <= cap
+        return w > high if correction == "tis" else (w < low) | (w > high)
+
+    flagged = outside(raw)
+    flagged_samples = no_sample
+    if level != "token":
+        flagged_samples = (sample_token_counts > 0) & outside(raw_seq)
     if correction == "tis":
-        truncated, masked = raw > high, nothing
         weight = raw.clamp(max=high)
-    else:  # mis, icepop: inclusive bounds, as AReaL's cap (w <= cap kept)
-        masked, truncated = (raw < low) | (raw > high), nothing
-        weight = torch.where(masked, raw.new_zeros(()), raw)
-    if level == "token":
-        return BehaviourWeight(raw, weight, truncated, masked, no_sample, no_sample)
-    nonempty = sample_token_counts > 0
-    if correction == "tis":
-        return BehaviourWeight(
-            raw, weight, truncated, masked, nonempty & (raw_seq > high), no_sample
-        )
-    return BehaviourWeight(
-        raw, weight, truncated, masked, no_sample, nonempty & ((raw_seq < low) | (raw_seq > high))
-    )
+        return BehaviourWeight(raw, weight, flagged, nothing, flagged_samples, no_sample)
+    weight = torch.where(flagged, raw.new_zeros(()), raw)  # mis, icepop
+    return BehaviourWeight(raw, weight, nothing, flagged, no_sample, flagged_samples)
