@@ -245,7 +245,7 @@ class TrainConfig(OptimConfig):
     ``orchestration.validate``)."""
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """Policy loss (PPO/GSPO clipping, KL, entropy, TIS, aggregation)."""
+    """Policy loss (PPO/GSPO clipping, KL, entropy, off-policy correction, aggregation)."""
     advantage: str = "grpo"
     """Advantage estimator name (``training.advantages``: grpo, rloo, reinforce_pp)."""
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)
