@@ -101,7 +101,7 @@ def _async_problems(config: RunConfig) -> list[str]:
     if r.mode != "async":
         return []
     problems = []
-    if r.engine != "sglang":
+    if r.engine != EngineKind.SGLANG:
         problems.append(
             f"rollout.mode=async needs rollout.engine=sglang (engines in their own processes: "
             f"SGLang servers, or megatron-earl serve), got {r.engine!r}; the embedded engine "
