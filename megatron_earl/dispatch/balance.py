@@ -11,10 +11,15 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from megatron_earl.dispatch.route import DispatchError
 
 if TYPE_CHECKING:
     from megatron_earl.dispatch.plan import PlanConfig
+
+REFINE_TOLERANCE = 1e-4
+"""Local search stops once the heaviest DP rank is within this fraction of the mean cost."""
 
 
 def assign_samples(
@@ -44,24 +49,33 @@ def assign_samples(
 
 
 def _refine(bins: list[list[int]], cost: dict[int, float], max_rounds: int = 200) -> None:
+    """Moves/swaps between the heaviest and the lightest bin while that lowers the maximum; each
+    round scores every (move, swap) pair at once (numpy) and takes the first best in scan order
+    (units of the heaviest bin, then "move" before swaps with the lightest bin's units). Stops
+    once the heaviest bin is within ``REFINE_TOLERANCE`` of the mean (nothing left to gain)."""
     loads = [sum(cost[u] for u in b) for b in bins]
+    mean = sum(loads) / len(bins)
     for _ in range(max_rounds):
         hi = max(range(len(bins)), key=lambda r: (loads[r], -r))
         lo = min(range(len(bins)), key=lambda r: (loads[r], r))
         gap = loads[hi] - loads[lo]
-        best, best_delta = None, 0.0
-        for u in bins[hi]:
-            # a move (v=None) or a swap that shifts delta = cost[u] - cost[v] from hi to lo
-            for v in [None, *bins[lo]]:
-                delta = cost[u] - (cost[v] if v is not None else 0.0)
-                if 0 < delta < gap and abs(gap - 2 * delta) < abs(gap - 2 * best_delta):
-                    best, best_delta = (u, v), delta
-        if best is None or max(loads[hi] - best_delta, loads[lo] + best_delta) >= loads[hi]:
+        if loads[hi] <= mean * (1 + REFINE_TOLERANCE) or not bins[hi]:
             return
-        u, v = best
+        cu = np.array([cost[u] for u in bins[hi]])
+        cv = np.array([0.0, *(cost[v] for v in bins[lo])])  # 0.0: a move (no unit back)
+        delta = cu[:, None] - cv[None, :]
+        score = np.where((delta > 0) & (delta < gap), np.abs(gap - 2 * delta), np.inf)
+        i, j = np.unravel_index(int(np.argmin(score)), score.shape)
+        if not np.isfinite(score[i, j]):
+            return
+        best_delta = float(delta[i, j])
+        if max(loads[hi] - best_delta, loads[lo] + best_delta) >= loads[hi]:
+            return
+        u = bins[hi][i]
         bins[hi].remove(u)
         bins[lo].append(u)
-        if v is not None:
+        if j > 0:
+            v = bins[lo][j - 1]
             bins[lo].remove(v)
             bins[hi].append(v)
         loads[hi] -= best_delta
