@@ -27,17 +27,23 @@ def assign_samples(
 ) -> list[list[int]]:
     """Sample ids per DP rank, balanced by ``config.cost`` (greedy largest-first, then moves/swaps
     between the heaviest and the lightest rank while that lowers the maximum)."""
-    units: dict[int, list[int]] = {}
-    for sid in sorted(lengths):
-        units.setdefault(groups[sid] if config.keep_groups else sid, []).append(sid)
+    if config.keep_groups:
+        units: dict[int, list[int]] = {}
+        for sid in sorted(lengths):
+            units.setdefault(groups[sid], []).append(sid)
+        cost = {u: sum(config.cost(lengths[s]) for s in sids) for u, sids in units.items()}
+    else:
+        units = {s: [s] for s in lengths}
+        cost = {s: config.cost(n) for s, n in lengths.items()}
     what = "groups" if config.keep_groups else "samples"
     if len(units) < dp:
         raise DispatchError(
             f"{len(units)} {what} cannot fill dp={dp} ranks (every DP rank needs at least one); "
             f"dispatch at least {dp} {what} or use a layout with dp <= {len(units)}"
         )
-    cost = {u: sum(config.cost(lengths[s]) for s in sids) for u, sids in units.items()}
-    order = sorted(units, key=lambda u: (-cost[u], u))
+    ids = np.fromiter(cost, dtype=np.int64, count=len(cost))
+    costs = np.fromiter(cost.values(), dtype=np.float64, count=len(cost))
+    order = ids[np.lexsort((ids, -costs))].tolist()  # cost descending, then id
     heap = [(0.0, r) for r in range(dp)]
     bins: list[list[int]] = [[] for _ in range(dp)]
     for u in order:

@@ -22,8 +22,9 @@ Receivers pad CP chunks locally (``FieldSpec.pad_value``): padding never goes on
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+import hashlib
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,29 +129,108 @@ class _Store:
 # ---------------------------------------------------------------------- metadata and planning
 
 
+class PlanCache:
+    """Plans keyed by the exact inputs of every rank (after the metadata all-gather), so a dispatch
+    whose inputs repeat (the same batch to the same layout and config, e.g. a phase re-run after
+    an OOM, or phases that share a layout and fields) skips planning. The key is every rank's
+    sample ids, lengths and groups, the schema, the destination, the config, the group and this
+    rank: a plan is never reused for inputs that differ in any of them. Least recently used
+    plans are dropped beyond ``size``."""
+
+    def __init__(self, size: int = 8) -> None:
+        if size < 1:
+            raise DispatchError(f"PlanCache size={size}; use >= 1")
+        self.size = size
+        self.plans: OrderedDict[tuple, DispatchPlan] = OrderedDict()
+        self.hits = 0
+        """Plans served from the cache."""
+        self.misses = 0
+        """Plans computed."""
+
+    def lookup(self, key: tuple, make: Callable[[], DispatchPlan]) -> DispatchPlan:
+        if key in self.plans:
+            self.hits += 1
+            self.plans.move_to_end(key)
+            return self.plans[key]
+        self.misses += 1
+        plan = self.plans[key] = make()
+        while len(self.plans) > self.size:
+            self.plans.popitem(last=False)
+        return plan
+
+
 def plan_for(
     batch: Batch,
     destination: Destination,
     config: PlanConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    cache: PlanCache | None = None,
+    whole: bool = False,
 ) -> DispatchPlan:
-    """All-gather every rank's sample metadata and compute the (identical) plan.
+    """All-gather every rank's sample metadata and plan this rank's view of the dispatch (what it
+    sends and receives; ``whole=True``: the whole plan, as in tests).
+
+    Metadata: one int64 tensor per rank (``[ids | lengths | groups]``, padded to the largest
+    rank's count) after a two-int header (sample count, a digest of schema, destination and
+    config); only when digests differ are the full values all-gathered to name the difference.
+    ``cache``: reuse the plan when every rank's inputs equal a cached plan's (``PlanCache``).
 
     Which ranks call: every rank of ``group`` (default: the world), with the same destination and
-    config; the all-gather runs on ``group``'s host twin. Mismatched schemas, destinations or
-    configs raise the same error on every rank."""
+    config; the all-gathers run on ``group``'s host twin. Mismatched schemas, destinations or
+    configs, and every planning error, raise the same error on every rank."""
     config = config or PlanConfig()
-    meta = SourceMeta(tuple(batch.sample_ids), tuple(batch.lengths), tuple(batch.group_ids))
-    gathered = _all_gather((meta, batch.schema, repr(destination), repr(config)), group)
-    for what, i in (("batch schema", 1), ("destination", 2), ("plan config", 3)):
-        values = [g[i] for g in gathered]
-        if any(v != values[0] for v in values):
-            differ = [r for r, v in enumerate(values) if v != values[0]]
-            raise DispatchError(
-                f"ranks disagree on the {what}: rank 0 has {_short(values[0])}, ranks {differ} "
-                f"differ (rank {differ[0]}: {_short(values[differ[0]])}); pass the same everywhere"
+    hg = host_group(group)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    inputs = (batch.schema, repr(destination), repr(config))
+    digest = int.from_bytes(
+        hashlib.blake2b(repr(inputs).encode(), digest_size=8).digest(), "little", signed=True
+    )
+    head = torch.tensor([batch.num_samples, digest], dtype=torch.int64)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=hg)
+    counts = [int(h[0]) for h in heads]
+    if any(int(h[1]) != digest for h in heads):
+        _disagreement((batch.schema, repr(destination), repr(config)), group)
+    m = max(1, *counts)
+    body = torch.zeros(3 * m, dtype=torch.int64)
+    n = batch.num_samples
+    body[:n] = torch.tensor(batch.sample_ids, dtype=torch.int64)
+    body[m : m + n] = torch.tensor(batch.lengths, dtype=torch.int64)
+    body[2 * m : 2 * m + n] = torch.tensor(batch.group_ids, dtype=torch.int64)
+    bodies = [torch.empty_like(body) for _ in range(world)]
+    dist.all_gather(bodies, body, group=hg)
+    table = torch.stack(bodies).numpy()
+    ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
+    key = (inputs, ranks, None if whole else me, tuple(counts), table.tobytes())
+
+    def make() -> DispatchPlan:
+        sources = [
+            SourceMeta(
+                tuple(t[:c].tolist()),
+                tuple(t[m : m + c].tolist()),
+                tuple(t[2 * m : 2 * m + c].tolist()),
             )
-    return plan_dispatch([g[0] for g in gathered], batch.schema, destination, config)
+            for t, c in zip(table, counts)
+        ]
+        rank = None if whole else me
+        return plan_dispatch(sources, batch.schema, destination, config, rank=rank)
+
+    return make() if cache is None else cache.lookup(key, make)
+
+
+def _disagreement(values: tuple, group: dist.ProcessGroup | None) -> None:
+    """Raise naming what ranks disagree on (schema, destination or config), from the full
+    values all-gathered. Which ranks call: every rank of ``group`` (all saw differing digests)."""
+    gathered = _all_gather(values, group)
+    for what, i in (("batch schema", 0), ("destination", 1), ("plan config", 2)):
+        got = [g[i] for g in gathered]
+        if any(v != got[0] for v in got):
+            differ = [r for r, v in enumerate(got) if v != got[0]]
+            raise DispatchError(
+                f"ranks disagree on the {what}: rank 0 has {_short(got[0])}, ranks {differ} "
+                f"differ (rank {differ[0]}: {_short(got[differ[0]])}); pass the same everywhere"
+            )
+    raise DispatchError("ranks' plan inputs hash differently but compare equal (internal error)")
 
 
 def _short(v: object) -> str:
@@ -349,6 +429,9 @@ def execute(
     Which ranks call: every rank of ``group``, each with the batch it described in ``plan_for``.
     ``centralized=True`` runs the single-controller baseline (``centralized_stages``) instead:
     same result, used by tests and the benchmark."""
+    me = dist.get_rank(group)
+    if plan.rank not in (None, me):
+        raise DispatchError(f"execute on rank {me} with rank {plan.rank}'s view of the plan")
     store = _Store.from_batch(batch)
     stages = centralized_stages(plan) if centralized else plan.stages
     run_stages(stages, plan.schema, store, transport, group)

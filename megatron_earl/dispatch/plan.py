@@ -509,29 +509,52 @@ def _route_rank(
     (``route._cover`` would not cut it) and ``route.choose_source`` needs nothing else."""
     layout = destination.layout
     me = layout.coord(rank)
-    dp_of = {s: d for d, ids in enumerate(assignment) for s in ids}
-    wanted = [(s, me.dp) for s in assignment[me.dp]]
-    wanted += [(s, dp_of[s]) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
+    held = set(sources[rank].sample_ids)
+    dp_of = {s: d for d, ids in enumerate(assignment) for s in ids if s in held}
+    # own DP rank's samples: only the pieces this rank consumes; samples it holds: every piece
+    wanted = [(s, me.dp, s in held) for s in assignment[me.dp]]
+    wanted += [(s, dp_of[s], True) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
     classes: dict[int, list] = {}
     pieces: dict[Piece, tuple[int, ...]] = {}
-    for sid, d in wanted:
+    for sid, d, every in wanted:
         if d not in classes:
             classes[d] = _consumer_classes(destination, schema, d)
+            if d == me.dp:
+                mine = [c for c in classes[d] if rank in c[2]]
         n = samples.length(sid)
-        for cp, fields, dsts in classes[d]:
+        for cp, fields, dsts in classes[d] if every else mine:
             if cp < 0:
                 pieces[Piece(sid, -1, -1, fields)] = dsts
             else:
                 for a, b in cp_real_spans(n, layout.cp, cp):
                     pieces[Piece(sid, a, b, fields)] = dsts
     stages: list[list[Transfer]] = [[] for _ in range(stage_count(config.route))]
+    rc = config.route
     for piece in sorted(pieces, key=lambda p: (p.sample_id, p.start, p.end, p.fields)):
         dsts = pieces[piece]
         holders = samples.holders[samples.index[piece.sample_id]]
-        if rank not in dsts and rank not in holders:
+        if rank in dsts:
+            src = choose_source(holders, dsts, piece, rc)
+            if src != rank:  # what ``fan_out`` gives this consumer, without the others
+                k = rc.ranks_per_node
+                group = dsts if k is None else [d for d in dsts if d // k == rank // k]
+                if rc.fanout == "direct" or k is None or src // k == rank // k or len(group) == 1:
+                    stages[0].append(Transfer(src, rank, piece))
+                    continue
+                leader = group[piece.sample_id % len(group)]
+                if leader != rank:
+                    stages[1].append(Transfer(leader, rank, piece))
+                    continue
+                stages[0].append(Transfer(src, rank, piece))
+                stages[1] += [Transfer(rank, d, piece) for d in group if d != rank]
+                continue
+        elif rank in holders:
+            src = choose_source(holders, dsts, piece, rc)
+            if src != rank:
+                continue
+        else:
             continue
-        src = choose_source(holders, dsts, piece, config.route)
-        for stage, t in fan_out(src, dsts, piece, config.route):
+        for stage, t in fan_out(src, dsts, piece, rc):
             if rank in (t.src, t.dst):
                 stages[stage].append(t)
     return tuple(tuple(s) for s in stages)

@@ -189,3 +189,50 @@ def test_host_groups_carry_metadata_and_device_groups_data():
         # one warm-up all-reduce over the world before its first batched p2p, then none
         assert res["warmups"] == 1 and res["all_reduces"] == [True], res
     assert any(r["num_p2p_ops"] for r in results)
+
+
+def _body_plan_cache() -> dict:
+    """The same inputs reuse the cached plan; a change on one rank only (one sample's length,
+    hence its data) or in the destination plans anew, and the new plan's result is the
+    reference's."""
+    from megatron_earl.dispatch.execute import PlanCache
+
+    rank = dist.get_rank()
+    schema = agentic_schema()
+    lengths = agentic_lengths(12, max_len=512, seed=9, min_len=1)
+    owners = [list(range(r, 12, WORLD)) for r in range(WORLD)]
+    _, batches = make_batches(schema, lengths, owners, seed=2)
+    cache = PlanCache()
+    dest = Destination(ParallelLayout(tp=2, dp=2))
+    first = plan_for(batches[rank], dest, cache=cache)
+    again = plan_for(batches[rank], dest, cache=cache)
+    out = {"reused": again is first, "view": first.rank == rank}
+    changed = list(lengths)
+    changed[6] += 1  # sample 6 lives on rank 2: only that rank's batch differs
+    samples2, batches2 = make_batches(schema, changed, owners, seed=2)
+    plan2 = plan_for(batches2[rank], dest, cache=cache)
+    local = execute(plan2, batches2[rank])
+    want = expected_local(plan2, samples2, rank)
+    out["new_plan"] = plan2 is not first and plan2.samples[6].length == changed[6]
+    out["correct"] = all(
+        tensors_equal(exp[k], got.fields[k])
+        for exp, got in zip(want, local.micro_batches, strict=True)
+        for k in exp
+    )
+    other = plan_for(batches[rank], Destination(ParallelLayout(cp=2, dp=2)), cache=cache)
+    out["other_destination"] = other is not first
+    out["counts"] = (cache.hits, cache.misses)
+    return out
+
+
+def test_plan_cache_reuses_only_identical_inputs():
+    results = run_distributed(_body_plan_cache, WORLD, timeout_s=120)
+    for res in results:
+        assert res == {
+            "reused": True,
+            "view": True,
+            "new_plan": True,
+            "correct": True,
+            "other_destination": True,
+            "counts": (1, 3),
+        }, res
