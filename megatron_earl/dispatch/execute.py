@@ -166,6 +166,7 @@ def plan_for(
     group: dist.ProcessGroup | None = None,
     cache: PlanCache | None = None,
     whole: bool = False,
+    routed: bool = True,
 ) -> DispatchPlan:
     """All-gather every rank's sample metadata and plan this rank's view of the dispatch (what it
     sends and receives; ``whole=True``: the whole plan, as in tests).
@@ -174,6 +175,7 @@ def plan_for(
     rank's count) after a two-int header (sample count, a digest of schema, destination and
     config); only when digests differ are the full values all-gathered to name the difference.
     ``cache``: reuse the plan when every rank's inputs equal a cached plan's (``PlanCache``).
+    ``routed=False``: no decentralized stages (enough for ``execute(..., centralized=True)``).
 
     Which ranks call: every rank of ``group`` (default: the world), with the same destination and
     config; the all-gathers run on ``group``'s host twin. Mismatched schemas, destinations or
@@ -201,7 +203,7 @@ def plan_for(
     dist.all_gather(bodies, body, group=hg)
     table = torch.stack(bodies).numpy()
     ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
-    key = (inputs, ranks, None if whole else me, tuple(counts), table.tobytes())
+    key = (inputs, ranks, None if whole else me, routed, tuple(counts), table.tobytes())
 
     def make() -> DispatchPlan:
         sources = [
@@ -213,7 +215,7 @@ def plan_for(
             for t, c in zip(table, counts)
         ]
         rank = None if whole else me
-        return plan_dispatch(sources, batch.schema, destination, config, rank=rank)
+        return plan_dispatch(sources, batch.schema, destination, config, rank=rank, routed=routed)
 
     return make() if cache is None else cache.lookup(key, make)
 
@@ -432,6 +434,8 @@ def execute(
     me = dist.get_rank(group)
     if plan.rank not in (None, me):
         raise DispatchError(f"execute on rank {me} with rank {plan.rank}'s view of the plan")
+    if not centralized and not plan.stages:
+        raise DispatchError("the plan has no stages (planned with routed=False): plan it routed")
     store = _Store.from_batch(batch)
     stages = centralized_stages(plan) if centralized else plan.stages
     run_stages(stages, plan.schema, store, transport, group)

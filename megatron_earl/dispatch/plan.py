@@ -375,13 +375,15 @@ def plan_dispatch(
     destination: Destination,
     config: PlanConfig | None = None,
     rank: int | None = None,
+    routed: bool = True,
 ) -> DispatchPlan:
     """Plan moving the samples of ``sources`` (one entry per rank) to ``destination``.
 
     ``rank=None`` plans the whole dispatch (every rank's needs and every transfer); ``rank=r``
     plans the rank view of ``r`` (see ``DispatchPlan``): the balance is global (O(samples)), the
     rest O(what ``r`` sends and receives). Every error is raised from the global inputs, so every
-    rank raises the same one whatever view it plans."""
+    rank raises the same one whatever view it plans. ``routed=False`` leaves ``stages`` empty
+    (for the centralized baseline, which routes through its root instead)."""
     config = config or PlanConfig()
     layout = destination.layout
     if len(sources) != layout.world_size:
@@ -418,7 +420,9 @@ def plan_dispatch(
     needs = {
         r: rank_needs(destination, schema, r, micro[layout.coord(r).dp], lengths) for r in ranks
     }
-    if rank is None:
+    if not routed:
+        stages = ()
+    elif rank is None:
         stages = tuple(tuple(s) for s in route(holdings, needs, schema, config.route))
     else:
         stages = _route_rank(rank, sources, samples, assignment, destination, schema, config)
