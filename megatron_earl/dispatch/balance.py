@@ -47,9 +47,9 @@ def assign_samples(
     heap = [(0.0, r) for r in range(dp)]
     bins: list[list[int]] = [[] for _ in range(dp)]
     for u in order:
-        load, r = heapq.heappop(heap)
+        load, r = heap[0]
         bins[r].append(u)
-        heapq.heappush(heap, (load + cost[u], r))
+        heapq.heapreplace(heap, (load + cost[u], r))
     _refine(bins, cost)
     return [sorted(s for u in b for s in units[u]) for b in bins]
 

@@ -102,6 +102,10 @@ class _Store:
     def get(self, piece: Piece, name: str) -> torch.Tensor:
         if piece.per_sample:
             return self.rows[(piece.sample_id, name)]
+        spans = self.spans[(piece.sample_id, name)]
+        for a, b, t in spans:  # the common case: one span holds the piece
+            if a <= piece.start and piece.end <= b:
+                return t[piece.start - a : piece.end - a]
         parts, pos = [], piece.start
         for a, b, t in sorted(self.spans[(piece.sample_id, name)], key=lambda x: x[:2]):
             if a <= pos < b:
@@ -285,16 +289,17 @@ def run_stages(
             elif t.dst == me:
                 incoming[t.src].append(t)
         sends = {d: _pack(ts, specs, store) for d, ts in outgoing.items()}
-        sizes = {s: sum(n for *_, n in _layout(ts, specs)) for s, ts in incoming.items()}
+        layouts = {s: _layout(ts, specs) for s, ts in incoming.items()}
         recvs = {
-            s: torch.empty(n, dtype=torch.uint8, device=store.device) for s, n in sizes.items()
+            s: torch.empty(sum(n for *_, n in lay), dtype=torch.uint8, device=store.device)
+            for s, lay in layouts.items()
         }
         if transport == "p2p":
             exchange_p2p(sends, recvs, group)
         else:
             _exchange_all_to_all(sends, recvs, world, group, store.device)
         for s, buf in recvs.items():
-            _unpack(buf, incoming[s], specs, store)
+            _unpack(buf, layouts[s], specs, store)
 
 
 def _layout(
@@ -302,12 +307,18 @@ def _layout(
 ) -> list[tuple[Transfer, str, int]]:
     """(transfer, field, nbytes) in buffer order: grouped by dtype, larger elements first (so every
     group starts aligned), plan order within a group."""
+    groups: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for name, spec in specs.items():
+        groups[_dtype_key(spec.dtype)].add(name)
+    row_bytes = {name: spec.row_bytes for name, spec in specs.items()}
     out = []
-    for t in transfers:
-        rows = 1 if t.piece.per_sample else t.piece.end - t.piece.start
-        for name in t.piece.fields:
-            out.append((t, name, rows * specs[name].row_bytes))
-    return sorted(out, key=lambda x: _dtype_key(specs[x[1]].dtype))  # stable
+    for key in sorted(groups):
+        names = groups[key]
+        for t in transfers:
+            p = t.piece
+            rows = 1 if p.start < 0 else p.end - p.start
+            out += [(t, name, rows * row_bytes[name]) for name in p.fields if name in names]
+    return out
 
 
 def _dtype_key(dtype: torch.dtype) -> tuple[int, str]:
@@ -332,10 +343,14 @@ def _pack(transfers: list[Transfer], specs: dict[str, FieldSpec], store: _Store)
 
 
 def _unpack(
-    buf: torch.Tensor, transfers: list[Transfer], specs: dict[str, FieldSpec], store: _Store
+    buf: torch.Tensor,
+    layout: list[tuple[Transfer, str, int]],
+    specs: dict[str, FieldSpec],
+    store: _Store,
 ) -> None:
+    """Put the slices of ``buf`` (laid out as ``_layout`` says) into ``store`` as views."""
     pos, view, view_dtype, view_pos = 0, buf, None, 0
-    for t, name, n in _layout(transfers, specs):
+    for t, name, n in layout:
         s = specs[name]
         if s.dtype != view_dtype:  # a new dtype group: view the rest of the buffer once
             view_dtype, view_pos = s.dtype, 0
@@ -413,7 +428,8 @@ def simulate(
                     for name in t.piece.fields:
                         stores[dst].put(t.piece, name, stores[dst].get(t.piece, name))
             else:
-                _unpack(packed[(src, dst)], ts, specs, stores.setdefault(dst, _Store()))
+                store = stores.setdefault(dst, _Store())
+                _unpack(packed[(src, dst)], _layout(ts, specs), specs, store)
 
 
 # ---------------------------------------------------------------------- forward

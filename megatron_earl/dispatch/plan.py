@@ -417,15 +417,15 @@ def plan_dispatch(
     per_sample = tuple(s.name for s in schema if not s.per_token)
     ranks = range(layout.world_size) if rank is None else [rank]
     holdings = {r: _full_pieces(sources[r].sample_ids, lengths, token, per_sample) for r in ranks}
-    needs = {
-        r: rank_needs(destination, schema, r, micro[layout.coord(r).dp], lengths) for r in ranks
-    }
-    if not routed:
-        stages = ()
-    elif rank is None:
-        stages = tuple(tuple(s) for s in route(holdings, needs, schema, config.route))
+    if rank is not None and routed:
+        stages, own = _route_rank(rank, sources, samples, assignment, destination, schema, config)
+        needs = {rank: [p for mb in micro[own_dp] for sid in mb for p in own[sid]]}
     else:
-        stages = _route_rank(rank, sources, samples, assignment, destination, schema, config)
+        needs = {
+            r: rank_needs(destination, schema, r, micro[layout.coord(r).dp], lengths) for r in ranks
+        }
+        stages = () if not routed else tuple(route(holdings, needs, schema, config.route))
+        stages = tuple(tuple(s) for s in stages)
     return DispatchPlan(
         schema=schema,
         holdings=holdings,
@@ -506,11 +506,12 @@ def _route_rank(
     destination: Destination,
     schema: Schema,
     config: PlanConfig,
-) -> tuple[tuple[Transfer, ...], ...]:
+) -> tuple[tuple[tuple[Transfer, ...], ...], dict[int, list[Piece]]]:
     """The whole plan's transfers with ``rank`` as source or destination, found from the pieces
-    of the samples of its DP rank and the samples it holds only. Holders of a forward dispatch
-    hold whole samples with every field, so a piece's candidate sources are its sample's holders
-    (``route._cover`` would not cut it) and ``route.choose_source`` needs nothing else."""
+    of the samples of its DP rank and the samples it holds only; and the pieces ``rank`` needs,
+    per sample. Holders of a forward dispatch hold whole samples with every field, so a piece's
+    candidate sources are its sample's holders (``route._cover`` would not cut it) and
+    ``route.choose_source`` needs nothing else."""
     layout = destination.layout
     me = layout.coord(rank)
     held = set(sources[rank].sample_ids)
@@ -519,33 +520,42 @@ def _route_rank(
     wanted = [(s, me.dp, s in held) for s in assignment[me.dp]]
     wanted += [(s, dp_of[s], True) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
     classes: dict[int, list] = {}
-    pieces: dict[Piece, tuple[int, ...]] = {}
+    # (sample, start, end, fields) -> consumers; plain tuples hash and sort fast
+    pieces: dict[tuple, tuple[int, ...]] = {}
+    needs: dict[int, list[Piece]] = {}
     for sid, d, every in wanted:
-        if d not in classes:
-            classes[d] = _consumer_classes(destination, schema, d)
+        if d not in classes:  # token classes first: a rank's needs list spans, then rows
+            classes[d] = sorted(_consumer_classes(destination, schema, d), key=lambda c: c[0] < 0)
             if d == me.dp:
                 mine = [c for c in classes[d] if rank in c[2]]
         n = samples.length(sid)
+        own = needs[sid] = [] if d == me.dp else None
         for cp, fields, dsts in classes[d] if every else mine:
-            if cp < 0:
-                pieces[Piece(sid, -1, -1, fields)] = dsts
-            else:
-                for a, b in cp_real_spans(n, layout.cp, cp):
-                    pieces[Piece(sid, a, b, fields)] = dsts
+            spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
+            for a, b in spans:
+                pieces[(sid, a, b, fields)] = dsts
+                if own is not None and rank in dsts:
+                    own.append(Piece(sid, a, b, fields))
     stages: list[list[Transfer]] = [[] for _ in range(stage_count(config.route))]
     rc = config.route
-    for piece in sorted(pieces, key=lambda p: (p.sample_id, p.start, p.end, p.fields)):
-        dsts = pieces[piece]
-        holders = samples.holders[samples.index[piece.sample_id]]
+    k = rc.ranks_per_node
+    relay = rc.fanout != "direct" and k is not None
+    holders_of, index = samples.holders, samples.index
+    for key in sorted(pieces):
+        dsts = pieces[key]
+        holders = holders_of[index[key[0]]]
         if rank in dsts:
-            src = choose_source(holders, dsts, piece, rc)
+            piece = Piece(*key)
+            src = holders[0] if len(holders) == 1 else choose_source(holders, dsts, piece, rc)
             if src != rank:  # what ``fan_out`` gives this consumer, without the others
-                k = rc.ranks_per_node
-                group = dsts if k is None else [d for d in dsts if d // k == rank // k]
-                if rc.fanout == "direct" or k is None or src // k == rank // k or len(group) == 1:
+                if not relay or src // k == rank // k:
                     stages[0].append(Transfer(src, rank, piece))
                     continue
-                leader = group[piece.sample_id % len(group)]
+                group = [d for d in dsts if d // k == rank // k]
+                if len(group) == 1:
+                    stages[0].append(Transfer(src, rank, piece))
+                    continue
+                leader = group[key[0] % len(group)]
                 if leader != rank:
                     stages[1].append(Transfer(leader, rank, piece))
                     continue
@@ -553,6 +563,7 @@ def _route_rank(
                 stages[1] += [Transfer(rank, d, piece) for d in group if d != rank]
                 continue
         elif rank in holders:
+            piece = Piece(*key)
             src = choose_source(holders, dsts, piece, rc)
             if src != rank:
                 continue
@@ -561,7 +572,7 @@ def _route_rank(
         for stage, t in fan_out(src, dsts, piece, rc):
             if rank in (t.src, t.dst):
                 stages[stage].append(t)
-    return tuple(tuple(s) for s in stages)
+    return tuple(tuple(s) for s in stages), needs
 
 
 def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
