@@ -469,18 +469,26 @@ def assemble(plan: DispatchPlan, store: _Store, rank: int) -> DispatchedBatch:
     for mb, mini in zip(plan.micro_batches[c.dp], minis, strict=True):
         lengths = [plan.samples[s].length for s in mb]
         bounds = [cp_chunk_bounds(n, layout.cp, c.cp) for n in lengths]
+        # per chunk: the real tokens' piece (None if all padding) and the padding after them
+        segments = []
+        for sid, n, chunks in zip(mb, lengths, bounds):
+            for a, b in chunks:
+                real = Piece(sid, a, min(b, n), ()) if min(b, n) > a else None
+                segments.append((real, b - max(a, n) if b > max(a, n) else 0))
+        max_pad = max((pad for _, pad in segments), default=0)
         fields = {}
         for s in specs:
             if s.per_token:
+                fill = None
+                if max_pad:  # one padding tensor per field; chunks take views of it
+                    shape = (max_pad, *s.trailing)
+                    fill = torch.full(shape, s.pad_value, dtype=s.dtype, device=store.device)
                 parts = []
-                for sid, n, chunks in zip(mb, lengths, bounds):
-                    for a, b in chunks:
-                        if min(b, n) > a:
-                            parts.append(store.get(Piece(sid, a, min(b, n), ()), s.name))
-                        if b > max(a, n):
-                            pad = (b - max(a, n), *s.trailing)
-                            fill = torch.full(pad, s.pad_value, dtype=s.dtype, device=store.device)
-                            parts.append(fill)
+                for real, pad in segments:
+                    if real is not None:
+                        parts.append(store.get(real, s.name))
+                    if pad:
+                        parts.append(fill[:pad])
                 fields[s.name] = torch.cat(parts)
             else:
                 fields[s.name] = torch.stack(
