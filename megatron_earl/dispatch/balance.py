@@ -34,7 +34,8 @@ def assign_samples(
         cost = {u: sum(config.cost(lengths[s]) for s in sids) for u, sids in units.items()}
     else:
         units = {s: [s] for s in lengths}
-        cost = {s: config.cost(n) for s, n in lengths.items()}
+        n = np.fromiter(lengths.values(), dtype=np.float64, count=len(lengths))
+        cost = dict(zip(lengths, (n + config.attention_weight * n * n / 1024).tolist()))
     what = "groups" if config.keep_groups else "samples"
     if len(units) < dp:
         raise DispatchError(
