@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -195,24 +196,53 @@ def calibrate(rank: int) -> dict[str, float]:
     t_big = min(pingpong(big, 1, 2) for _ in range(3))
     pairs = max(1, min(4, world // 2))
     t_many = min(pingpong(big, pairs, 2) for _ in range(2))
-    src = torch.zeros(big // 4, dtype=torch.float32)
+    t_copy = t_slice = 0.0
+    if rank == 0:  # alone (the others wait in the barrier)
+        t_copy, t_slice = _host_rates(big)
+    dist.barrier()
+    return {
+        "latency_us": t_small * 1e6,
+        "p2p_gbps": big / max(t_big - t_small, 1e-9) / 1e9,
+        "aggregate_gbps": pairs * big / max(t_many - t_small, 1e-9) / 1e9,
+        "copy_gbps": big / max(t_copy, 1e-9) / 1e9,
+        "slice_us": t_slice * 1e6,
+        "cores": os.cpu_count() or 1,
+        "pairs": pairs,
+    }
+
+
+def _host_rates(nbytes: int) -> tuple[float, float]:
+    """Seconds to copy ``nbytes``, and per field slice the executor packs or unpacks (2,000
+    one-token slices through ``_pack`` and ``_unpack``)."""
+    import torch
+
+    from megatron_earl.dispatch.batch import FieldSpec
+    from megatron_earl.dispatch.execute import _layout, _pack, _Store, _unpack
+    from megatron_earl.dispatch.route import Piece, Transfer
+
+    src = torch.zeros(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     t0 = time.perf_counter()
     for _ in range(5):
         dst.copy_(src)
     t_copy = (time.perf_counter() - t0) / 5
-    return {
-        "latency_us": t_small * 1e6,
-        "p2p_gbps": big / max(t_big - t_small, 1e-9) / 1e9,
-        "aggregate_gbps": pairs * big / max(t_many - t_small, 1e-9) / 1e9,
-        "copy_gbps": big / t_copy / 1e9,
-        "pairs": pairs,
-    }
+    specs = {"x": FieldSpec("x", torch.float32, True)}
+    store, n = _Store(), 2000
+    store.put(Piece(0, 0, n, ()), "x", torch.zeros(n))
+    transfers = [Transfer(0, 1, Piece(0, i, i + 1, ("x",))) for i in range(n)]
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        buf = _pack(transfers, specs, store)
+        _unpack(buf, _layout(transfers, specs), specs, _Store())
+        best = min(best, time.perf_counter() - t0)
+    return t_copy, best / (2 * n)
 
 
 def local_model(link: dict[str, float]) -> NetworkModel:
     """The network model of the local processes: one "node" per process (its link the measured
-    point-to-point bandwidth), the host's aggregate, packing copies and latency as measured."""
+    point-to-point bandwidth), the host's aggregate, latency, copy rate and per-slice cost as
+    measured, the copies and slices of all processes shared over the host's cores."""
     return NetworkModel(
         gpus_per_node=1,
         nvlink_gbps=link["p2p_gbps"],  # unused with one rank per node
@@ -220,6 +250,8 @@ def local_model(link: dict[str, float]) -> NetworkModel:
         latency_us=link["latency_us"],
         aggregate_gbps=link["aggregate_gbps"],
         copy_gbps=link["copy_gbps"],
+        slice_us=link["slice_us"],
+        cores=link["cores"],
     )
 
 
@@ -231,9 +263,10 @@ def _compare(m: dict, args: argparse.Namespace) -> dict:
     sources = _sources(lengths, args.world, args.samples_per_prompt)
     cfg = PlanConfig(route=RouteConfig(args.fanout, args.ranks_per_node))
     plan = plan_dispatch(sources, schema, Destination(_fill(args.layout, args.world)), cfg)
+    assembling = model.assemble_seconds(plan.needs, schema)  # the same on both paths
     pred = {
-        "decentralized": model.seconds(plan.stages, schema),
-        "centralized": model.seconds(centralized_stages(plan), schema),
+        "decentralized": model.seconds(plan.stages, schema) + assembling,
+        "centralized": model.seconds(centralized_stages(plan), schema) + assembling,
     }
     out = {}
     for path, p in pred.items():
@@ -425,7 +458,8 @@ def _print(out: dict) -> None:
         print(
             f"  calibration: p2p {link['p2p_gbps']:.2f} GB/s, latency {link['latency_us']:.0f} us,"
             f" {link['pairs']} pairs together {link['aggregate_gbps']:.2f} GB/s, copy "
-            f"{link['copy_gbps']:.2f} GB/s"
+            f"{link['copy_gbps']:.2f} GB/s, {link['slice_us']:.1f} us per field slice, "
+            f"{link['cores']} cores"
         )
         for v in PATHS:
             c = m["model_vs_measured"][v]
