@@ -18,9 +18,15 @@ Measured (each repeat, every rank; median over repeats of the slowest rank):
   controller's work inside ``execute(centralized=True)``: rank 0 works out every rank's needs,
   receives and unpacks every sample, packs and sends each rank its part.
 
-No plan cache is used (each repeat plans from scratch). Then rank 0 and 1 time point-to-point
-messages (latency, bandwidth), four pairs at once (what the host moves together) and a packing
-copy; ``NetworkModel`` with those figures predicts both paths' transfer times for comparison.
+No plan cache is used (each repeat plans from scratch).
+``ratio_time_with_planning`` (measured) and ``ratio_with_planning`` (projected) charge each path
+its own planning as implemented; the projection also gives the ratio with the baseline charged
+only the balance a controller must compute (``..._baseline_balance_only``, its per-rank slice
+lists, O(ranks x pieces) of Python here, not counted) and with its planning free.
+
+Calibration: ranks 0 and 1 time point-to-point messages (latency, bandwidth), four pairs at once
+(what the host moves together); rank 0 alone a copy and the executor's per-field-slice cost.
+``NetworkModel`` with those figures (``local_model``) predicts both paths' execute times.
 
 Projection: the batch grows with the cluster (``--proj-samples-per-gpu``, 16: 2048 samples =
 256 prompts x 8 at 128 GPUs); planning is *measured* by running the planner at that scale in
@@ -363,6 +369,8 @@ def project(args: argparse.Namespace, model: NetworkModel) -> list[dict]:
                 "transfer_queue_total_s": tq_total,
                 "ratio": cen_s / dec_s,
                 "ratio_with_planning": cen_total / dec_total,
+                "ratio_with_planning_baseline_balance_only": (meta + store_plan + cen_s)
+                / dec_total,
                 "ratio_with_planning_free_baseline": (meta + cen_s) / dec_total,
                 "ratio_transfer_queue": tq_total / dec_total,
                 "planning_share_of_transfer": dec_plan / dec_s,
