@@ -511,23 +511,26 @@ def _route_rank(
     of the samples of its DP rank and the samples it holds only; and the pieces ``rank`` needs,
     per sample. Holders of a forward dispatch hold whole samples with every field, so a piece's
     candidate sources are its sample's holders (``route._cover`` would not cut it) and
-    ``route.choose_source`` needs nothing else."""
+    ``route.choose_source`` needs nothing else. The bulk, this rank's own pieces of samples one
+    rank holds, is computed with numpy (``_own_pieces``); the rest piece by piece."""
     layout = destination.layout
     me = layout.coord(rank)
     held = set(sources[rank].sample_ids)
+    holders_of, index = samples.holders, samples.index
+    rc = config.route
+    classes = {me.dp: _sorted_classes(destination, schema, me.dp)}
+    mine = [c for c in classes[me.dp] if rank in c[2]]
+    bulk = [s for s in assignment[me.dp] if s not in held and len(holders_of[index[s]]) == 1]
+    records, needs = _own_pieces(rank, bulk, samples, layout, mine, rc)
+    bulk_set = set(bulk)
     dp_of = {s: d for d, ids in enumerate(assignment) for s in ids if s in held}
-    # own DP rank's samples: only the pieces this rank consumes; samples it holds: every piece
-    wanted = [(s, me.dp, s in held) for s in assignment[me.dp]]
+    # the rest: own samples with replicas (only this rank's pieces), samples it holds (all)
+    wanted = [(s, me.dp, s in held) for s in assignment[me.dp] if s not in bulk_set]
     wanted += [(s, dp_of[s], True) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
-    classes: dict[int, list] = {}
-    # (sample, start, end, fields) -> consumers; plain tuples hash and sort fast
-    pieces: dict[tuple, tuple[int, ...]] = {}
-    needs: dict[int, list[Piece]] = {}
+    pieces: dict[tuple, tuple[int, ...]] = {}  # (sample, start, end, fields) -> consumers
     for sid, d, every in wanted:
-        if d not in classes:  # token classes first: a rank's needs list spans, then rows
-            classes[d] = sorted(_consumer_classes(destination, schema, d), key=lambda c: c[0] < 0)
-            if d == me.dp:
-                mine = [c for c in classes[d] if rank in c[2]]
+        if d not in classes:
+            classes[d] = _sorted_classes(destination, schema, d)
         n = samples.length(sid)
         own = needs[sid] = [] if d == me.dp else None
         for cp, fields, dsts in classes[d] if every else mine:
@@ -536,43 +539,93 @@ def _route_rank(
                 pieces[(sid, a, b, fields)] = dsts
                 if own is not None and rank in dsts:
                     own.append(Piece(sid, a, b, fields))
-    stages: list[list[Transfer]] = [[] for _ in range(stage_count(config.route))]
-    rc = config.route
-    k = rc.ranks_per_node
-    relay = rc.fanout != "direct" and k is not None
-    holders_of, index = samples.holders, samples.index
-    for key in sorted(pieces):
-        dsts = pieces[key]
+    for key, dsts in pieces.items():
         holders = holders_of[index[key[0]]]
-        if rank in dsts:
-            piece = Piece(*key)
-            src = holders[0] if len(holders) == 1 else choose_source(holders, dsts, piece, rc)
-            if src != rank:  # what ``fan_out`` gives this consumer, without the others
-                if not relay or src // k == rank // k:
-                    stages[0].append(Transfer(src, rank, piece))
-                    continue
-                group = [d for d in dsts if d // k == rank // k]
-                if len(group) == 1:
-                    stages[0].append(Transfer(src, rank, piece))
-                    continue
-                leader = group[key[0] % len(group)]
-                if leader != rank:
-                    stages[1].append(Transfer(leader, rank, piece))
-                    continue
-                stages[0].append(Transfer(src, rank, piece))
-                stages[1] += [Transfer(rank, d, piece) for d in group if d != rank]
-                continue
-        elif rank in holders:
-            piece = Piece(*key)
-            src = choose_source(holders, dsts, piece, rc)
-            if src != rank:
-                continue
-        else:
+        if rank not in dsts and rank not in holders:
+            continue
+        piece = Piece(*key)
+        src = choose_source(holders, dsts, piece, rc)
+        if rank not in dsts and src != rank:
             continue
         for stage, t in fan_out(src, dsts, piece, rc):
             if rank in (t.src, t.dst):
-                stages[stage].append(t)
-    return tuple(tuple(s) for s in stages), needs
+                records[stage].append((*key, t.dst, t.src))
+    # the whole plan's order: pieces sorted, a piece's transfers by destination
+    return tuple(
+        tuple(Transfer(src, dst, Piece(sid, a, b, f)) for sid, a, b, f, dst, src in sorted(r))
+        for r in records
+    ), needs
+
+
+def _sorted_classes(destination: Destination, schema: Schema, dp_rank: int) -> list:
+    """``_consumer_classes`` with token classes first (a rank's needs list spans, then rows)."""
+    return sorted(_consumer_classes(destination, schema, dp_rank), key=lambda c: c[0] < 0)
+
+
+def _own_pieces(
+    rank: int,
+    sample_ids: list[int],
+    samples: SampleTable,
+    layout: ParallelLayout,
+    mine: list,
+    rc: RouteConfig,
+) -> tuple[list[list[tuple]], dict[int, list[Piece]]]:
+    """This rank's pieces of ``sample_ids`` (samples of its DP rank held by one other rank each)
+    as transfer records ``(sample, start, end, fields, dst, src)`` per stage, vectorised: what
+    ``choose_source`` (the one holder) and ``fan_out`` give this consumer; and its needs."""
+    records: list[list[tuple]] = [[] for _ in range(stage_count(rc))]
+    needs: dict[int, list[Piece]] = {s: [] for s in sample_ids}
+    if not sample_ids:
+        return records, needs
+    rows = [samples.index[s] for s in sample_ids]
+    sid = np.asarray(sample_ids, dtype=np.int64)
+    n = np.asarray([samples.lengths[i] for i in rows], dtype=np.int64)
+    src = np.asarray([samples.holders[i][0] for i in rows], dtype=np.int64)
+    k = rc.ranks_per_node
+    relay = rc.fanout != "direct" and k is not None
+    per_sample: dict[int, list[Piece]] = defaultdict(list)
+    for cp, fields, dsts in mine:
+        if cp < 0:
+            spans = [(np.full_like(n, -1), np.full_like(n, -1))]
+        elif layout.cp == 1:
+            spans = [(np.zeros_like(n), n)]
+        else:
+            c2 = 2 * layout.cp
+            chunk = -(-n // c2)
+            first, second = cp, c2 - 1 - cp
+            spans = [
+                (first * chunk, np.minimum((first + 1) * chunk, n)),
+                (second * chunk, np.minimum((second + 1) * chunk, n)),
+            ]
+        group = [d for d in dsts if d // k == rank // k] if relay else [rank]
+        for a, b in spans:
+            keep = (b > a) | (a < 0)
+            s_, a_, b_, src_ = sid[keep], a[keep], b[keep], src[keep]
+            if relay and len(group) > 1:
+                remote = src_ // k != rank // k
+                leader = np.asarray(group)[s_ % len(group)]
+            else:
+                remote = np.zeros(len(s_), dtype=bool)
+                leader = np.full(len(s_), rank)
+            for q, x, y, h, far, lead in zip(
+                s_.tolist(),
+                a_.tolist(),
+                b_.tolist(),
+                src_.tolist(),
+                remote.tolist(),
+                leader.tolist(),
+            ):
+                per_sample[q].append(Piece(q, x, y, fields))
+                if not far:
+                    records[0].append((q, x, y, fields, rank, h))
+                elif lead != rank:
+                    records[1].append((q, x, y, fields, rank, lead))
+                else:
+                    records[0].append((q, x, y, fields, rank, h))
+                    records[1] += [(q, x, y, fields, d, rank) for d in group if d != rank]
+    for q in sample_ids:  # spans in order, then the per-sample row
+        needs[q] = sorted(per_sample[q], key=lambda p: (p.start < 0, p.start))
+    return records, needs
 
 
 def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
