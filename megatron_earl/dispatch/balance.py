@@ -32,8 +32,8 @@ def assign_samples(
         for sid in sorted(lengths):
             units.setdefault(groups[sid], []).append(sid)
         cost = {u: sum(config.cost(lengths[s]) for s in sids) for u, sids in units.items()}
-    else:
-        units = {s: [s] for s in lengths}
+    else:  # every sample is a unit
+        units = lengths
         n = np.fromiter(lengths.values(), dtype=np.float64, count=len(lengths))
         cost = dict(zip(lengths, (n + config.attention_weight * n * n / 1024).tolist()))
     what = "groups" if config.keep_groups else "samples"
@@ -52,6 +52,8 @@ def assign_samples(
         bins[r].append(u)
         heapq.heapreplace(heap, (load + cost[u], r))
     _refine(bins, cost)
+    if not config.keep_groups:
+        return [sorted(b) for b in bins]
     return [sorted(s for u in b for s in units[u]) for b in bins]
 
 
