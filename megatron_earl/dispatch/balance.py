@@ -20,13 +20,21 @@ if TYPE_CHECKING:
 
 REFINE_TOLERANCE = 1e-4
 """Local search stops once the heaviest DP rank is within this fraction of the mean cost."""
+LPT_UNITS_PER_RANK = 8
+"""Units per DP rank placed one by one (largest first onto the lightest rank); the smaller rest
+is placed a round of ``dp`` at a time (numpy), then the local search evens it out."""
+ROUNDS_MIN_DP = 16
+"""Below this many DP ranks every unit is placed one by one (a numpy round costs more than
+``dp`` heap steps)."""
 
 
 def assign_samples(
     lengths: dict[int, int], groups: dict[int, int], dp: int, config: PlanConfig
 ) -> list[list[int]]:
-    """Sample ids per DP rank, balanced by ``config.cost`` (greedy largest-first, then moves/swaps
-    between the heaviest and the lightest rank while that lowers the maximum)."""
+    """Sample ids per DP rank, balanced by ``config.cost``: greedy largest-first (the largest
+    ``LPT_UNITS_PER_RANK * dp`` units one by one, the rest in rounds of ``dp`` when ``dp >=
+    ROUNDS_MIN_DP``), then moves/swaps
+    between the heaviest and the lightest rank while that lowers the maximum."""
     if config.keep_groups:
         units: dict[int, list[int]] = {}
         for sid in sorted(lengths):
@@ -44,13 +52,27 @@ def assign_samples(
         )
     ids = np.fromiter(cost, dtype=np.int64, count=len(cost))
     costs = np.fromiter(cost.values(), dtype=np.float64, count=len(cost))
-    order = ids[np.lexsort((ids, -costs))].tolist()  # cost descending, then id
-    heap = [(0.0, r) for r in range(dp)]
+    by_cost = np.lexsort((ids, -costs))  # cost descending, then id
     bins: list[list[int]] = [[] for _ in range(dp)]
-    for u in order:
+    head = len(ids) if dp < ROUNDS_MIN_DP else min(len(ids), LPT_UNITS_PER_RANK * dp)
+    heap = [(0.0, r) for r in range(dp)]
+    for u in ids[by_cost[:head]].tolist():  # exact largest-first for the large units
         load, r = heap[0]
         bins[r].append(u)
         heapq.heapreplace(heap, (load + cost[u], r))
+    if head < len(ids):  # the small rest in rounds: a round's largest to the lightest rank
+        loads = np.zeros(dp)
+        for load, r in heap:
+            loads[r] = load
+        owner = np.empty(len(ids) - head, dtype=np.int64)
+        rest = costs[by_cost[head:]]
+        for start in range(0, len(rest), dp):
+            part = rest[start : start + dp]
+            ranks = np.argsort(loads, kind="stable")[: len(part)]
+            owner[start : start + len(part)] = ranks
+            loads[ranks] += part
+        for u, r in zip(ids[by_cost[head:]].tolist(), owner.tolist()):
+            bins[r].append(u)
     _refine(bins, cost)
     if not config.keep_groups:
         return [sorted(b) for b in bins]
