@@ -25,6 +25,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_earl.dispatch.batch import Schema
 
@@ -35,9 +36,11 @@ class DispatchError(ValueError):
     """A batch/destination pair the dispatcher cannot serve; raised on all ranks before any send."""
 
 
-@dataclass(frozen=True, order=True)
-class Piece:
-    """A span of one sample for some fields (``start == end == -1``: per-sample fields)."""
+class Piece(NamedTuple):
+    """A span of one sample for some fields (``start == end == -1``: per-sample fields).
+
+    A named tuple rather than a dataclass: plans and the executor build, hash and compare tens of
+    thousands of them, and a tuple does that in C (ordered by sample_id, start, end, fields)."""
 
     sample_id: int
     start: int
@@ -49,8 +52,7 @@ class Piece:
         return self.start < 0
 
 
-@dataclass(frozen=True, order=True)
-class Transfer:
+class Transfer(NamedTuple):
     """``src`` sends ``dst`` the piece (``src == dst``: a local copy, no communication)."""
 
     src: int
