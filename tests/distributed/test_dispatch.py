@@ -108,6 +108,13 @@ def _body_bad_input() -> dict[str, str]:
     out["schema"] = _catch(lambda: plan_for(batch, dest))
     bad_layout = Destination(ParallelLayout(tp=2, dp=4))
     out["layout"] = _catch(lambda: plan_for(batches[rank], bad_layout))
+    # rank 2 alone passes another config; rank 3 claims sample 0 (held by rank 0) with length 7
+    cfg = PlanConfig(keep_groups=rank == 2)
+    out["config"] = _catch(lambda: plan_for(batches[rank], dest, cfg))
+    claim = batches[rank]
+    if rank == 3:
+        _, (claim,) = make_batches(schema, [7], [[0]], only_rank=0)
+    out["replica"] = _catch(lambda: plan_for(claim, dest))
     return out
 
 
@@ -119,6 +126,8 @@ def test_bad_input_raises_same_error_on_every_rank():
     assert "3 groups cannot fill dp=4" in errors["empty_dp"], errors
     assert "ranks disagree on the batch schema" in errors["schema"], errors
     assert "= 8 ranks, but 4 ranks dispatch" in errors["layout"], errors
+    assert "ranks disagree on the plan config" in errors["config"], errors
+    assert "sample 0 is held by ranks [0] with (length, group) = (100, 0)" in errors["replica"]
 
 
 def _body_host_groups() -> dict:

@@ -381,3 +381,22 @@ def test_rank_view_of_a_large_batch_is_its_part_of_the_whole_plan():
         view = plan_dispatch(metas, SCHEMA, dest, cfg, rank=r)
         assert view.stages == tuple(_involving(plan.stages, r, 2))
         assert view.needs == {r: plan.needs[r]}
+
+
+def test_plan_cache_keys_and_eviction():
+    from megatron_earl.dispatch.execute import PlanCache
+
+    cache = PlanCache(size=2)
+    made = []
+
+    def make(tag):
+        return lambda: made.append(tag) or tag
+
+    assert cache.lookup(("a",), make("a")) == "a"
+    assert cache.lookup(("a",), make("x")) == "a"  # hit: not rebuilt
+    cache.lookup(("b",), make("b"))
+    cache.lookup(("c",), make("c"))  # evicts "a", the least recently used
+    assert cache.lookup(("a",), make("a2")) == "a2"
+    assert made == ["a", "b", "c", "a2"] and (cache.hits, cache.misses) == (1, 4)
+    with pytest.raises(DispatchError, match="size=0"):
+        PlanCache(size=0)
