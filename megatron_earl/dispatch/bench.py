@@ -1,6 +1,8 @@
-"""Dispatch benchmark: decentralized (rank views, point to point) vs centralized (gather to rank 0,
-then scatter), every cost counted on both sides; measured on N local gloo processes, checked
-against the network model calibrated on this machine, and projected to 8-1024 GPUs.
+"""Dispatch benchmark: decentralized vs centralized, every cost counted, measured and projected.
+
+Decentralized (rank views, point to point) vs centralized (gather to rank 0, then scatter),
+every cost counted on both sides; measured on N local gloo processes, checked against the
+network model calibrated on this machine, and projected to 8-1024 GPUs.
 
     megatron-earl bench dispatch --world 8 --json       # the figures of docs/dispatch.md
     python scripts/bench_dispatch.py --world 4 --samples 128 --no-project   # a quick smoke run
