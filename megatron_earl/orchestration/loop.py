@@ -46,7 +46,7 @@ from megatron_earl.config.model import sequence_parallel_size
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.dispatch import Destination
-from megatron_earl.dispatch.execute import execute, plan_for
+from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
 from megatron_earl.models.gpt import pin_transformer_impl
 from megatron_earl.orchestration.async_rollout import (
@@ -101,6 +101,8 @@ class RLLoop:
         self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}
         self.old_logprobs = config.old_logprobs_pass()
         """Whether the experience phase computes old log-probs (else the train pass does)."""
+        self.plan_cache = PlanCache()
+        """Dispatch plans by their exact inputs (a re-run of a phase reuses its plan)."""
         kind = rollout_backend_class(config.rollout.engine)
         layouts = kind.policy_layouts(self.layouts)
         if not self.old_logprobs:  # the experience phase never runs the policy
@@ -246,6 +248,7 @@ class RLLoop:
             batch,
             every_stage(layout, Phase.EXPERIENCE, fields),
             consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
+            cache=self.plan_cache,
         )
         local = execute(plan, batch)
         inputs = model_inputs(local.micro_batches, fields, layout.cp, self._sp(layout))
@@ -291,7 +294,10 @@ class RLLoop:
         n = self.config.batch.num_mini_batches
         fields = tuple(sorted(batch.token_fields))
         plan = plan_for(
-            batch, every_stage(layout, Phase.TRAIN, fields), consumer_plan(layout, budget, n)
+            batch,
+            every_stage(layout, Phase.TRAIN, fields),
+            consumer_plan(layout, budget, n),
+            cache=self.plan_cache,
         )
         local = execute(plan, batch)
         step_config = RLStepConfig(
