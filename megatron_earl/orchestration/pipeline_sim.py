@@ -369,6 +369,8 @@ class _Simulation:
         self.rng = random.Random(config.seed)
         self.result = SimResult(config)
         self.engines = [_Engine(i) for i in range(config.num_engines)]
+        self.loads = [(0, i) for i in range(config.num_engines)]
+        """Heap of (load, engine index); entries whose load is outdated are skipped."""
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
         self.now = 0.0
@@ -424,8 +426,8 @@ class _Simulation:
         self.groups_started += 1
         self.live_groups[group] = None
         for _ in range(self.cfg.group_size):
-            engine = min(self.engines, key=lambda e: (e.load, e.index))
-            engine.load += 1
+            engine = self._least_loaded()
+            self._add_load(engine, 1)
             tokens = self.cfg.lengths.sample(self.rng)
             traj = _Trajectory(
                 self.num_trajectories, group, _split_turns(tokens, self.cfg.tokens_per_turn), engine
@@ -435,8 +437,20 @@ class _Simulation:
             self.unfinished[traj] = None
             self._arrive(traj)
 
+    def _least_loaded(self) -> _Engine:
+        """The engine with the fewest unfinished trajectories (lowest index on ties)."""
+        while True:
+            load, index = self.loads[0]
+            if self.engines[index].load == load:
+                return self.engines[index]
+            heapq.heappop(self.loads)  # an outdated entry
+
+    def _add_load(self, engine: _Engine, delta: int) -> None:
+        engine.load += delta
+        heapq.heappush(self.loads, (engine.load, engine.index))
+
     def _finish(self, traj: _Trajectory) -> None:
-        traj.engine.load -= 1
+        self._add_load(traj.engine, -1)
         del self.unfinished[traj]
         group = traj.group
         group.num_done += 1
