@@ -2,6 +2,7 @@
 async, next to the published figures of RollArt, AReaL and Laminar. SIMULATED, not measured.
 
     megatron-earl bench async-sim [--gpus 64,128,256,512,1024] [--steps 6] [--seed 0] [--json]
+    megatron-earl bench async-sim --config measured.json [--staleness 1,2] [--json]
 
 For each GPU count the same workload (``Assumptions``: a 32B-class dense model, a long-tailed
 agentic workload, per-token costs of an H100-class GPU) runs on two placements:
@@ -12,6 +13,12 @@ agentic workload, per-token costs of an H100-class GPU) runs on two placements:
 - **async, disaggregated** (RollArt / AReaL / Laminar style): ``rollout_fraction`` of the GPUs
   are engines, the rest train; AReaL's staleness rule with k = ``--staleness``; ``continue``
   partial rollouts (plus one ``restart`` row); pushes cost ``push_s_disaggregated``.
+
+With ``--config FILE`` (a JSON object of ``SimConfig`` fields, e.g. filled from a paced run:
+per-token decode time, env step time, measured lengths, train time per token, push time) the
+simulator runs that pipeline instead, sync and async with each ``--staleness`` (continue, and
+restart at the largest k), on the same engines and trainer: the figures to compare with the
+paced benchmark's.
 
 The printed ratio is async/sync trained trajectories per second over the steady steps (the first
 ``WARMUP_STEPS`` excluded). Every figure of ours is labelled ``simulated``; the papers' figures
@@ -146,12 +153,16 @@ PUBLISHED = (
 
 
 def steady(result: SimResult) -> dict[str, float]:
-    """Steady-state throughput: trajectories and tokens per second after ``WARMUP_STEPS``."""
-    ends, cfg = result.step_end_s, result.config
+    """Steady state, after ``WARMUP_STEPS``: s/step, trajectories/s, trainer idle fraction."""
+    ends, waits, cfg = result.step_end_s, result.step_wait_s, result.config
     steps = len(ends) - WARMUP_STEPS
     span = ends[-1] - ends[WARMUP_STEPS - 1]
     per_step = cfg.prompts_per_step * cfg.group_size
-    return {"s_per_step": span / steps, "trajectories_per_s": steps * per_step / span}
+    return {
+        "s_per_step": span / steps,
+        "trajectories_per_s": steps * per_step / span,
+        "trainer_idle_fraction": (waits[-1] - waits[WARMUP_STEPS - 1]) / span,
+    }
 
 
 def _row(gpus: int, label: str, result: SimResult) -> dict[str, Any]:
@@ -162,13 +173,27 @@ def _row(gpus: int, label: str, result: SimResult) -> dict[str, Any]:
         "schedule": label,
         "engines": cfg.num_engines,
         **steady(result),
-        "trainer_idle_fraction": d["trainer_idle_fraction"],
         "engine_utilization": d["engine_utilization"],
         "discarded_fraction": d["discarded_trajectories"]
         / max(1, d["discarded_trajectories"] + d["trained_trajectories"]),
         "wasted_tokens": d["wasted_tokens"],
         "max_staleness_seen": max(d["staleness_trajectories"]),
     }
+
+
+def compare(config: SimConfig, staleness: list[int]) -> list[dict[str, Any]]:
+    """``config`` (its own engines and trainer) in sync and in async with each k (continue, and
+    restart at the largest): one row each, ``speedup`` = async/sync steady trajectories/s."""
+    sync_config = dataclasses.replace(config, mode="sync")
+    sync = _row(0, "sync", simulate(sync_config)) | {"speedup": 1.0}
+    rows = [sync]
+    for k, partial in [(k, "continue") for k in staleness] + [(max(staleness), "restart")]:
+        async_config = dataclasses.replace(
+            config, mode="async", max_staleness=k, partial_rollout=partial
+        )
+        row = _row(0, f"async k={k} {partial}", simulate(async_config))
+        rows.append(row | {"speedup": row["trajectories_per_s"] / sync["trajectories_per_s"]})
+    return rows
 
 
 def project(
@@ -200,8 +225,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['gpus']:>5} {r['schedule']:<22} {r['engines']:>7} {r['s_per_step']:>8.1f} "
-            f"{r['trajectories_per_s']:>8.2f} {r['speedup']:>7.2f}x "
+            f"{r.get('gpus', '-'):>5} {r['schedule']:<22} {r['engines']:>7} "
+            f"{r['s_per_step']:>8.1f} {r['trajectories_per_s']:>8.2f} {r['speedup']:>7.2f}x "
             f"{r['trainer_idle_fraction']:>12.1%} {r['engine_utilization']:>11.1%} "
             f"{r['discarded_fraction']:>9.1%}"
         )
@@ -220,6 +245,13 @@ def report(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=6, help="training steps simulated per run")
     p.add_argument("--staleness", default="1,2,4", help="async max_staleness values")
     p.add_argument("--seed", type=int, default=0, help="seed of the length draws")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="JSON of SimConfig fields (e.g. measured figures): simulate that pipeline, sync vs "
+        "async, instead of the projection",
+    )
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON line")
     args = p.parse_args(argv)
     try:
@@ -234,6 +266,8 @@ def report(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(
             f"--steps must be > {WARMUP_STEPS} (the warm-up steps are excluded), got {args.steps}"
         )
+    if args.config is not None:
+        return _measured(p, args, staleness)
     assumptions = Assumptions()
     try:
         rows = project(
@@ -278,6 +312,35 @@ def report(argv: list[str] | None = None) -> dict[str, Any]:
             f"  {pub['system']}: {pub['figure']} vs {pub['versus']} -- {pub['settings']} "
             f"[{pub['source']}]"
         )
+    return out
+
+
+def _measured(
+    p: argparse.ArgumentParser, args: argparse.Namespace, staleness: list[int]
+) -> dict[str, Any]:
+    try:
+        with open(args.config) as f:
+            config = SimConfig.from_dict(json.load(f))
+    except (OSError, ValueError, TypeError) as err:
+        p.error(f"--config {args.config}: {err}")
+    rows = compare(config, staleness)
+    out = {
+        "label": "SIMULATED (orchestration.pipeline_sim) from the inputs of --config",
+        "config": args.config,
+        "lengths": config.lengths.describe(seed=config.seed),
+        "rows": [{k: v for k, v in r.items() if k != "gpus"} for r in rows],
+    }
+    if args.json:
+        print(json.dumps(out))
+        return out
+    print(f"bench async-sim: {out['label']} {args.config}")
+    lengths = out["lengths"]
+    print(
+        f"lengths: p50 {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, max "
+        f"{lengths['max']}; {config.num_engines} engines x {config.slots_per_engine} slots; "
+        f"steady state over steps {WARMUP_STEPS + 1}..{config.num_steps}\n"
+    )
+    print(_table(out["rows"]))
     return out
 
 

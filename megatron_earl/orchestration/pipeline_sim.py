@@ -45,6 +45,7 @@ are seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -230,6 +231,29 @@ class SimConfig:
         if bad:
             raise ValueError("bad simulator config: " + "; ".join(bad))
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SimConfig:
+        """From JSON (e.g. filled from a measured run): ``SimConfig``'s field names; ``lengths``
+        is a list of measured lengths (drawn from) or ``{"kind", "scale", "shape",
+        "max_tokens"}``. An unknown field is an error that names it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown simulator fields {unknown}; valid: {sorted(known)}")
+        lengths = fields.get("lengths")
+        if isinstance(lengths, list):
+            lengths = LengthDist.empirical(lengths)
+        elif isinstance(lengths, dict):
+            try:
+                lengths = LengthDist(**lengths)
+            except TypeError as err:
+                raise ValueError(f"lengths {lengths}: {err}") from None
+        else:
+            raise ValueError(
+                f"lengths must be a list of token counts or a distribution dict, got {lengths!r}"
+            )
+        return cls(**(fields | {"lengths": lengths}))
+
     def step_s(self, running: int) -> float:
         """Wall time of one decode step of ``running`` trajectories."""
         return self.decode_s_per_token * (1.0 + self.batch_slope * (running - 1))
@@ -267,6 +291,9 @@ class SimResult:
     engine_busy_s: float = 0.0
     """Engine-seconds spent decoding (summed over engines)."""
     step_end_s: list[float] = field(default_factory=list)
+    """When each step's push ended."""
+    step_wait_s: list[float] = field(default_factory=list)
+    """``trainer_wait_s`` so far at each step's end (steady-state idle fractions)."""
     staleness_trajectories: Counter = field(default_factory=Counter)
     """Version lag of each trained trajectory's oldest token -> count."""
     staleness_tokens: Counter = field(default_factory=Counter)
@@ -526,6 +553,7 @@ class _Simulation:
     def _on_push_done(self, _: Any) -> None:
         self.version += 1
         self.result.step_end_s.append(self.now)
+        self.result.step_wait_s.append(self.result.trainer_wait_s)
         self.trainer_busy, self.trainer_free_since = False, self.now
         if len(self.result.step_end_s) == self.cfg.num_steps:
             return  # the run ends here

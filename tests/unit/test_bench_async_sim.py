@@ -50,3 +50,31 @@ def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "async-sim", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_measured_inputs_run_sync_and_async(tmp_path, capsys):
+    path = tmp_path / "measured.json"
+    fields = {
+        "num_engines": 2,
+        "slots_per_engine": 8,
+        "decode_s_per_token": 0.05,
+        "lengths": [20, 25, 30, 40, 60, 200, 35, 22],
+        "tokens_per_turn": 16,
+        "env_step_s": 0.1,
+        "group_size": 4,
+        "prompts_per_step": 2,
+        "train_s_per_token": 0.002,
+        "train_s_fixed": 1.0,
+        "push_s": 0.5,
+        "num_steps": 6,
+    }
+    path.write_text(json.dumps(fields))
+    assert cli_main(["bench", "async-sim", "--config", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["schedule"] for r in out["rows"]][:2] == ["sync", "async k=1 continue"]
+    assert out["rows"][0]["speedup"] == 1.0 and out["rows"][1]["speedup"] > 1.0
+    assert out["lengths"]["kind"] == "empirical" and out["lengths"]["max"] == 200
+    path.write_text(json.dumps(fields | {"decode_ms": 3}))
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "async-sim", "--config", str(path)])
+    assert "unknown simulator fields ['decode_ms']" in capsys.readouterr().err
