@@ -152,6 +152,36 @@ PUBLISHED = (
 """The published figures as the papers state them (not reproduced here)."""
 
 
+def with_changes(assumptions: Assumptions, changes: list[str]) -> Assumptions:
+    """``assumptions`` with each ``FIELD=VALUE`` applied (numbers; ``lengths.X`` changes the
+    length distribution); a bad field or value raises ``ValueError`` naming it."""
+    numeric = {
+        f.name: f.type
+        for f in dataclasses.fields(Assumptions)
+        if f.type in ("int", "float", int, float)
+    }
+    for change in changes:
+        name, _, value = change.partition("=")
+        try:
+            if name.startswith("lengths.") and name[8:] in ("scale", "shape", "max_tokens"):
+                number = int(value) if name == "lengths.max_tokens" else float(value)
+                lengths = dataclasses.replace(assumptions.lengths, **{name[8:]: number})
+                assumptions = dataclasses.replace(assumptions, lengths=lengths)
+            elif name in numeric:
+                kind = int if numeric[name] in ("int", int) else float
+                assumptions = dataclasses.replace(assumptions, **{name: kind(value)})
+            else:
+                raise ValueError(
+                    f"--set {change!r}: unknown field {name!r}; valid: "
+                    f"{[*sorted(numeric), 'lengths.max_tokens', 'lengths.scale', 'lengths.shape']}"
+                )
+        except (TypeError, ValueError) as err:
+            if str(err).startswith("--set"):
+                raise
+            raise ValueError(f"--set {change!r}: {err}") from None
+    return assumptions
+
+
 def steady(result: SimResult) -> dict[str, float]:
     """Steady state, after ``WARMUP_STEPS``: s/step, trajectories/s, trainer idle fraction."""
     ends, waits, cfg = result.step_end_s, result.step_wait_s, result.config
@@ -252,6 +282,14 @@ def report(argv: list[str] | None = None) -> dict[str, Any]:
         help="JSON of SimConfig fields (e.g. measured figures): simulate that pipeline, sync vs "
         "async, instead of the projection",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change one projection assumption (an Assumptions field, or lengths.scale / "
+        "lengths.shape / lengths.max_tokens), e.g. --set rollout_fraction=0.5; repeatable",
+    )
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON line")
     args = p.parse_args(argv)
     try:
@@ -268,8 +306,8 @@ def report(argv: list[str] | None = None) -> dict[str, Any]:
         )
     if args.config is not None:
         return _measured(p, args, staleness)
-    assumptions = Assumptions()
     try:
+        assumptions = with_changes(Assumptions(), args.set)
         rows = project(
             gpu_counts, assumptions, steps=args.steps, seed=args.seed, staleness=staleness
         )

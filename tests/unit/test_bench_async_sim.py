@@ -78,3 +78,15 @@ def test_measured_inputs_run_sync_and_async(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "async-sim", "--config", str(path)])
     assert "unknown simulator fields ['decode_ms']" in capsys.readouterr().err
+
+
+def test_assumptions_can_be_changed_and_bad_changes_are_named():
+    from megatron_earl.orchestration.bench_async_sim import with_changes
+
+    a = with_changes(Assumptions(), ["rollout_fraction=0.5", "lengths.shape=0.5", "group_size=8"])
+    assert (a.rollout_fraction, a.lengths.shape, a.group_size) == (0.5, 0.5, 8)
+    assert a.async_config(64, steps=3, seed=0, k=1).num_engines == 8
+    with pytest.raises(ValueError, match="unknown field 'foo'"):
+        with_changes(Assumptions(), ["foo=1"])
+    with pytest.raises(ValueError, match=r"--set 'lengths.shape=-1': .*shape > 0"):
+        with_changes(Assumptions(), ["lengths.shape=-1"])
