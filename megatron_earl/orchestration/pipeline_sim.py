@@ -174,6 +174,11 @@ class SimConfig:
     """Generated tokens per model turn (the last turn takes the rest); None: one turn."""
     env_step_s: float = 0.0
     """Environment / tool time between two turns (no engine slot held)."""
+    prefill_s: float | None = None
+    """None: prefill not modelled (a turn of t tokens is t decode steps; fold prefill time into
+    ``env_step_s``). A number: trajectories joining an engine are prefilled together in one
+    forward of this many seconds that blocks the engine and yields each one's first token of
+    the turn (then t - 1 decode steps), as the embedded engine and SGLang do."""
     prompt_tokens: int = 0
     """Prompt tokens per trajectory (trained on, not generated)."""
     group_size: int = 1
@@ -226,6 +231,8 @@ class SimConfig:
         ]
         if not self.decode_s_per_token > 0:
             bad.append(f"decode_s_per_token={self.decode_s_per_token} (must be > 0)")
+        if self.prefill_s is not None and not self.prefill_s >= 0:
+            bad.append(f"prefill_s={self.prefill_s} (must be >= 0 or None)")
         if self.tokens_per_turn is not None and self.tokens_per_turn < 1:
             bad.append(f"tokens_per_turn={self.tokens_per_turn} (must be >= 1 or None)")
         if bad:
@@ -612,7 +619,7 @@ class _Simulation:
             return
         step = self.cfg.step_s(len(engine.running))
         x = (self.now - engine.last) / step
-        n = round(x) if exact else math.floor(x + 1e-9)
+        n = max(0, round(x) if exact else math.floor(x + 1e-9))  # < 0: inside a prefill
         engine.steps += n
         engine.last += n * step
         engine.busy_s += n * step
@@ -631,12 +638,19 @@ class _Simulation:
             return
         if not engine.running:
             engine.last = self.now
+        prefill = self.cfg.prefill_s is not None
+        joined = False
         while engine.queue and len(engine.running) < self.cfg.slots_per_engine:
             traj = engine.queue.popleft()
-            traj.credited_step = engine.steps
-            end = engine.steps + traj.turns[traj.turn]
+            # With a prefill its token is the turn's first: credited with the next decode steps.
+            traj.credited_step = engine.steps - prefill
+            end = engine.steps + traj.turns[traj.turn] - prefill
             engine.running[traj] = None
             heapq.heappush(engine.ends, (end, traj.index, traj))
+            joined = True
+        if joined and prefill:
+            engine.last += self.cfg.prefill_s  # one prefill forward of every joiner
+            engine.busy_s += self.cfg.prefill_s
 
     def _schedule(self, engine: _Engine) -> None:
         """The next event of a running engine: its first turn end."""

@@ -60,6 +60,9 @@ def test_sync_step_is_slowest_trajectory_plus_train_plus_push():
         ({"batch_slope": 0.5}, 100 * D * (1 + 0.5 * 3)),  # 4 running: step x 2.5
         ({"tokens_per_turn": 40, "env_step_s": 0.3}, 100 * D + 2 * 0.3),  # turns 40, 40, 20
         ({"num_engines": 2, "slots_per_engine": 1}, 2 * 100 * D),  # 2 per engine, one at a time
+        ({"prefill_s": 0.5}, 0.5 + 99 * D),  # one prefill of all 4 gives the first token
+        ({"prefill_s": 0.5, "tokens_per_turn": 40, "env_step_s": 0.3}, 1.5 + 97 * D + 0.6),
+        ({"prefill_s": 0.5, "slots_per_engine": 2}, 2 * (0.5 + 99 * D)),
     ],
 )
 def test_sync_rollout_time_by_hand(change, rollout_s):
@@ -89,9 +92,11 @@ def test_async_overlaps_rollout_with_training_by_hand():
 
 
 @pytest.mark.parametrize("partial", ["continue", "restart"])
-def test_async_with_zero_staleness_is_the_sync_schedule(partial):
-    sync = simulate(LONG_TAIL).to_dict()
-    out = simulate(_with(LONG_TAIL, mode="async", max_staleness=0, partial_rollout=partial))
+@pytest.mark.parametrize("prefill_s", [None, 0.05])
+def test_async_with_zero_staleness_is_the_sync_schedule(partial, prefill_s):
+    config = _with(LONG_TAIL, prefill_s=prefill_s)
+    sync = simulate(config).to_dict()
+    out = simulate(_with(config, mode="async", max_staleness=0, partial_rollout=partial))
     out = out.to_dict()
     for key in ("duration_s", "trainer_idle_fraction", "engine_utilization"):
         assert out[key] == pytest.approx(sync[key], rel=1e-9), key
@@ -128,6 +133,8 @@ def test_restart_wastes_tokens_that_continue_keeps():
         {},
         {"mode": "async", "max_staleness": 1},
         {"mode": "async", "max_staleness": 2, "partial_rollout": "restart"},
+        {"mode": "async", "max_staleness": 1, "prefill_s": 0.05},
+        {"mode": "async", "max_staleness": 1, "prefill_s": 0.05, "partial_rollout": "restart"},
     ],
 )
 def test_every_token_is_accounted_for_and_runs_are_deterministic(kw):
