@@ -133,6 +133,14 @@ class PaceStats:
     """Real decode forwards, seconds in total."""
     sleep_s: float = 0.0
     """Pacing sleeps, seconds in total."""
+    prefill_steps: int = 0
+    """Prefill forwards run (never paced)."""
+    prefill_s: float = 0.0
+    """Prefill forwards, seconds in total (the simulator's ``prefill_s`` is their mean)."""
+
+    def record_prefill(self, seconds: float) -> None:
+        self.prefill_steps += 1
+        self.prefill_s += seconds
 
     def record(self, forward_s: float, step_s: float) -> None:
         self.decode_steps += 1
@@ -154,6 +162,10 @@ class PaceStats:
             "mean_forward_ms": self.forward_s / n * 1e3 if n else None,
             "max_forward_ms": self.max_forward_s * 1e3,
             "sleep_ms": self.sleep_s * 1e3,
+            "prefill_steps": self.prefill_steps,
+            "mean_prefill_ms": self.prefill_s / self.prefill_steps * 1e3
+            if self.prefill_steps
+            else None,
         }
 
 
@@ -560,7 +572,9 @@ class EmbeddedEngine(StepResults, EngineMemory):
             tuple(froms) if prompt else (),
         )
         entries = [entry for entry, _ in admitted]
+        start = time.perf_counter()
         logits = await self._forward_or_fail(batch, entries)
+        self.pace_stats.record_prefill(time.perf_counter() - start)
         if logits is None:
             return
         # On the host: the boundary "engine logits" crosses once.

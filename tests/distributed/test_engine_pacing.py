@@ -69,6 +69,7 @@ def test_paced_steps_last_the_pace_and_tokens_are_unchanged():
     assert base["min_step_ms"] < PACE_S * 1e3  # unpaced steps are faster: pacing is visible
     assert paced["wall_s"] >= stats["decode_steps"] * PACE_S
     assert stats["overruns"] == 0 or stats["max_forward_ms"] > PACE_S * 1e3
+    assert stats["prefill_steps"] >= 2 and stats["mean_prefill_ms"] > 0  # 4 requests, 2 rows
 
 
 def test_pace_must_be_non_negative():
