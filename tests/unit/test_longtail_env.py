@@ -44,12 +44,21 @@ def test_episode_length_and_reward():
     assert (wrong, turns) == (0.0, n)
 
 
+def test_digits_fix_the_answer_length():
+    env = LongTailEnv(digits=6)
+    answers = [m["content"] for m in env.demonstration(3) if m["role"] == "assistant"]
+    assert all(len(a) == 6 and a.isdigit() for a in answers)
+    assert env.turn_distribution(100)["tokens_per_turn"] == 7
+    right, turns, _ = _play(env, 3, lambda text: text.split()[-1])
+    assert right == pytest.approx(1.0) and turns == len(answers)
+
+
 def test_demonstration_is_the_right_episode():
     env = LongTailEnv(scale=3, shape=1.0, max_turns=12)
     for seed in range(20):
         demo = env.demonstration(seed)
         answers = [m["content"] for m in demo if m["role"] == "assistant"]
-        assert answers == [str(x) for x in env.task(seed)]
+        assert answers == [f"{x:02d}" for x in env.task(seed)]
         assert [m["role"] for m in demo[:2]] == ["user", "assistant"]
 
 
@@ -62,6 +71,7 @@ def test_demonstration_is_the_right_episode():
         ),
         ({"shape": 0}, "shape=0"),
         ({"max_turns": 0}, "max_turns=0"),
+        ({"digits": 13}, "digits=13"),
     ],
 )
 def test_bad_settings_are_named(kw, message):
