@@ -12,7 +12,9 @@
 # trainer's own engine pool), ROUTER_POLICY (default cache_aware), ENGINE_PORT (first port,
 # default 31000), ENGINE_BATCH (max batch per engine, default 64), SGLANG_API_KEY (default: one
 # generated for this run), OUT (logs and the shared weight directory, default
-# runs/sglang_local), NPROC, PYTHON, OMP_NUM_THREADS (as scripts/train_local.sh).
+# runs/sglang_local), PACE_DECODE_MS (measurement only: every engine's decode step lasts at
+# least this many ms, `serve --pace-decode-ms`; default 0, unpaced), NPROC, PYTHON,
+# OMP_NUM_THREADS (as scripts/train_local.sh).
 # The engines start with random weights: the trainer pushes its own before the first rollout.
 set -euo pipefail
 
@@ -24,6 +26,7 @@ ROUTER=${ROUTER:-1}
 ROUTER_POLICY=${ROUTER_POLICY:-cache_aware}
 ENGINE_PORT=${ENGINE_PORT:-31000}
 ENGINE_BATCH=${ENGINE_BATCH:-64}
+PACE_DECODE_MS=${PACE_DECODE_MS:-0}
 OUT=${OUT:-runs/sglang_local}
 if [[ ! -f "$CONFIG" ]]; then
     echo "sglang_local.sh: config file '$CONFIG' does not exist" >&2
@@ -74,6 +77,7 @@ for (( i = 0; i < ENGINES; i++ )); do
         --model-config "$OUT/engines/model.json" --host 127.0.0.1 --port "$port" \
         --max-seq-len "$MAX_CONTEXT" --max-batch-size "$ENGINE_BATCH" \
         --api-key "$SGLANG_API_KEY" --weight-dirs "$OUT/weights" \
+        --pace-decode-ms "$PACE_DECODE_MS" \
         > "$OUT/engines/engine$i.log" 2>&1 &
     PIDS+=($!)
     URLS+=("http://127.0.0.1:${port}")
@@ -97,5 +101,8 @@ if [[ "$ROUTER" == 1 ]]; then
     OVERRIDES+=("rollout.sglang.router_url=${ROUTER_URL}")
 fi
 
+if [[ "$PACE_DECODE_MS" != 0 ]]; then
+    echo "sglang_local.sh: engines PACED: every decode step >= ${PACE_DECODE_MS} ms"
+fi
 echo "sglang_local.sh: ${ENGINES} engines ${URL_LIST}${ROUTER_URL:+ behind the router $ROUTER_URL}"
 bash "$(dirname "$0")/train_local.sh" "$CONFIG" "${OVERRIDES[@]}"

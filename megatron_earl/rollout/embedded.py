@@ -36,7 +36,9 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import random
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -95,12 +97,76 @@ class EmbeddedEngineConfig:
     attention's keys also span a reused session's cached prefix, up to ``max_seq_len``)."""
     seed: int = 0
     """Seed of the sampling stream of requests that bring no seed of their own."""
+    pace_decode_s: float = 0.0
+    """Measurement only (``megatron-earl serve --pace-decode-ms``): every decode step takes at
+    least this wall time -- the engine sleeps the rest after the real forward, so per-token
+    decode time is fixed whatever the CPU contention (``PaceStats`` counts the steps whose
+    forward was slower). 0: unpaced. Prefills are not paced. Tokens are unchanged."""
 
     def __post_init__(self) -> None:
         names = ("max_batch_size", "max_seq_len", "max_prefills_per_step", "max_prefill_tokens")
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.pace_decode_s) and self.pace_decode_s >= 0):
+            raise ValueError(
+                f"pace_decode_s must be a finite number of seconds >= 0 (0: unpaced), "
+                f"got {self.pace_decode_s}"
+            )
+
+
+@dataclass
+class PaceStats:
+    """Decode-step timing of an engine (kept paced or not; the pace is ``pace_s``)."""
+
+    pace_s: float = 0.0
+    """The configured decode pace (0: unpaced)."""
+    decode_steps: int = 0
+    """Decode steps run."""
+    overruns: int = 0
+    """Paced decode steps whose real forward alone took longer than the pace (not slept)."""
+    min_step_s: float = math.inf
+    """Shortest decode step (forward + pacing sleep), seconds."""
+    max_forward_s: float = 0.0
+    """Longest real decode forward, seconds."""
+    forward_s: float = 0.0
+    """Real decode forwards, seconds in total."""
+    sleep_s: float = 0.0
+    """Pacing sleeps, seconds in total."""
+    prefill_steps: int = 0
+    """Prefill forwards run (never paced)."""
+    prefill_s: float = 0.0
+    """Prefill forwards, seconds in total (the simulator's ``prefill_s`` is their mean)."""
+
+    def record_prefill(self, seconds: float) -> None:
+        self.prefill_steps += 1
+        self.prefill_s += seconds
+
+    def record(self, forward_s: float, step_s: float) -> None:
+        self.decode_steps += 1
+        self.forward_s += forward_s
+        self.max_forward_s = max(self.max_forward_s, forward_s)
+        self.min_step_s = min(self.min_step_s, step_s)
+        if self.pace_s and forward_s > self.pace_s:
+            self.overruns += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, times in ms: what ``/server_info`` reports under ``pacing``."""
+        n = self.decode_steps
+        return {
+            "paced": self.pace_s > 0,
+            "pace_decode_ms": self.pace_s * 1e3,
+            "decode_steps": n,
+            "overruns": self.overruns,
+            "min_step_ms": self.min_step_s * 1e3 if n else None,
+            "mean_forward_ms": self.forward_s / n * 1e3 if n else None,
+            "max_forward_ms": self.max_forward_s * 1e3,
+            "sleep_ms": self.sleep_s * 1e3,
+            "prefill_steps": self.prefill_steps,
+            "mean_prefill_ms": self.prefill_s / self.prefill_steps * 1e3
+            if self.prefill_steps
+            else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -174,6 +240,8 @@ class EmbeddedEngine(StepResults, EngineMemory):
         """This rank's released weights (host copies), while ``weights`` is released."""
         self._failed: BaseException | None = None
         self._forward_failures = 0
+        self.pace_stats = PaceStats(self.config.pace_decode_s)
+        """Decode-step timing (scheduler rank); the pacing's evidence."""
         self._ids = itertools.count()
         self._stream = random.Random(self.config.seed)
         self._wake: asyncio.Event | None = None
@@ -504,7 +572,9 @@ class EmbeddedEngine(StepResults, EngineMemory):
             tuple(froms) if prompt else (),
         )
         entries = [entry for entry, _ in admitted]
+        start = time.perf_counter()
         logits = await self._forward_or_fail(batch, entries)
+        self.pace_stats.record_prefill(time.perf_counter() - start)
         if logits is None:
             return
         # On the host: the boundary "engine logits" crosses once.
@@ -521,10 +591,19 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self._accept(host[seq_of], entries, ended)
 
     async def _decode(self) -> None:
-        """Decode one token for every running row, in one forward."""
+        """Decode one token for every running row, in one forward; paced
+        (``pace_decode_s``): the step then lasts at least the pace (a sleep after the forward)."""
         table = self._table
         batch = Batch.decode(table.lengths, [entry.output_ids[-1] for entry in table.items])
+        start = time.perf_counter()
         logits = await self._forward_or_fail(batch, list(table.items))
+        forward_s = time.perf_counter() - start
+        pace = self.pace_stats
+        while (left := pace.pace_s - (time.perf_counter() - start)) > 0:
+            await asyncio.sleep(left)  # the loop may wake a clock tick early: sleep again
+        step_s = time.perf_counter() - start
+        pace.sleep_s += step_s - forward_s if pace.pace_s > forward_s else 0.0
+        pace.record(forward_s, step_s)
         if logits is not None:
             table.lengths = [n + 1 for n in table.lengths]
             self._accept(logits, list(table.items))

@@ -3,7 +3,7 @@
     megatron-earl serve --model-path HF_DIR|FULL.pt|random --port 30000 [--model-config model.json]
         [--tokenizer-path DIR] [--served-model-name NAME] [--api-key KEY] [--host 127.0.0.1]
         [--max-batch-size 8] [--max-seq-len 1024] [--seed 0] [--weight-dirs DIR[,DIR]]
-        [--dist-timeout 300] [--tp-size N]
+        [--dist-timeout 300] [--tp-size N] [--pace-decode-ms X]
 
 The model (``serve_model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
 its tokenizer when present), a ``torch.save``'d full Megatron state dict
@@ -28,6 +28,11 @@ protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distr
 or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``).
+``--pace-decode-ms X`` (measurement only) makes every decode step last at least X ms (the
+engine sleeps the rest after the real forward), so a benchmark on a shared CPU sees a fixed
+per-token decode time; ``/server_info`` then says ``"paced": true`` and reports the decode steps
+and their overruns under ``pacing`` (``embedded.PaceStats``).
+
 Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with ``--api-key``
 every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
 guards the weight/control endpoints instead. Bodies over ``--max-body-mb`` (weight updates:
@@ -43,6 +48,7 @@ import concurrent.futures
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -366,6 +372,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
                 paused=self.engine.paused,
             )
             | self.memory_info()
+            | {"paced": self.engine.pace_stats.pace_s > 0}
+            | {"pacing": self.engine.pace_stats.to_dict()}
         )
 
     async def models(self, request: web.Request) -> web.Response:
@@ -501,7 +509,10 @@ def build_engine(
     load_weights(chunks, served)
     chunks = serve_tp.to_tp_layout(chunks, model_config, args.tp_size, args.seed)
     config = EmbeddedEngineConfig(
-        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, seed=args.seed
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+        pace_decode_s=args.pace_decode_ms / 1e3,
     )
     return EmbeddedEngine(
         chunks, model_config, config, weight_version=args.weight_version
@@ -535,7 +546,9 @@ async def serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    print(f"megatron-earl serve: listening on http://{args.host}:{args.port}", flush=True)
+    pace = args.pace_decode_ms
+    paced = f" (PACED: every decode step >= {pace:g} ms)" if pace else ""
+    print(f"megatron-earl serve: listening on http://{args.host}:{args.port}{paced}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -644,9 +657,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=300.0,
         help="seconds a weight-update group waits for its other ranks (default 300)",
     )
+    p.add_argument(
+        "--pace-decode-ms",
+        type=float,
+        default=0.0,
+        help="measurement only: every decode step lasts at least this many ms (sleeps the rest "
+        "after the real forward; reported as paced in /server_info); default 0: unpaced",
+    )
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if not (math.isfinite(args.pace_decode_ms) and args.pace_decode_ms >= 0):
+        p.error(
+            f"--pace-decode-ms must be a finite number >= 0 (0: unpaced), got {args.pace_decode_ms}"
+        )
     return args
 
 

@@ -175,6 +175,7 @@ def test_arithmetic_exact_tokens():
         {"name": "arithmetic", "kwargs": {"difficulty": 3}},
         {"name": "guessing", "kwargs": {"difficulty": 4}},
         {"name": "python_sum", "kwargs": {"difficulty": 1}},
+        {"name": "longtail", "kwargs": {"scale": 4, "max_turns": 8}},
     ],
     ids=lambda s: s["name"],
 )

@@ -20,7 +20,7 @@ from megatron_earl.tokenizer.demo import SPECIAL_TOKENS, WORD_PIECES, DemoTokeni
 from megatron_earl.tokenizer.demo_hf import byte_symbols, demo_hf_tokenizer
 
 DEMO = DemoTokenizer()
-ENV_NAMES = ("arithmetic", "guessing", "python_sum")
+ENV_NAMES = ("arithmetic", "guessing", "python_sum", "longtail")
 
 
 @pytest.fixture(scope="module")
