@@ -8,6 +8,7 @@
     megatron-earl bench peer [--pairs 3]            # the same GRPO workload: ours vs TRL
     megatron-earl bench serve [--sources A,B]       # serve under 32 concurrent clients: p50/p99
     megatron-earl bench async-sim [--json]          # simulated sync vs async, 64-1024 GPUs
+    megatron-earl bench async [--pace-ms 30]        # paced engines: real sync vs async runs
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
@@ -39,6 +40,7 @@ _MODULES = {
     ("bench", "selector"): "megatron_earl.selector.bench",
     ("bench", "peer"): "megatron_earl.orchestration.bench_peer",
     ("bench", "async-sim"): "megatron_earl.orchestration.bench_async_sim",
+    ("bench", "async"): "megatron_earl.orchestration.bench_async",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",
