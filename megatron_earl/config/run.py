@@ -141,6 +141,10 @@ class BatchConfig:
         return self.prompts_per_step * self.samples_per_prompt
 
 
+ROLLOUT_MODES = ("sync", "async")
+PARTIAL_ROLLOUTS = ("continue", "restart")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Multi-turn rollout limits, engine and sampling."""
@@ -160,9 +164,43 @@ class RolloutConfig:
     """Sampling of each model turn; ``sampling.max_new_tokens`` is the per-turn token limit."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """engine=sglang: how the trainer pushes weights to the engines (``config.sglang``)."""
+    mode: str = "sync"
+    """"sync": the EARL loop (every step waits for its rollouts, then trains); "async":
+    trajectory-level asynchrony (engine=sglang): every rank keeps generating in the background,
+    the trainer takes a step's groups as they finish (docs/async.md)."""
+    max_staleness: int = 0
+    """async: a group may start only while it is at most this many RL steps ahead of the
+    trainer (AReaL's rule), and a trajectory whose oldest turn is older than this many steps at
+    consumption is discarded and counted. 0 = on-policy (the synchronous loop's trajectories)."""
+    partial_rollout: str = "continue"
+    """async, on a weight update: "continue" (in-flight trajectories go on with the new weights;
+    earlier turns keep their versions) or "restart" (in-flight trajectories are cancelled and
+    started again under the new weights; their tokens are counted as wasted)."""
+    async_take_timeout_s: float | None = 3600.0
+    """async: the trainer stops with an error naming the producer's counts when a step's
+    groups are not ready after this long (None: wait forever)."""
+    max_buffered_groups: int | None = None
+    """async: groups started but not yet consumed, over all ranks, at most (None: bounded by the
+    staleness rule alone, (max_staleness + 1) x batch.prompts_per_step); must be >=
+    batch.prompts_per_step."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
+        if self.mode not in ROLLOUT_MODES:
+            problems.append(f"mode {self.mode!r} is not one of {ROLLOUT_MODES}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
+            problems.append(f"max_staleness {self.max_staleness!r} must be an integer >= 0")
+        elif self.max_staleness < 0:
+            problems.append(
+                f"max_staleness ({self.max_staleness}) must be >= 0 (0 = on-policy; k lets a "
+                "trajectory start up to k RL steps before the trainer reaches it)"
+            )
+        if self.partial_rollout not in PARTIAL_ROLLOUTS:
+            problems.append(
+                f"partial_rollout {self.partial_rollout!r} is not one of {PARTIAL_ROLLOUTS}"
+            )
+        if self.max_buffered_groups is not None and self.max_buffered_groups < 1:
+            problems.append(f"max_buffered_groups ({self.max_buffered_groups}) must be >= 1")
         object.__setattr__(self, "engine", _vocabulary(EngineKind, self.engine, problems, "engine"))
         if self.engine_urls and self.engine != EngineKind.SGLANG:
             problems.append(f"engine_urls {list(self.engine_urls)} need engine=sglang")
@@ -207,7 +245,7 @@ class TrainConfig(OptimConfig):
     ``orchestration.validate``)."""
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """Policy loss (PPO/GSPO clipping, KL, entropy, TIS, aggregation)."""
+    """Policy loss (PPO/GSPO clipping, KL, entropy, off-policy correction, aggregation)."""
     advantage: str = "grpo"
     """Advantage estimator name (``training.advantages``: grpo, rloo, reinforce_pp)."""
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)

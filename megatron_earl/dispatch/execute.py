@@ -22,8 +22,9 @@ Receivers pad CP chunks locally (``FieldSpec.pad_value``): padding never goes on
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+import hashlib
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,10 @@ class _Store:
     def get(self, piece: Piece, name: str) -> torch.Tensor:
         if piece.per_sample:
             return self.rows[(piece.sample_id, name)]
+        spans = self.spans[(piece.sample_id, name)]
+        for a, b, t in spans:  # the common case: one span holds the piece
+            if a <= piece.start and piece.end <= b:
+                return t[piece.start - a : piece.end - a]
         parts, pos = [], piece.start
         for a, b, t in sorted(self.spans[(piece.sample_id, name)], key=lambda x: x[:2]):
             if a <= pos < b:
@@ -128,29 +133,110 @@ class _Store:
 # ---------------------------------------------------------------------- metadata and planning
 
 
+class PlanCache:
+    """Plans keyed by the exact inputs of every rank (after the metadata all-gather), so a dispatch
+    whose inputs repeat (the same batch to the same layout and config, e.g. a phase re-run after
+    an OOM, or phases that share a layout and fields) skips planning. The key is every rank's
+    sample ids, lengths and groups, the schema, the destination, the config, the group and this
+    rank: a plan is never reused for inputs that differ in any of them. Least recently used
+    plans are dropped beyond ``size``."""
+
+    def __init__(self, size: int = 8) -> None:
+        if size < 1:
+            raise DispatchError(f"PlanCache size={size}; use >= 1")
+        self.size = size
+        self.plans: OrderedDict[tuple, DispatchPlan] = OrderedDict()
+        self.hits = 0
+        """Plans served from the cache."""
+        self.misses = 0
+        """Plans computed."""
+
+    def lookup(self, key: tuple, make: Callable[[], DispatchPlan]) -> DispatchPlan:
+        if key in self.plans:
+            self.hits += 1
+            self.plans.move_to_end(key)
+            return self.plans[key]
+        self.misses += 1
+        plan = self.plans[key] = make()
+        while len(self.plans) > self.size:
+            self.plans.popitem(last=False)
+        return plan
+
+
 def plan_for(
     batch: Batch,
     destination: Destination,
     config: PlanConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    cache: PlanCache | None = None,
+    whole: bool = False,
+    routed: bool = True,
 ) -> DispatchPlan:
-    """All-gather every rank's sample metadata and compute the (identical) plan.
+    """All-gather every rank's sample metadata and plan this rank's view of the dispatch (what it
+    sends and receives; ``whole=True``: the whole plan, as in tests).
+
+    Metadata: one int64 tensor per rank (``[ids | lengths | groups]``, padded to the largest
+    rank's count) after a two-int header (sample count, a digest of schema, destination and
+    config); only when digests differ are the full values all-gathered to name the difference.
+    ``cache``: reuse the plan when every rank's inputs equal a cached plan's (``PlanCache``).
+    ``routed=False``: no decentralized stages (enough for ``execute(..., centralized=True)``).
 
     Which ranks call: every rank of ``group`` (default: the world), with the same destination and
-    config; the all-gather runs on ``group``'s host twin. Mismatched schemas, destinations or
-    configs raise the same error on every rank."""
+    config; the all-gathers run on ``group``'s host twin. Mismatched schemas, destinations or
+    configs, and every planning error, raise the same error on every rank."""
     config = config or PlanConfig()
-    meta = SourceMeta(tuple(batch.sample_ids), tuple(batch.lengths), tuple(batch.group_ids))
-    gathered = _all_gather((meta, batch.schema, repr(destination), repr(config)), group)
-    for what, i in (("batch schema", 1), ("destination", 2), ("plan config", 3)):
-        values = [g[i] for g in gathered]
-        if any(v != values[0] for v in values):
-            differ = [r for r, v in enumerate(values) if v != values[0]]
-            raise DispatchError(
-                f"ranks disagree on the {what}: rank 0 has {_short(values[0])}, ranks {differ} "
-                f"differ (rank {differ[0]}: {_short(values[differ[0]])}); pass the same everywhere"
+    hg = host_group(group)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    inputs = (batch.schema, repr(destination), repr(config))
+    digest = int.from_bytes(
+        hashlib.blake2b(repr(inputs).encode(), digest_size=8).digest(), "little", signed=True
+    )
+    head = torch.tensor([batch.num_samples, digest], dtype=torch.int64)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=hg)
+    counts = [int(h[0]) for h in heads]
+    if any(int(h[1]) != digest for h in heads):
+        _disagreement((batch.schema, repr(destination), repr(config)), group)
+    m = max(1, *counts)
+    body = torch.zeros(3 * m, dtype=torch.int64)
+    n = batch.num_samples
+    body[:n] = torch.tensor(batch.sample_ids, dtype=torch.int64)
+    body[m : m + n] = torch.tensor(batch.lengths, dtype=torch.int64)
+    body[2 * m : 2 * m + n] = torch.tensor(batch.group_ids, dtype=torch.int64)
+    bodies = [torch.empty_like(body) for _ in range(world)]
+    dist.all_gather(bodies, body, group=hg)
+    table = torch.stack(bodies).numpy()
+    ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
+    key = (inputs, ranks, None if whole else me, routed, tuple(counts), table.tobytes())
+
+    def make() -> DispatchPlan:
+        sources = [
+            SourceMeta(
+                tuple(t[:c].tolist()),
+                tuple(t[m : m + c].tolist()),
+                tuple(t[2 * m : 2 * m + c].tolist()),
             )
-    return plan_dispatch([g[0] for g in gathered], batch.schema, destination, config)
+            for t, c in zip(table, counts)
+        ]
+        rank = None if whole else me
+        return plan_dispatch(sources, batch.schema, destination, config, rank=rank, routed=routed)
+
+    return make() if cache is None else cache.lookup(key, make)
+
+
+def _disagreement(values: tuple, group: dist.ProcessGroup | None) -> None:
+    """Raise naming what ranks disagree on (schema, destination or config), from the full
+    values all-gathered. Which ranks call: every rank of ``group`` (all saw differing digests)."""
+    gathered = _all_gather(values, group)
+    for what, i in (("batch schema", 0), ("destination", 1), ("plan config", 2)):
+        got = [g[i] for g in gathered]
+        if any(v != got[0] for v in got):
+            differ = [r for r, v in enumerate(got) if v != got[0]]
+            raise DispatchError(
+                f"ranks disagree on the {what}: rank 0 has {_short(got[0])}, ranks {differ} "
+                f"differ (rank {differ[0]}: {_short(got[differ[0]])}); pass the same everywhere"
+            )
+    raise DispatchError("ranks' plan inputs hash differently but compare equal (internal error)")
 
 
 def _short(v: object) -> str:
@@ -203,16 +289,17 @@ def run_stages(
             elif t.dst == me:
                 incoming[t.src].append(t)
         sends = {d: _pack(ts, specs, store) for d, ts in outgoing.items()}
-        sizes = {s: sum(n for *_, n in _layout(ts, specs)) for s, ts in incoming.items()}
+        layouts = {s: _layout(ts, specs) for s, ts in incoming.items()}
         recvs = {
-            s: torch.empty(n, dtype=torch.uint8, device=store.device) for s, n in sizes.items()
+            s: torch.empty(sum(n for *_, n in lay), dtype=torch.uint8, device=store.device)
+            for s, lay in layouts.items()
         }
         if transport == "p2p":
             exchange_p2p(sends, recvs, group)
         else:
             _exchange_all_to_all(sends, recvs, world, group, store.device)
         for s, buf in recvs.items():
-            _unpack(buf, incoming[s], specs, store)
+            _unpack(buf, layouts[s], specs, store)
 
 
 def _layout(
@@ -220,12 +307,18 @@ def _layout(
 ) -> list[tuple[Transfer, str, int]]:
     """(transfer, field, nbytes) in buffer order: grouped by dtype, larger elements first (so every
     group starts aligned), plan order within a group."""
+    groups: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for name, spec in specs.items():
+        groups[_dtype_key(spec.dtype)].add(name)
+    row_bytes = {name: spec.row_bytes for name, spec in specs.items()}
     out = []
-    for t in transfers:
-        rows = 1 if t.piece.per_sample else t.piece.end - t.piece.start
-        for name in t.piece.fields:
-            out.append((t, name, rows * specs[name].row_bytes))
-    return sorted(out, key=lambda x: _dtype_key(specs[x[1]].dtype))  # stable
+    for key in sorted(groups):
+        names = groups[key]
+        for t in transfers:
+            p = t.piece
+            rows = 1 if p.start < 0 else p.end - p.start
+            out += [(t, name, rows * row_bytes[name]) for name in p.fields if name in names]
+    return out
 
 
 def _dtype_key(dtype: torch.dtype) -> tuple[int, str]:
@@ -250,10 +343,14 @@ def _pack(transfers: list[Transfer], specs: dict[str, FieldSpec], store: _Store)
 
 
 def _unpack(
-    buf: torch.Tensor, transfers: list[Transfer], specs: dict[str, FieldSpec], store: _Store
+    buf: torch.Tensor,
+    layout: list[tuple[Transfer, str, int]],
+    specs: dict[str, FieldSpec],
+    store: _Store,
 ) -> None:
+    """Put the slices of ``buf`` (laid out as ``_layout`` says) into ``store`` as views."""
     pos, view, view_dtype, view_pos = 0, buf, None, 0
-    for t, name, n in _layout(transfers, specs):
+    for t, name, n in layout:
         s = specs[name]
         if s.dtype != view_dtype:  # a new dtype group: view the rest of the buffer once
             view_dtype, view_pos = s.dtype, 0
@@ -331,7 +428,8 @@ def simulate(
                     for name in t.piece.fields:
                         stores[dst].put(t.piece, name, stores[dst].get(t.piece, name))
             else:
-                _unpack(packed[(src, dst)], ts, specs, stores.setdefault(dst, _Store()))
+                store = stores.setdefault(dst, _Store())
+                _unpack(packed[(src, dst)], _layout(ts, specs), specs, store)
 
 
 # ---------------------------------------------------------------------- forward
@@ -349,6 +447,11 @@ def execute(
     Which ranks call: every rank of ``group``, each with the batch it described in ``plan_for``.
     ``centralized=True`` runs the single-controller baseline (``centralized_stages``) instead:
     same result, used by tests and the benchmark."""
+    me = dist.get_rank(group)
+    if plan.rank not in (None, me):
+        raise DispatchError(f"execute on rank {me} with rank {plan.rank}'s view of the plan")
+    if not centralized and not plan.stages:
+        raise DispatchError("the plan has no stages (planned with routed=False): plan it routed")
     store = _Store.from_batch(batch)
     stages = centralized_stages(plan) if centralized else plan.stages
     run_stages(stages, plan.schema, store, transport, group)
@@ -366,18 +469,26 @@ def assemble(plan: DispatchPlan, store: _Store, rank: int) -> DispatchedBatch:
     for mb, mini in zip(plan.micro_batches[c.dp], minis, strict=True):
         lengths = [plan.samples[s].length for s in mb]
         bounds = [cp_chunk_bounds(n, layout.cp, c.cp) for n in lengths]
+        # per chunk: the real tokens' piece (None if all padding) and the padding after them
+        segments = []
+        for sid, n, chunks in zip(mb, lengths, bounds):
+            for a, b in chunks:
+                real = Piece(sid, a, min(b, n), ()) if min(b, n) > a else None
+                segments.append((real, b - max(a, n) if b > max(a, n) else 0))
+        max_pad = max((pad for _, pad in segments), default=0)
         fields = {}
         for s in specs:
             if s.per_token:
+                fill = None
+                if max_pad:  # one padding tensor per field; chunks take views of it
+                    shape = (max_pad, *s.trailing)
+                    fill = torch.full(shape, s.pad_value, dtype=s.dtype, device=store.device)
                 parts = []
-                for sid, n, chunks in zip(mb, lengths, bounds):
-                    for a, b in chunks:
-                        if min(b, n) > a:
-                            parts.append(store.get(Piece(sid, a, min(b, n), ()), s.name))
-                        if b > max(a, n):
-                            pad = (b - max(a, n), *s.trailing)
-                            fill = torch.full(pad, s.pad_value, dtype=s.dtype, device=store.device)
-                            parts.append(fill)
+                for real, pad in segments:
+                    if real is not None:
+                        parts.append(store.get(real, s.name))
+                    if pad:
+                        parts.append(fill[:pad])
                 fields[s.name] = torch.cat(parts)
             else:
                 fields[s.name] = torch.stack(

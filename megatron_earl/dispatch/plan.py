@@ -13,8 +13,13 @@ ids, lengths and groups of the samples it holds, plus the batch ``Schema``) and 
    (``cp_chunk_bounds``), only the fields its pipeline stage reads (``Destination.stage_fields``);
 4. routes those needs from the holders (``route.route``), producing ``Transfer`` stages.
 
+``plan_dispatch(..., rank=r)`` plans rank ``r``'s *view*: steps 1 and the checks run over every
+sample (O(samples), numpy where it counts), steps 2-4 only for what ``r`` receives (its DP rank's
+samples) and sends (the samples it holds), giving exactly the whole plan's transfers that involve
+``r`` (``_route_rank``; tests compare them). This is what each rank runs (``execute.plan_for``).
+
 Every function is deterministic in its inputs, so every rank computes the same plan, and every user
-error is raised here, on every rank alike, before any data moves.
+error is raised here from the global inputs, on every rank alike, before any data moves.
 
 Context-parallel chunking (Megatron's load-balanced scheme, shared with CP attention): a sequence is
 padded to a multiple of ``2 * cp`` and cut into ``2 * cp`` equal chunks; CP rank ``r`` holds chunks
@@ -24,15 +29,26 @@ With ``cp == 1`` nothing is padded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from megatron_earl.config.vocab import PHASES, Phase
 from megatron_earl.dispatch.balance import assign_samples
 from megatron_earl.dispatch.batch import Schema
-from megatron_earl.dispatch.route import DispatchError, Piece, RouteConfig, Transfer, route
+from megatron_earl.dispatch.route import (
+    DispatchError,
+    Piece,
+    RouteConfig,
+    Transfer,
+    choose_source,
+    fan_out,
+    route,
+)
 from megatron_earl.parallel.cp import cp_chunk_bounds, cp_padded_length
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.layout import Coord, ParallelLayout
 
 __all__ = [
     "DispatchError",
@@ -164,19 +180,7 @@ def pack_micro_batches(
     over = [s for s in sample_ids if local[s] > budget]
     if over:
         s = max(over, key=lambda s: local[s])
-        fit_cp = next(
-            (
-                c
-                for c in range(cp, 2 * lengths[s] + 2)
-                if cp_padded_length(lengths[s], c) // c <= budget
-            ),
-            None,
-        )
-        raise DispatchError(
-            f"sample {s} has {lengths[s]} tokens = {local[s]} per rank at cp={cp}, above "
-            f"max_tokens_per_micro_batch={budget} ({len(over)} such samples); raise the budget to "
-            f">= {local[s]} or use cp >= {fit_cp}"
-        )
+        raise _over_budget(s, lengths[s], len(over), cp, budget)
     bins: list[list[int]] = []
     room: list[int] = []
     for s in sorted(sample_ids, key=lambda s: (-local[s], s)):
@@ -188,6 +192,19 @@ def pack_micro_batches(
         bins[i].append(s)
         room[i] -= local[s]
     return bins
+
+
+def _over_budget(sample_id: int, length: int, count: int, cp: int, budget: int) -> DispatchError:
+    local = cp_padded_length(length, cp) // cp
+    fit_cp = next(
+        (c for c in range(cp, 2 * length + 2) if cp_padded_length(length, c) // c <= budget),
+        None,
+    )
+    return DispatchError(
+        f"sample {sample_id} has {length} tokens = {local} per rank at cp={cp}, above "
+        f"max_tokens_per_micro_batch={budget} ({count} such samples); raise the budget to "
+        f">= {local} or use cp >= {fit_cp}"
+    )
 
 
 def balance_micro_batches(
@@ -273,6 +290,34 @@ class SampleInfo:
     """Source ranks holding it; ``holders[0]`` is its owner (where results return)."""
 
 
+class SampleTable(Mapping):
+    """Every sample of a dispatch, ascending ids -> ``SampleInfo`` (built on lookup: the table
+    itself is three lists, so collecting thousands of samples costs little)."""
+
+    def __init__(
+        self,
+        ids: list[int],
+        lengths: list[int],
+        groups: list[int],
+        holders: list[tuple[int, ...]],
+    ) -> None:
+        self.ids, self.lengths, self.groups, self.holders = ids, lengths, groups, holders
+        self.index = {s: i for i, s in enumerate(ids)}
+
+    def __getitem__(self, sample_id: int) -> SampleInfo:
+        i = self.index[sample_id]
+        return SampleInfo(self.lengths[i], self.groups[i], self.holders[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def length(self, sample_id: int) -> int:
+        return self.lengths[self.index[sample_id]]
+
+
 @dataclass(frozen=True)
 class Plan:
     """Transfers that turn ``holdings`` into ``needs`` (identical on every rank)."""
@@ -298,11 +343,17 @@ class Plan:
 
 @dataclass(frozen=True)
 class DispatchPlan(Plan):
-    """A forward dispatch: source ranks' samples -> the destination layout's micro-batches."""
+    """A forward dispatch: source ranks' samples -> the destination layout's micro-batches.
+
+    A *rank view* (``rank`` set, what ``plan_dispatch(..., rank=r)`` and ``execute.plan_for``
+    return) holds only what rank ``r`` sends and receives: ``needs`` and ``holdings`` of ``r``, the
+    transfers with ``r`` as source or destination (in the same stages and order as the whole
+    plan's), and the micro-batches of ``r``'s DP rank (other DP ranks' entries are empty). The
+    global parts (``samples``, ``assignment``, ``source_order``) are complete in every view."""
 
     destination: Destination | None = None
     config: PlanConfig | None = None
-    samples: dict[int, SampleInfo] = field(default_factory=dict)
+    samples: Mapping[int, SampleInfo] = field(default_factory=dict)
     source_order: tuple[tuple[int, ...], ...] = ()
     """Sample ids per source rank, in that rank's batch order."""
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...] = ()
@@ -310,9 +361,17 @@ class DispatchPlan(Plan):
     mini_batch_sizes: tuple[tuple[int, ...], ...] = ()
     """``mini_batch_sizes[dp_rank][j]``: how many of that DP rank's consecutive micro-batches
     make mini-batch ``j`` (``PlanConfig.num_mini_batches`` entries)."""
+    assignment: tuple[tuple[int, ...], ...] = ()
+    """``assignment[dp_rank]``: the sample ids of that DP rank, ascending (every view)."""
+    rank: int | None = None
+    """The rank this view was planned for; None: the whole plan."""
 
     def dp_tokens(self) -> list[int]:
-        return [sum(self.samples[s].length for mb in mbs for s in mb) for mbs in self.micro_batches]
+        return [sum(self.samples[s].length for s in ids) for ids in self.assignment]
+
+    def dp_of(self) -> dict[int, int]:
+        """Sample id -> the DP rank it goes to."""
+        return {s: d for d, ids in enumerate(self.assignment) for s in ids}
 
 
 def plan_dispatch(
@@ -320,8 +379,16 @@ def plan_dispatch(
     schema: Schema,
     destination: Destination,
     config: PlanConfig | None = None,
+    rank: int | None = None,
+    routed: bool = True,
 ) -> DispatchPlan:
-    """Plan moving the samples of ``sources`` (one entry per rank) to ``destination``."""
+    """Plan moving the samples of ``sources`` (one entry per rank) to ``destination``.
+
+    ``rank=None`` plans the whole dispatch (every rank's needs and every transfer); ``rank=r``
+    plans the rank view of ``r`` (see ``DispatchPlan``): the balance is global (O(samples)), the
+    rest O(what ``r`` sends and receives). Every error is raised from the global inputs, so every
+    rank raises the same one whatever view it plans. ``routed=False`` leaves ``stages`` empty
+    (for the centralized baseline, which routes through its root instead)."""
     config = config or PlanConfig()
     layout = destination.layout
     if len(sources) != layout.world_size:
@@ -335,87 +402,299 @@ def plan_dispatch(
             f"consumer_cp={config.consumer_cp} with a destination of cp={layout.cp}: a consumer "
             "splits for CP itself only when it receives whole samples (destination cp=1)"
         )
+    if rank is not None and not 0 <= rank < layout.world_size:
+        raise DispatchError(f"rank={rank}; valid: 0..{layout.world_size - 1} or None")
+    for pp in range(layout.pp):
+        destination.stage_fields(schema, pp)  # raises for unknown stage fields
     samples = _collect(sources)
-    lengths = {s: i.length for s, i in samples.items()}
-    assignment = assign_samples(
-        lengths, {s: i.group for s, i in samples.items()}, layout.dp, config
-    )
+    lengths = dict(zip(samples.ids, samples.lengths))
+    assignment = assign_samples(lengths, dict(zip(samples.ids, samples.groups)), layout.dp, config)
+    _check_budget(samples, layout.cp, config)
+    own_dp = None if rank is None else layout.coord(rank).dp
     minis = [
-        plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp) for a in assignment
+        plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp)
+        if own_dp in (None, d)
+        else []
+        for d, a in enumerate(assignment)
     ]
     micro = tuple(tuple(tuple(mb) for mini in m for mb in mini) for m in minis)
     token = tuple(s.name for s in schema if s.per_token)
     per_sample = tuple(s.name for s in schema if not s.per_token)
-    holdings = {
-        r: _full_pieces(src.sample_ids, lengths, token, per_sample) for r, src in enumerate(sources)
-    }
-    needs: dict[int, list[Piece]] = {}
-    kinds = {s.name: s.per_token for s in schema}
-    for r in range(layout.world_size):
-        c = layout.coord(r)
-        fields = destination.stage_fields(schema, c.pp)
-        tok = tuple(f for f in fields if kinds[f])
-        smp = tuple(f for f in fields if not kinds[f])
-        needs[r] = []
-        for mb in micro[c.dp]:
-            for sid in mb:
-                if tok:
-                    needs[r] += [
-                        Piece(sid, a, b, tok)
-                        for a, b in cp_real_spans(lengths[sid], layout.cp, c.cp)
-                    ]
-                if smp:
-                    needs[r].append(Piece(sid, -1, -1, smp))
-    stages = route(holdings, needs, schema, config.route)
+    ranks = range(layout.world_size) if rank is None else [rank]
+    holdings = {r: _full_pieces(sources[r].sample_ids, lengths, token, per_sample) for r in ranks}
+    if rank is not None and routed:
+        stages, own = _route_rank(rank, sources, samples, assignment, destination, schema, config)
+        needs = {rank: [p for mb in micro[own_dp] for sid in mb for p in own[sid]]}
+    else:
+        needs = {
+            r: rank_needs(destination, schema, r, micro[layout.coord(r).dp], lengths) for r in ranks
+        }
+        stages = () if not routed else tuple(route(holdings, needs, schema, config.route))
+        stages = tuple(tuple(s) for s in stages)
     return DispatchPlan(
         schema=schema,
         holdings=holdings,
         needs=needs,
-        stages=tuple(tuple(s) for s in stages),
+        stages=stages,
         destination=destination,
         config=config,
         samples=samples,
         source_order=tuple(tuple(s.sample_ids) for s in sources),
         micro_batches=micro,
         mini_batch_sizes=tuple(tuple(len(mini) for mini in m) for m in minis),
+        assignment=tuple(tuple(a) for a in assignment),
+        rank=rank,
     )
+
+
+def rank_needs(
+    destination: Destination,
+    schema: Schema,
+    rank: int,
+    micro_batches: Sequence[Sequence[int]],
+    lengths: Mapping[int, int],
+) -> list[Piece]:
+    """The pieces ``rank`` needs of the samples of ``micro_batches`` (in their order): its CP
+    chunks of its stage's per-token fields, and its stage's per-sample fields."""
+    layout = destination.layout
+    c = layout.coord(rank)
+    kinds = {s.name: s.per_token for s in schema}
+    fields = destination.stage_fields(schema, c.pp)
+    tok = tuple(f for f in fields if kinds[f])
+    smp = tuple(f for f in fields if not kinds[f])
+    out: list[Piece] = []
+    for mb in micro_batches:
+        for sid in mb:
+            if tok:
+                spans = cp_real_spans(lengths[sid], layout.cp, c.cp)
+                out += [Piece(sid, a, b, tok) for a, b in spans]
+            if smp:
+                out.append(Piece(sid, -1, -1, smp))
+    return out
+
+
+def stage_count(config: RouteConfig) -> int:
+    """Stages of a forward rank view: 2 when TP fan-out may relay inside a node, else 1 (fixed
+    from the config, so every rank's view has the same count; the whole plan drops an empty
+    second stage)."""
+    return 2 if config.fanout == "node_relay" and config.ranks_per_node is not None else 1
+
+
+def _consumer_classes(
+    destination: Destination, schema: Schema, dp_rank: int
+) -> list[tuple[int, tuple[str, ...], tuple[int, ...]]]:
+    """The consumers of one piece as ``route`` groups them, for DP rank ``dp_rank``: per-token
+    pieces by (cp rank, per-token fields), per-sample pieces (cp rank -1) by per-sample fields;
+    ranks ascending."""
+    layout = destination.layout
+    kinds = {s.name: s.per_token for s in schema}
+    classes: dict[tuple[int, tuple[str, ...]], list[int]] = defaultdict(list)
+    for pp in range(layout.pp):
+        fields = destination.stage_fields(schema, pp)
+        tok = tuple(f for f in fields if kinds[f])
+        smp = tuple(f for f in fields if not kinds[f])
+        for cp in range(layout.cp):
+            for tp in range(layout.tp):
+                r = layout.rank(Coord(tp=tp, cp=cp, dp=dp_rank, pp=pp))
+                if tok:
+                    classes[(cp, tok)].append(r)
+                if smp:
+                    classes[(-1, smp)].append(r)
+    return [(cp, f, tuple(sorted(rs))) for (cp, f), rs in classes.items()]
+
+
+def _route_rank(
+    rank: int,
+    sources: Sequence[SourceMeta],
+    samples: SampleTable,
+    assignment: list[list[int]],
+    destination: Destination,
+    schema: Schema,
+    config: PlanConfig,
+) -> tuple[tuple[tuple[Transfer, ...], ...], dict[int, list[Piece]]]:
+    """The whole plan's transfers with ``rank`` as source or destination, found from the pieces
+    of the samples of its DP rank and the samples it holds only; and the pieces ``rank`` needs,
+    per sample. Holders of a forward dispatch hold whole samples with every field, so a piece's
+    candidate sources are its sample's holders (``route._cover`` would not cut it) and
+    ``route.choose_source`` needs nothing else. The bulk, this rank's own pieces of samples one
+    rank holds, is computed with numpy (``_own_pieces``); the rest piece by piece."""
+    layout = destination.layout
+    me = layout.coord(rank)
+    held = set(sources[rank].sample_ids)
+    holders_of, index = samples.holders, samples.index
+    rc = config.route
+    classes = {me.dp: _sorted_classes(destination, schema, me.dp)}
+    mine = [c for c in classes[me.dp] if rank in c[2]]
+    bulk = [s for s in assignment[me.dp] if s not in held and len(holders_of[index[s]]) == 1]
+    records, needs = _own_pieces(rank, bulk, samples, layout, mine, rc)
+    bulk_set = set(bulk)
+    dp_of = {s: d for d, ids in enumerate(assignment) for s in ids if s in held}
+    # the rest: own samples with replicas (only this rank's pieces), samples it holds (all)
+    wanted = [(s, me.dp, s in held) for s in assignment[me.dp] if s not in bulk_set]
+    wanted += [(s, dp_of[s], True) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
+    pieces: dict[tuple, tuple[int, ...]] = {}  # (sample, start, end, fields) -> consumers
+    for sid, d, every in wanted:
+        if d not in classes:
+            classes[d] = _sorted_classes(destination, schema, d)
+        n = samples.length(sid)
+        own = needs[sid] = [] if d == me.dp else None
+        for cp, fields, dsts in classes[d] if every else mine:
+            spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
+            for a, b in spans:
+                pieces[(sid, a, b, fields)] = dsts
+                if own is not None and rank in dsts:
+                    own.append(Piece(sid, a, b, fields))
+    for key, dsts in pieces.items():
+        holders = holders_of[index[key[0]]]
+        if rank not in dsts and rank not in holders:
+            continue
+        piece = Piece(*key)
+        src = choose_source(holders, dsts, piece, rc)
+        if rank not in dsts and src != rank:
+            continue
+        for stage, t in fan_out(src, dsts, piece, rc):
+            if rank in (t.src, t.dst):
+                records[stage].append((*key, t.dst, t.src))
+    # the whole plan's order: pieces sorted, a piece's transfers by destination
+    return tuple(
+        tuple(Transfer(src, dst, Piece(sid, a, b, f)) for sid, a, b, f, dst, src in sorted(r))
+        for r in records
+    ), needs
+
+
+def _sorted_classes(destination: Destination, schema: Schema, dp_rank: int) -> list:
+    """``_consumer_classes`` with token classes first (a rank's needs list spans, then rows)."""
+    return sorted(_consumer_classes(destination, schema, dp_rank), key=lambda c: c[0] < 0)
+
+
+def _own_pieces(
+    rank: int,
+    sample_ids: list[int],
+    samples: SampleTable,
+    layout: ParallelLayout,
+    mine: list,
+    rc: RouteConfig,
+) -> tuple[list[list[tuple]], dict[int, list[Piece]]]:
+    """This rank's pieces of ``sample_ids`` (samples of its DP rank held by one other rank each)
+    as transfer records ``(sample, start, end, fields, dst, src)`` per stage, vectorised: what
+    ``choose_source`` (the one holder) and ``fan_out`` give this consumer; and its needs."""
+    records: list[list[tuple]] = [[] for _ in range(stage_count(rc))]
+    needs: dict[int, list[Piece]] = {s: [] for s in sample_ids}
+    if not sample_ids:
+        return records, needs
+    rows = [samples.index[s] for s in sample_ids]
+    sid = np.asarray(sample_ids, dtype=np.int64)
+    n = np.asarray([samples.lengths[i] for i in rows], dtype=np.int64)
+    src = np.asarray([samples.holders[i][0] for i in rows], dtype=np.int64)
+    k = rc.ranks_per_node
+    relay = rc.fanout != "direct" and k is not None
+    per_sample: dict[int, list[Piece]] = defaultdict(list)
+    for cp, fields, dsts in mine:
+        if cp < 0:
+            spans = [(np.full_like(n, -1), np.full_like(n, -1))]
+        elif layout.cp == 1:
+            spans = [(np.zeros_like(n), n)]
+        else:
+            c2 = 2 * layout.cp
+            chunk = -(-n // c2)
+            first, second = cp, c2 - 1 - cp
+            spans = [
+                (first * chunk, np.minimum((first + 1) * chunk, n)),
+                (second * chunk, np.minimum((second + 1) * chunk, n)),
+            ]
+        group = [d for d in dsts if d // k == rank // k] if relay else [rank]
+        for a, b in spans:
+            keep = (b > a) | (a < 0)
+            s_, a_, b_, src_ = sid[keep], a[keep], b[keep], src[keep]
+            if relay and len(group) > 1:
+                remote = src_ // k != rank // k
+                leader = np.asarray(group)[s_ % len(group)]
+            else:
+                remote = np.zeros(len(s_), dtype=bool)
+                leader = np.full(len(s_), rank)
+            for q, x, y, h, far, lead in zip(
+                s_.tolist(),
+                a_.tolist(),
+                b_.tolist(),
+                src_.tolist(),
+                remote.tolist(),
+                leader.tolist(),
+            ):
+                per_sample[q].append(Piece(q, x, y, fields))
+                if not far:
+                    records[0].append((q, x, y, fields, rank, h))
+                elif lead != rank:
+                    records[1].append((q, x, y, fields, rank, lead))
+                else:
+                    records[0].append((q, x, y, fields, rank, h))
+                    records[1] += [(q, x, y, fields, d, rank) for d in group if d != rank]
+    for q in sample_ids:  # spans in order, then the per-sample row
+        needs[q] = sorted(per_sample[q], key=lambda p: (p.start < 0, p.start))
+    return records, needs
+
+
+def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
+    """Raise for samples above the per-rank token budget at ``cp`` and at the consumer's cp
+    (from every sample, so every rank raises the same error)."""
+    budget = config.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    for c in dict.fromkeys([cp, config.consumer_cp or cp]):
+        lengths = np.asarray(samples.lengths, dtype=np.int64)
+        local = (-(-lengths // (2 * c)) * 2) if c > 1 else lengths
+        over = np.flatnonzero(local > budget)
+        if len(over):
+            i = int(over[np.argmax(local[over])])
+            raise _over_budget(samples.ids[i], samples.lengths[i], len(over), c, budget)
 
 
 def plan_return(plan: DispatchPlan, results: Schema, stage: str = "last") -> Plan:
     """Plan sending ``results`` (fields computed in the destination layout, held by every rank of
-    pipeline stage ``stage`` in its CP chunks) back to each sample's owner on the source side."""
+    pipeline stage ``stage`` in its CP chunks) back to each sample's owner on the source side.
+
+    For a rank view of the forward plan, a rank view too: only the samples the rank owns or holds
+    in the destination are routed, and only transfers with the rank as source or destination
+    kept (one stage, possibly empty, on every rank)."""
     layout = plan.destination.layout
     if stage not in ("first", "last"):
         raise DispatchError(f"stage={stage!r}; valid: 'first', 'last'")
     pp_rank = 0 if stage == "first" else layout.pp - 1
     token = tuple(s.name for s in results if s.per_token)
     per_sample = tuple(s.name for s in results if not s.per_token)
-    holdings: dict[int, list[Piece]] = {}
-    for r in range(layout.world_size):
-        c = layout.coord(r)
-        holdings[r] = []
-        if c.pp != pp_rank:
-            continue
-        for mb in plan.micro_batches[c.dp]:
-            for sid in mb:
-                n = plan.samples[sid].length
-                holdings[r] += (
-                    [Piece(sid, a, b, token) for a, b in cp_real_spans(n, layout.cp, c.cp)]
-                    if token
-                    else []
-                )
-                holdings[r] += [Piece(sid, -1, -1, per_sample)] if per_sample else []
-    lengths = {s: i.length for s, i in plan.samples.items()}
-    needs = {r: [] for r in range(layout.world_size)}
-    for sid, info in plan.samples.items():
-        needs[info.holders[0]] += _full_pieces([sid], lengths, token, per_sample)
-    stages = route(holdings, needs, results, plan.config.route)
-    return Plan(results, holdings, needs, tuple(tuple(s) for s in stages))
+    me = plan.rank
+    if me is None:
+        relevant = [(s, d) for d, ids in enumerate(plan.assignment) for s in ids]
+    else:
+        dp_of = plan.dp_of()
+        c = layout.coord(me)
+        own = plan.assignment[c.dp] if c.pp == pp_rank else ()
+        mine = [s for s in plan.source_order[me] if plan.samples[s].holders[0] == me]
+        relevant = sorted({**{s: c.dp for s in own}, **{s: dp_of[s] for s in mine}}.items())
+    everyone = range(layout.world_size) if me is None else ()
+    holdings: dict[int, list[Piece]] = defaultdict(list, {r: [] for r in everyone})
+    needs: dict[int, list[Piece]] = defaultdict(list, {r: [] for r in everyone})
+    for sid, d in relevant:
+        info = plan.samples[sid]
+        for cp in range(layout.cp):
+            for tp in range(layout.tp):
+                r = layout.rank(Coord(tp=tp, cp=cp, dp=d, pp=pp_rank))
+                if token:
+                    spans = cp_real_spans(info.length, layout.cp, cp)
+                    holdings[r] += [Piece(sid, a, b, token) for a, b in spans]
+                if per_sample:
+                    holdings[r].append(Piece(sid, -1, -1, per_sample))
+        needs[info.holders[0]] += _full_pieces([sid], {sid: info.length}, token, per_sample)
+    stages = route(dict(holdings), dict(needs), results, plan.config.route)
+    if me is not None:
+        stages = [[t for s in stages for t in s if me in (t.src, t.dst)]]
+        holdings = {me: holdings.get(me, [])}
+        needs = {me: needs.get(me, [])}
+    return Plan(results, dict(holdings), dict(needs), tuple(tuple(s) for s in stages))
 
 
 def _full_pieces(
     sample_ids: Sequence[int],
-    lengths: dict[int, int],
+    lengths: Mapping[int, int],
     token: tuple[str, ...],
     per_sample: tuple[str, ...],
 ) -> list[Piece]:
@@ -426,25 +705,42 @@ def _full_pieces(
     return out
 
 
-def _collect(sources: Sequence[SourceMeta]) -> dict[int, SampleInfo]:
-    lengths: dict[int, int] = {}
-    groups: dict[int, int] = {}
-    holders: dict[int, list[int]] = {}
+def _collect(sources: Sequence[SourceMeta]) -> SampleTable:
+    """Every sample with its holders (vectorised); raises for inconsistent metadata."""
     for r, src in enumerate(sources):
         if not len(src.sample_ids) == len(src.lengths) == len(src.group_ids):
             raise DispatchError(
                 f"rank {r}: {len(src.sample_ids)} sample_ids, {len(src.lengths)} lengths, "
                 f"{len(src.group_ids)} group_ids; give one of each per sample"
             )
-        for sid, n, g in zip(src.sample_ids, src.lengths, src.group_ids):
-            if sid in lengths and (lengths[sid], groups[sid]) != (n, g):
-                raise DispatchError(
-                    f"sample {sid} is held by ranks {holders[sid]} with (length, group) = "
-                    f"({lengths[sid]}, {groups[sid]}) and by rank {r} with ({n}, {g}); replicas "
-                    "must agree (or give the samples distinct ids)"
-                )
-            if n < 1:
-                raise DispatchError(f"sample {sid} on rank {r} has length {n}; need >= 1")
-            lengths[sid], groups[sid] = n, g
-            holders.setdefault(sid, []).append(r)
-    return {s: SampleInfo(lengths[s], groups[s], tuple(holders[s])) for s in sorted(lengths)}
+    ids = np.concatenate([np.asarray(s.sample_ids, dtype=np.int64) for s in sources] or [[]])
+    if not len(ids):
+        return SampleTable([], [], [], [])
+    lens = np.concatenate([np.asarray(s.lengths, dtype=np.int64) for s in sources])
+    groups = np.concatenate([np.asarray(s.group_ids, dtype=np.int64) for s in sources])
+    ranks = np.repeat(np.arange(len(sources)), [len(s.sample_ids) for s in sources])
+    order = np.argsort(ids, kind="stable")  # replicas of a sample stay in rank order
+    ids, lens, groups, ranks = ids[order], lens[order], groups[order], ranks[order]
+    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    run = np.repeat(first, np.diff(np.r_[first, len(ids)]))  # index of each entry's first copy
+    bad = np.flatnonzero((lens != lens[run]) | (groups != groups[run]))
+    if len(bad):
+        i = int(bad[0])
+        j = int(run[i])
+        agree = [int(r) for r in ranks[j:i]]
+        raise DispatchError(
+            f"sample {ids[i]} is held by ranks {agree} with (length, group) = "
+            f"({lens[j]}, {groups[j]}) and by rank {ranks[i]} with ({lens[i]}, {groups[i]}); "
+            "replicas must agree (or give the samples distinct ids)"
+        )
+    short = np.flatnonzero(lens < 1)
+    if len(short):
+        i = int(short[0])
+        raise DispatchError(f"sample {ids[i]} on rank {ranks[i]} has length {lens[i]}; need >= 1")
+    rank_list = ranks.tolist()
+    if len(first) == len(ids):
+        holders = [(r,) for r in rank_list]
+    else:
+        ends = [*first[1:].tolist(), len(ids)]
+        holders = [tuple(rank_list[a:b]) for a, b in zip(first.tolist(), ends)]
+    return SampleTable(ids[first].tolist(), lens[first].tolist(), groups[first].tolist(), holders)

@@ -7,8 +7,10 @@ holders:
 - a needed span may be served by several holders (e.g. the CP chunks of a different layout): it is
   cut at the holders' span boundaries;
 - among holders of a span, the source is the consumer itself (a local copy), else a holder on a
-  consumer's node, else the holder that has sent the fewest bytes so far (then the lowest rank), so
-  replicas (e.g. the TP ranks of a rollout engine) share the sending;
+  consumer's node; replicas tied on that (e.g. the TP ranks of a rollout engine) take turns by
+  ``(sample_id + start) % len(tied)``, so they share the sending. The choice depends on the piece
+  and its holders and consumers only (no state carried between pieces): a rank can route just the
+  pieces it sends or receives and get the same transfers as the whole plan (``plan.py``);
 - TP fan-out: the ranks of one TP group need identical pieces. With ``fanout="node_relay"``
   (default) a piece crosses to another node once and is copied on inside that node (stage 2,
   over NVLink); consumers on the source's own node get it directly. ``fanout="direct"`` sends
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_earl.dispatch.batch import Schema
 
@@ -32,9 +36,11 @@ class DispatchError(ValueError):
     """A batch/destination pair the dispatcher cannot serve; raised on all ranks before any send."""
 
 
-@dataclass(frozen=True, order=True)
-class Piece:
-    """A span of one sample for some fields (``start == end == -1``: per-sample fields)."""
+class Piece(NamedTuple):
+    """A span of one sample for some fields (``start == end == -1``: per-sample fields).
+
+    A named tuple rather than a dataclass: plans and the executor build, hash and compare tens of
+    thousands of them, and a tuple does that in C (ordered by sample_id, start, end, fields)."""
 
     sample_id: int
     start: int
@@ -46,8 +52,7 @@ class Piece:
         return self.start < 0
 
 
-@dataclass(frozen=True, order=True)
-class Transfer:
+class Transfer(NamedTuple):
     """``src`` sends ``dst`` the piece (``src == dst``: a local copy, no communication)."""
 
     src: int
@@ -87,7 +92,6 @@ def route(
     """Transfers (in stages) that give every rank in ``needs`` exactly its pieces.
 
     Raises ``DispatchError`` naming the sample, span and field when no rank holds a needed piece."""
-    row_bytes = {s.name: s.row_bytes for s in schema}
     consumers: dict[Piece, list[int]] = defaultdict(list)
     for rank in sorted(needs):
         for p in needs[rank]:
@@ -97,16 +101,13 @@ def route(
         for p in holdings[rank]:
             held[p.sample_id].append((rank, p))
 
-    sent: dict[int, int] = defaultdict(int)
     stages: list[list[Transfer]] = [[], []]
     for piece in sorted(consumers, key=lambda p: (p.sample_id, p.start, p.end, p.fields)):
         dsts = consumers[piece]
         for part, cands in _cover(piece, held[piece.sample_id]):
-            src = _choose(cands, dsts, sent, config)
-            nbytes = Transfer(src, src, part).nbytes(row_bytes)
-            for stage, t in _fan_out(src, dsts, part, config):
+            src = choose_source(cands, dsts, part, config)
+            for stage, t in fan_out(src, dsts, part, config):
                 stages[stage].append(t)
-                sent[t.src] += nbytes if stage == 0 and t.src != t.dst else 0
     return [s for s in stages if s]  # deterministic: built in sorted piece order
 
 
@@ -157,18 +158,26 @@ def _joinable(a: Piece, b: Piece) -> bool:
     return not a.per_sample and a.fields == b.fields and a.end == b.start
 
 
-def _choose(cands: list[int], dsts: list[int], sent: dict[int, int], config: RouteConfig) -> int:
+def choose_source(
+    cands: Sequence[int], dsts: Sequence[int], part: Piece, config: RouteConfig
+) -> int:
+    """The holder (of ``cands``, ascending) that sends ``part`` to ``dsts``: a consumer itself,
+    else one on a consumer's node; ties take turns by ``(sample_id + start) % len(tied)``."""
+    if len(cands) == 1:
+        return cands[0]
     dst_nodes = {config.node(d) for d in dsts}
-    dst_set = set(dsts)
-    return min(
-        cands,
-        key=lambda r: (r not in dst_set, config.node(r) not in dst_nodes, sent[r], r),
-    )
+    rank = {r: (r not in dsts, config.node(r) not in dst_nodes) for r in cands}
+    best = min(rank.values())
+    tied = [r for r in cands if rank[r] == best]
+    return tied[(part.sample_id + max(part.start, 0)) % len(tied)]
 
 
-def _fan_out(
-    src: int, dsts: list[int], part: Piece, config: RouteConfig
+def fan_out(
+    src: int, dsts: Sequence[int], part: Piece, config: RouteConfig
 ) -> list[tuple[int, Transfer]]:
+    """(stage, transfer) pairs giving ``part`` from ``src`` to every rank of ``dsts`` (ascending):
+    stage 0 direct or to a node's leader (``dsts[sample_id % n]`` of that node's consumers), stage
+    1 from the leader to the rest of its node (``node_relay``)."""
     by_node: dict[int, list[int]] = defaultdict(list)
     for d in dsts:
         by_node[config.node(d)].append(d)

@@ -46,9 +46,16 @@ from megatron_earl.config.model import sequence_parallel_size
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.dispatch import Destination
-from megatron_earl.dispatch.execute import execute, plan_for
+from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
 from megatron_earl.models.gpt import pin_transformer_impl
+from megatron_earl.orchestration.async_rollout import (
+    AsyncProducer,
+    GroupPlan,
+    Taken,
+    async_metrics,
+    group_ids,
+)
 from megatron_earl.orchestration.engines import Rollout, rollout_backend_class
 from megatron_earl.orchestration.policy import Policy
 from megatron_earl.orchestration.rollout import PromptSet, group_index
@@ -66,8 +73,9 @@ from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.oom_agreement import agreement_point
 from megatron_earl.parallel.state import use_layout
-from megatron_earl.rollout.agent.loop import AgentLoopConfig
+from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
+from megatron_earl.rollout.pool import EnginePool
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
@@ -93,6 +101,8 @@ class RLLoop:
         self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}
         self.old_logprobs = config.old_logprobs_pass()
         """Whether the experience phase computes old log-probs (else the train pass does)."""
+        self.plan_cache = PlanCache()
+        """Dispatch plans by their exact inputs (a re-run of a phase reuses its plan)."""
         kind = rollout_backend_class(config.rollout.engine)
         layouts = kind.policy_layouts(self.layouts)
         if not self.old_logprobs:  # the experience phase never runs the policy
@@ -125,6 +135,10 @@ class RLLoop:
         if config.selector.enabled:
             self.selection = PhaseSelection(config, dist.get_world_size())
         self.last_lengths: list[int] = []
+        self.producer: AsyncProducer | None = None
+        """``rollout.mode: async``: this rank's background generation (built at the first step)."""
+        self.taken: Taken | None = None
+        """``rollout.mode: async``: what the last step took from the producer."""
 
     def warm_start(self, env=None) -> None:
         """``config.sft.steps`` SFT steps on the master copy (``orchestration.sft``) on
@@ -207,7 +221,12 @@ class RLLoop:
         trajectories and its source index (distinct per rank that holds trajectories; None on
         ranks that hold none)."""
         layout = layout or self.active[Phase.ROLLOUT]
-        self.sync_stats = self.backend.sync_weights(layout)
+        if self.producer is None:
+            self.sync_stats = self.backend.sync_weights(layout)
+        else:  # an evaluation mid-run in async mode: the producer sees the push as a step's
+            self.producer.begin_update()
+            self.sync_stats = self.backend.sync_weights(layout)
+            self.producer.end_update(self.policy.version, self.step)
         return self.backend.generate(prompts, agent, layout)
 
     def experience_work(self) -> bool:
@@ -229,6 +248,7 @@ class RLLoop:
             batch,
             every_stage(layout, Phase.EXPERIENCE, fields),
             consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
+            cache=self.plan_cache,
         )
         local = execute(plan, batch)
         inputs = model_inputs(local.micro_batches, fields, layout.cp, self._sp(layout))
@@ -274,7 +294,10 @@ class RLLoop:
         n = self.config.batch.num_mini_batches
         fields = tuple(sorted(batch.token_fields))
         plan = plan_for(
-            batch, every_stage(layout, Phase.TRAIN, fields), consumer_plan(layout, budget, n)
+            batch,
+            every_stage(layout, Phase.TRAIN, fields),
+            consumer_plan(layout, budget, n),
+            cache=self.plan_cache,
         )
         local = execute(plan, batch)
         step_config = RLStepConfig(
@@ -363,15 +386,17 @@ class RLLoop:
                     self.backend.switch,
                     selected,
                 )
+            elif cfg.rollout.mode == "async":
+                trajs, source, groups = self._async_rollout()
             else:
                 trajs, source = self.rollout(prompts, agent)
 
         with clock(Phase.EXPERIENCE):
             ok = [t for t in trajs if t.ok]
+            if cfg.rollout.mode != "async":
+                groups = group_index(ok)
             batch = (
-                trajectories_to_batch(
-                    ok, source * SAMPLE_ID_STRIDE, group_index(ok), self.estimator
-                )
+                trajectories_to_batch(ok, source * SAMPLE_ID_STRIDE, groups, self.estimator)
                 if source is not None
                 else schema_batch()
             )
@@ -406,6 +431,8 @@ class RLLoop:
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns, train_mismatch))
         engine_stats = self.backend.rollout_stats()
+        if self.taken is not None:
+            engine_stats.update(async_metrics(self.producer, self.taken, cfg.rollout.max_staleness))
         if engine_stats:
             counts = torch.tensor(list(engine_stats.values()), dtype=torch.float64)
             dist.all_reduce(counts, group=host_group())
@@ -419,6 +446,64 @@ class RLLoop:
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
         return metrics
+
+    def _async_rollout(self) -> tuple[list[Trajectory], int, dict[str, int]]:
+        """``rollout.mode: async``: start this rank's producer (first step), push the weights
+        if the engines are behind (the producer holds new starts meanwhile; ``restart``
+        cancels its unfinished trajectories first), let it admit this step's groups, and take
+        this rank's quota of finished ones (``orchestration.async_rollout``). Every rank calls."""
+        cfg = self.config
+        if self.producer is None:
+            self.producer = self._build_producer()
+            self.producer.start()
+        layout = self.active[Phase.ROLLOUT]
+        if self.backend.version != self.policy.version:
+            self.producer.begin_update()
+            self.sync_stats = self.backend.sync_weights(layout)
+        self.producer.end_update(self.policy.version, self.step)
+        timeout = cfg.rollout.async_take_timeout_s
+        self.taken = self.producer.take(self.step, timeout_s=timeout)
+        rank = dist.get_rank()
+        return self.taken.trajectories, rank, group_ids(self.taken.groups, self.producer.plan)
+
+    def _build_producer(self) -> AsyncProducer:
+        cfg = self.config
+        plan = GroupPlan(
+            cfg.batch.prompts_per_step,
+            dist.get_rank(),
+            dist.get_world_size(),
+            max_staleness=cfg.rollout.max_staleness,
+            max_buffered_groups=cfg.rollout.max_buffered_groups,
+            seed=cfg.seed,
+        )
+        # the per-group sampling seed replaces this config's (GroupPlan.sampling_seed)
+        agent = self.agent_config(
+            group_size=cfg.batch.samples_per_prompt,
+            temperature=cfg.rollout.sampling.temperature,
+            seed=cfg.seed,
+        )
+        backend = self.backend
+
+        async def close(pool) -> None:
+            await pool.close()
+
+        return AsyncProducer(
+            plan,
+            cfg.env.spec(),
+            lambda engine: AgentLoop(engine, self.tokenizer, agent),
+            lambda: EnginePool(backend.generation_clients()),
+            close,
+            group_size=cfg.batch.samples_per_prompt,
+            partial_rollout=cfg.rollout.partial_rollout,
+        )
+
+    def stop_async(self) -> None:
+        """Stop this rank's producer (end of the run, before the final evaluation) and check
+        that no group was lost or used twice. Local."""
+        if self.producer is not None:
+            self.producer.stop()
+            self.producer.check_accounting()
+            self.producer = None
 
     def _select(self, phase, data, lengths, phase_fn, switch, metrics):
         """Run ``phase`` in the selector's layout (with OOM recovery); records the layout it ran

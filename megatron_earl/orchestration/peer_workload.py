@@ -139,8 +139,12 @@ class PeerSettings:
             problems.append(f"batch.num_mini_batches={config.batch.num_mini_batches} (TRL peer: 1)")
         if r.sampling.top_k != -1:
             problems.append(f"rollout.sampling.top_k={r.sampling.top_k} (TRL peer: -1, off)")
-        if t.loss.entropy_coef or t.loss.tis_cap is not None or t.loss.dual_clip_c is not None:
-            problems.append("train.loss entropy_coef / tis_cap / dual_clip_c (TRL peer: off)")
+        off_policy = t.loss.off_policy_correction != "none"  # tis_cap maps onto it
+        if t.loss.entropy_coef or off_policy or t.loss.dual_clip_c is not None:
+            problems.append(
+                "train.loss entropy_coef / off_policy_correction (tis_cap) / dual_clip_c "
+                "(TRL peer: off)"
+            )
         if problems:
             raise ValueError(
                 f"workload {workload.name!r}: settings the TRL side cannot match: "

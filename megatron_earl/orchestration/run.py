@@ -126,6 +126,7 @@ def train(config: RunConfig) -> dict[str, Any]:
             if saving.interval and loop.step % saving.interval == 0:
                 _save(loop, saving, config, summary)
         bar.close()
+    loop.stop_async()
     if config.eval.num_prompts:
         summary["after"] = _evaluate(loop, config)
         if rank0:

@@ -90,6 +90,40 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
             f"batch.samples_per_prompt ({config.batch.samples_per_prompt}) must be >= 2"
         )
     problems.extend(_reference_problems(config))
+    problems.extend(_async_problems(config))
+    return problems
+
+
+def _async_problems(config: RunConfig) -> list[str]:
+    """``rollout.mode: async`` needs SGLang-protocol engines (their own processes), not the
+    colocated release/resume cycle, and a buffer that can hold a step's groups."""
+    r = config.rollout
+    if r.mode != "async":
+        return []
+    problems = []
+    if r.engine != EngineKind.SGLANG:
+        problems.append(
+            f"rollout.mode=async needs rollout.engine=sglang (engines in their own processes: "
+            f"SGLang servers, or megatron-earl serve), got {r.engine!r}; the embedded engine "
+            "shares the trainer's processes and generates in the synchronous loop only"
+        )
+    if r.sglang.colocated:
+        problems.append(
+            "rollout.mode=async cannot use rollout.sglang.colocated=true: the engines keep "
+            "generating while the trainer trains, so their memory is never released"
+        )
+    n = config.batch.prompts_per_step
+    if r.max_buffered_groups is not None and r.max_buffered_groups < n:
+        problems.append(
+            f"rollout.max_buffered_groups ({r.max_buffered_groups}) < batch.prompts_per_step "
+            f"({n}): a step's batch could never be assembled; raise it to >= {n}"
+        )
+    if r.sglang.pause_mode == "abort" and r.partial_rollout == "continue":
+        problems.append(
+            "rollout.partial_rollout=continue with rollout.sglang.pause_mode=abort: the push "
+            "would abort the in-flight requests it should continue; use pause_mode retract or "
+            "in_place (or partial_rollout=restart)"
+        )
     return problems
 
 

@@ -30,9 +30,11 @@ whole on every CP/TP/PP rank of the DP replica. A step:
 
 Metrics (floats, the same on every rank): loss, pg_loss, kl_loss, entropy (full-batch values);
 token-weighted means clip_frac_low/high, dual_clip_frac, approx_kl, ratio_mean, kl_ref,
-tis_weight_mean, tis_clip_frac, logprob_mismatch (mean |log pi_old - log pi_rollout|, pi_old
-being ``old_logprobs`` or, without them, this forward's log-probs before the update; 0 without
-``rollout_logprobs``); ratio_min/max; num_tokens (trainable), num_samples,
+tis_weight_mean, tis_clip_frac, is_mask_frac, is_weight_mean, logprob_mismatch (mean
+|log pi_old - log pi_rollout|, pi_old being ``old_logprobs`` or, without them, this forward's
+log-probs before the update; 0 without ``rollout_logprobs``); ratio_min/max, is_weight_min/max;
+is_seq_clip_frac, is_seq_mask_frac (fractions of the samples with a trainable token whose
+sequence-level behaviour weight was truncated / masked); num_tokens (trainable), num_samples,
 num_empty_samples, num_nonfinite_samples, num_micro_batches (max over ranks), grad_norm,
 skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time).
 
@@ -86,8 +88,14 @@ TOKEN_MEANS = (
     "kl_ref",
     "tis_weight_mean",
     "tis_clip_frac",
+    "is_mask_frac",
+    "is_weight_mean",
     "logprob_mismatch",
 )
+SAMPLE_COUNTS = ("is_seq_clipped", "is_seq_masked")
+"""Sample counts (each CP rank a share): summed, then divided by the step's non-empty samples."""
+EXTREMES = (("ratio_max", "ratio_min"), ("is_weight_max", "is_weight_min"))
+"""(max, min) metric pairs: the max/min over micro-batches with trainable tokens, else 1."""
 NONFINITE_POLICIES = ("drop", "raise")
 
 
@@ -163,8 +171,9 @@ def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
         raise ValueError(f"samples need 'advantages' for the policy loss; got {names}")
     if config.loss.kl_coef > 0 and "ref_logprobs" not in names:
         raise ValueError(f"kl_coef={config.loss.kl_coef} needs a ref_logprobs field")
-    if config.loss.tis_cap is not None and "rollout_logprobs" not in names:
-        raise ValueError(f"tis_cap={config.loss.tis_cap} needs a rollout_logprobs field")
+    correction = config.loss.off_policy_correction
+    if correction != "none" and "rollout_logprobs" not in names:
+        raise ValueError(f"off_policy_correction={correction!r} needs a rollout_logprobs field")
     flags = [runtime.to_host(nonfinite_slots(mb)) for mb in whole]  # read by Python
     bad = sorted(int(i) for mb, f in zip(whole, flags) for i in mb["sample_index"][f])
     if bad and config.on_nonfinite == "raise":
@@ -284,28 +293,29 @@ def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     Which ranks call: every rank of the world (two all-reduces of host metrics on the host world
     group; only TP rank 0 of the last stage contributes, so TP replicas are not double counted)."""
     contributes = bool(per_mb) and parallel_state.get_tensor_model_parallel_rank() == 0
-    sums = torch.zeros(len(ADDITIVE) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device="cpu")
-    extremes = torch.full((2,), float("-inf"), dtype=torch.float64, device="cpu")
+    summed = ADDITIVE + SAMPLE_COUNTS
+    sums = torch.zeros(len(summed) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device="cpu")
+    extremes = torch.full((2 * len(EXTREMES),), float("-inf"), dtype=torch.float64, device="cpu")
     if contributes:
         for m in per_mb:
             n = float(m["num_tokens"])
-            values = [float(m[k]) if k in m else 0.0 for k in ADDITIVE]
+            values = [float(m[k]) if k in m else 0.0 for k in summed]
             values += [float(m[k]) * n if k in m else 0.0 for k in TOKEN_MEANS]
             sums += torch.tensor([*values, n], dtype=torch.float64)
             if n > 0:
-                extremes = torch.maximum(
-                    extremes, torch.tensor([float(m["ratio_max"]), -float(m["ratio_min"])])
-                )
+                pairs = [v for hi, lo in EXTREMES for v in (float(m[hi]), -float(m[lo]))]
+                extremes = torch.maximum(extremes, torch.tensor(pairs, dtype=torch.float64))
     dist.all_reduce(sums, group=host_group())
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=host_group())
     tokens = float(sums[-1])
-    out = {k: float(v) for k, v in zip(ADDITIVE, sums[: len(ADDITIVE)].tolist())}
-    for k, v in zip(TOKEN_MEANS, sums[len(ADDITIVE) : -1].tolist()):
+    out = {k: float(v) for k, v in zip(summed, sums[: len(summed)].tolist())}
+    for k, v in zip(TOKEN_MEANS, sums[len(summed) : -1].tolist()):
         out[k] = v / tokens if tokens > 0 else 0.0
     out["num_tokens"] = tokens
     finite = bool(torch.isfinite(extremes).all())
-    out["ratio_max"] = float(extremes[0]) if finite else 1.0
-    out["ratio_min"] = -float(extremes[1]) if finite else 1.0
+    for i, (hi, lo) in enumerate(EXTREMES):
+        out[hi] = float(extremes[2 * i]) if finite else 1.0
+        out[lo] = -float(extremes[2 * i + 1]) if finite else 1.0
     return out
 
 
@@ -392,6 +402,9 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     with output_hidden_states(ddp_chunks):
         per_mb = forward_backward(ddp_chunks, micro_batches, loss_fn, variable_seq_lengths=pp > 1)
     metrics = _reduce_metrics(per_mb)
+    nonempty = float(counts[1] - counts[2])
+    for count, frac in zip(SAMPLE_COUNTS, ("is_seq_clip_frac", "is_seq_mask_frac")):
+        metrics[frac] = metrics.pop(count) / nonempty if nonempty > 0 else 0.0
 
     finite = _grads_finite(ddp_chunks) and math.isfinite(metrics["loss"])
     if finite:

@@ -108,6 +108,13 @@ def _body_bad_input() -> dict[str, str]:
     out["schema"] = _catch(lambda: plan_for(batch, dest))
     bad_layout = Destination(ParallelLayout(tp=2, dp=4))
     out["layout"] = _catch(lambda: plan_for(batches[rank], bad_layout))
+    # rank 2 alone passes another config; rank 3 claims sample 0 (held by rank 0) with length 7
+    cfg = PlanConfig(keep_groups=rank == 2)
+    out["config"] = _catch(lambda: plan_for(batches[rank], dest, cfg))
+    claim = batches[rank]
+    if rank == 3:
+        _, (claim,) = make_batches(schema, [7], [[0]], only_rank=0)
+    out["replica"] = _catch(lambda: plan_for(claim, dest))
     return out
 
 
@@ -119,6 +126,8 @@ def test_bad_input_raises_same_error_on_every_rank():
     assert "3 groups cannot fill dp=4" in errors["empty_dp"], errors
     assert "ranks disagree on the batch schema" in errors["schema"], errors
     assert "= 8 ranks, but 4 ranks dispatch" in errors["layout"], errors
+    assert "ranks disagree on the plan config" in errors["config"], errors
+    assert "sample 0 is held by ranks [0] with (length, group) = (100, 0)" in errors["replica"]
 
 
 def _body_host_groups() -> dict:
@@ -189,3 +198,50 @@ def test_host_groups_carry_metadata_and_device_groups_data():
         # one warm-up all-reduce over the world before its first batched p2p, then none
         assert res["warmups"] == 1 and res["all_reduces"] == [True], res
     assert any(r["num_p2p_ops"] for r in results)
+
+
+def _body_plan_cache() -> dict:
+    """The same inputs reuse the cached plan; a change on one rank only (one sample's length,
+    hence its data) or in the destination plans anew, and the new plan's result is the
+    reference's."""
+    from megatron_earl.dispatch.execute import PlanCache
+
+    rank = dist.get_rank()
+    schema = agentic_schema()
+    lengths = agentic_lengths(12, max_len=512, seed=9, min_len=1)
+    owners = [list(range(r, 12, WORLD)) for r in range(WORLD)]
+    _, batches = make_batches(schema, lengths, owners, seed=2)
+    cache = PlanCache()
+    dest = Destination(ParallelLayout(tp=2, dp=2))
+    first = plan_for(batches[rank], dest, cache=cache)
+    again = plan_for(batches[rank], dest, cache=cache)
+    out = {"reused": again is first, "view": first.rank == rank}
+    changed = list(lengths)
+    changed[6] += 1  # sample 6 lives on rank 2: only that rank's batch differs
+    samples2, batches2 = make_batches(schema, changed, owners, seed=2)
+    plan2 = plan_for(batches2[rank], dest, cache=cache)
+    local = execute(plan2, batches2[rank])
+    want = expected_local(plan2, samples2, rank)
+    out["new_plan"] = plan2 is not first and plan2.samples[6].length == changed[6]
+    out["correct"] = all(
+        tensors_equal(exp[k], got.fields[k])
+        for exp, got in zip(want, local.micro_batches, strict=True)
+        for k in exp
+    )
+    other = plan_for(batches[rank], Destination(ParallelLayout(cp=2, dp=2)), cache=cache)
+    out["other_destination"] = other is not first
+    out["counts"] = (cache.hits, cache.misses)
+    return out
+
+
+def test_plan_cache_reuses_only_identical_inputs():
+    results = run_distributed(_body_plan_cache, WORLD, timeout_s=120)
+    for res in results:
+        assert res == {
+            "reused": True,
+            "view": True,
+            "new_plan": True,
+            "correct": True,
+            "other_destination": True,
+            "counts": (1, 3),
+        }, res

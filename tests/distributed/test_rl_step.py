@@ -48,11 +48,11 @@ def _samples(seed: int = 3):
     return out
 
 
-def _config(**kw):
+def _config(loss_kw: dict | None = None, **kw):
     from megatron_earl.config.loss import PolicyLossConfig
     from megatron_earl.training.rl_step import RLStepConfig
 
-    loss = PolicyLossConfig(
+    loss = dict(
         aggregation="seq_mean_token_mean",
         kl_coef=0.1,
         entropy_coef=0.01,
@@ -60,6 +60,7 @@ def _config(**kw):
         tis_cap=2.0,
         clip_eps_high=0.28,
     )
+    loss = PolicyLossConfig(**{**loss, **(loss_kw or {})})
     return RLStepConfig(loss=loss, max_tokens_per_micro_batch=24, logprob_chunk_size=16, **kw)
 
 
@@ -89,7 +90,13 @@ def _setup(layout: ParallelLayout, weights, model: ModelConfig = MODEL, lr: floa
     return chunks, ddp, optimizer, weights
 
 
-def _train(layout: ParallelLayout, weights, steps: int, model: ModelConfig = MODEL):
+def _train(
+    layout: ParallelLayout,
+    weights,
+    steps: int,
+    model: ModelConfig = MODEL,
+    loss_kw: dict | None = None,
+):
     from megatron.core import parallel_state
 
     from megatron_earl.redistribute.geometry import full_state_dict, shard_pieces
@@ -98,7 +105,7 @@ def _train(layout: ParallelLayout, weights, steps: int, model: ModelConfig = MOD
     chunks, ddp, optimizer, weights = _setup(layout, weights, model)
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = _samples()[dp_rank :: layout.dp]
-    metrics = [rl_train_step(ddp, optimizer, mine, _config()) for _ in range(steps)]
+    metrics = [rl_train_step(ddp, optimizer, mine, _config(loss_kw)) for _ in range(steps)]
     params = [(p.key, p.region, p.local.detach().clone()) for p in shard_pieces(chunks)]
     final = full_state_dict(chunks) if layout.world_size == 1 else None
     return {"weights": weights, "metrics": metrics, "params": params, "final": final}
@@ -112,7 +119,9 @@ def reference():
 
 COMPARED = ("loss", "pg_loss", "kl_loss", "entropy", "clip_frac_high", "clip_frac_low",
             "approx_kl", "kl_ref", "ratio_mean", "ratio_max", "ratio_min", "num_tokens",
-            "num_samples", "grad_norm")  # fmt: skip
+            "num_samples", "grad_norm", "tis_weight_mean", "tis_clip_frac", "is_mask_frac",
+            "is_weight_mean", "is_weight_max", "is_weight_min", "is_seq_clip_frac",
+            "is_seq_mask_frac")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -137,6 +146,42 @@ def test_train_step_equals_single_process(reference, layout):
     assert m["num_samples"] == len(LENGTHS) and m["num_micro_batches"] >= 3
     assert 0 < m["clip_frac_high"] + m["clip_frac_low"] < 1  # the clipped branch is exercised
     assert m["kl_loss"] > 0 and m["entropy"] > 0 and m["tokens_per_s"] > 0
+    assert 0 < m["tis_clip_frac"] < 1 and m["is_weight_max"] > 2.0 > m["tis_weight_mean"]
+
+
+SEQ_MIS = {"tis_cap": None, "off_policy_correction": "mis", "off_policy_level": "sequence",
+           "is_weight_low": 0.5, "is_weight_high": 2.0}  # fmt: skip
+"""Sequence-level masked IS: each sample's weight is a product over its tokens, split over CP."""
+
+
+@pytest.fixture(scope="module")
+def seq_mis_reference():
+    args = (ParallelLayout(), None, 2, MODEL, SEQ_MIS)
+    (res,) = run_distributed(_train, 1, args=args, timeout_s=180)
+    return res
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(dp=2), ParallelLayout(cp=2)], ids=str)
+def test_sequence_level_mis_equals_single_process(seq_mis_reference, layout):
+    """Whole-sample log-weight sums over CP and the sample-share counts over DP/CP: the same
+    masked samples, update and metrics as one process."""
+    from megatron_earl.redistribute.geometry import region_slices
+
+    reference = seq_mis_reference
+    args = (layout, reference["weights"], 2, MODEL, SEQ_MIS)
+    results = run_distributed(_train, 2, args=args, timeout_s=240)
+    final = reference["final"]
+    for res in results:
+        for key, region, local in res["params"]:
+            expected = final[key][region_slices(region)].reshape(local.shape)
+            torch.testing.assert_close(local, expected, rtol=0, atol=TOL, msg=key)
+        for got, want in zip(res["metrics"], reference["metrics"], strict=True):
+            for k in COMPARED:
+                assert abs(got[k] - want[k]) <= TOL * max(1.0, abs(want[k])), (k, got[k], want[k])
+    m = reference["metrics"][0]
+    # some samples masked, some kept: the mask decides per sample, on every token of it
+    assert 0 < m["is_seq_mask_frac"] < 1 and 0 < m["is_mask_frac"] < 1, m
+    assert m["is_seq_clip_frac"] == 0 and m["tis_clip_frac"] == 0
 
 
 BANDIT = ModelConfig(
@@ -233,7 +278,11 @@ def _bad_inputs():
     attempt("budget", long, _config())
     # 4. a rank without samples
     attempt("no_samples", base if rank == 0 else [], _config())
-    # 5. a NaN weight: non-finite loss and grads, the update is skipped
+    # 5. an off-policy correction, and rank 1's samples lack the behaviour log-probs
+    no_rollout = base if rank == 0 else [{k: v for k, v in s.items() if k != "rollout_logprobs"}
+                                         for s in base]  # fmt: skip
+    attempt("no_rollout", no_rollout, _config(SEQ_MIS))
+    # 6. a NaN weight: non-finite loss and grads, the update is skipped
     with torch.no_grad():
         output_weight(chunks[0])[5, 0] = float("nan")
     before = [p.local.detach().clone() for p in shard_pieces(chunks)]
@@ -255,6 +304,8 @@ def test_bad_input_is_reported_or_rejected_on_every_rank():
         assert out["empty"]["num_empty_samples"] == 1 and math.isfinite(out["empty"]["loss"])
         assert "rank 0: " in out["budget"] and "above the micro-batch budget" in out["budget"]
         assert "rank 1: ValueError: this rank has 0 samples" in out["no_samples"]
+        missing = "rank 1: ValueError: off_policy_correction='mis' needs a rollout_logprobs"
+        assert missing in out["no_rollout"]
         nan_weight = out["nan_weight"]
         assert nan_weight["skipped_step"] == 1 and nan_weight["update_ok"] == 0
         assert math.isnan(nan_weight["grad_norm"])

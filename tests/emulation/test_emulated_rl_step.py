@@ -68,6 +68,39 @@ def test_rl_step_on_the_emulated_device_equals_cpu(cpu_reference, layout):
                 assert abs(got[k] - want[k]) <= tol, (layout, k, got[k], want[k])
 
 
+def _emulated_sequence_parallel(layout: ParallelLayout, weights):
+    from tests.distributed import test_sequence_parallel as sp_case
+
+    result = sp_case._run(layout, weights)
+    result["on_device"] = on_emulated_device(t for *_, t in result["params"])
+    return to_host(result)
+
+
+def test_sequence_parallel_on_the_emulated_device_equals_cpu():
+    """Sequence parallelism at tp2 on the emulated device (the tail padding, the marked norms'
+    TP gradient reduction, the head's all-gather and the engine's own embedding lookup all on
+    the device) gives the single-process CPU run's parameters, metrics, log-probs and engine
+    logits (1e-5)."""
+    from megatron_earl.redistribute.geometry import region_slices
+    from tests.distributed import test_sequence_parallel as sp_case
+
+    (ref,) = run_distributed(sp_case._run, 1, args=(ParallelLayout(), None), timeout_s=180)
+    layout = ParallelLayout(tp=2)
+    results = run_distributed(
+        _emulated_sequence_parallel, 2, args=(layout, ref["weights"]), timeout_s=240, env=EMULATED
+    )
+    for res in results:
+        assert res["on_device"] and res["sp_on"]
+        for key, region, local in res["params"]:
+            expected = ref["final"][key][region_slices(region)].reshape(local.shape)
+            assert (local - expected).abs().max() <= sp_case.TOL, key
+        for got, want in zip(res["metrics"], ref["metrics"], strict=True):
+            for k in step_case.COMPARED:
+                assert abs(got[k] - want[k]) <= sp_case.TOL * max(1.0, abs(want[k])), k
+        for got, want in zip(res["logprobs"] + res["engine"], ref["logprobs"] + ref["engine"]):
+            assert (got - want).abs().max() <= sp_case.TOL
+
+
 def test_planted_host_micro_batch_fails_naming_it(cpu_reference):
     with pytest.raises(DistributedTestError) as err:
         run_distributed(

@@ -218,3 +218,86 @@ def test_unreachable_engine_stops_the_run_at_start_naming_it(servers, tmp_path):
     assert result.returncode != 0
     assert f"SGLang engines not reachable at start-up (GET /health): ['{dead}']" in result.stderr
     assert not (tmp_path / "dead" / "metrics.jsonl").exists()
+
+
+def _train(servers, tmp_path, name: str, *overrides: str) -> list[dict]:
+    """A 3-step run on both servers (tensor pushes); returns its metrics records."""
+    urls = ",".join(p.url for p in servers)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_earl.cli.main",
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            str(ROOT / "configs" / "demo_cpu_switching.yaml"),
+            *RUN,
+            "steps=3",
+            f"output_dir={tmp_path}",
+            f"name={name}",
+            "rollout.engine=sglang",
+            f"rollout.engine_urls=[{urls}]",
+            *overrides,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "SGLANG_API_KEY": KEY},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+
+
+ASYNC_COUNTS = ("started", "produced", "consumed", "discarded", "buffered", "in_flight")
+
+
+def _check_accounting(records: list[dict], groups_per_step: int, max_staleness: int) -> None:
+    """Every group produced is consumed, discarded or buffered; a step takes exactly its groups;
+    every taken trajectory is at most max_staleness steps old."""
+    for step, r in enumerate(records, start=1):
+        c = {k: r[f"rollout/async_{k}_groups"] for k in ASYNC_COUNTS}
+        assert c["produced"] == c["consumed"] + c["discarded"] + c["buffered"], (step, c)
+        assert c["started"] == c["produced"] + c["in_flight"], (step, c)
+        assert c["consumed"] == step * groups_per_step, (step, c)
+        lags = [r[f"rollout/staleness_traj_lag{i}"] for i in range(max_staleness + 1)]
+        assert sum(lags) == r["rollout/trajectories"] == 16, (step, lags)
+        tokens = sum(r[f"rollout/staleness_token_lag{i}"] for i in range(max_staleness + 1))
+        assert tokens == r["train/num_tokens"] > 0
+
+
+def test_async_with_staleness_0_is_the_synchronous_loop(servers, tmp_path):
+    """rollout.mode=async with max_staleness 0: every group starts once its step's weights are on
+    the engines and the step trains on all of them -- the synchronous run's trajectories and
+    losses (sampling seeds per request; the tolerance covers only float reduction order)."""
+    sync = _train(servers, tmp_path, "sync")
+    asyn = _train(servers, tmp_path, "async", "rollout.mode=async", "rollout.max_staleness=0")
+    for s, a in zip(sync, asyn, strict=True):
+        for key in ("rollout/tokens", "train/num_tokens", "reward/mean", "success_rate"):
+            assert a[key] == s[key], (key, a[key], s[key])
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert a[key] == pytest.approx(s[key], rel=1e-5, abs=1e-7), key
+        assert a["rollout/staleness_traj_lag0"] == 16
+        assert a["rollout/async_discarded_groups"] == a["rollout/async_buffered_groups"] == 0
+    _check_accounting(asyn, groups_per_step=4, max_staleness=0)
+    check_documented(asyn, {"sglang", "async"})
+
+
+def test_async_restart_with_staleness_1_loses_and_repeats_no_group(servers, tmp_path):
+    """max_staleness 1, partial rollouts restarted: generation runs a step ahead of training
+    (groups buffered), trajectories cut by a weight push start again (counted), and the counts
+    add up at every step: produced = consumed + discarded + buffered, each step takes its 4
+    groups, none older than one step."""
+    records = _train(
+        servers,
+        tmp_path,
+        "restart",
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.partial_rollout=restart",
+    )
+    _check_accounting(records, groups_per_step=4, max_staleness=1)
+    assert records[-1]["rollout/async_started_groups"] > 3 * 4  # admitted a step ahead
+    assert any(r["rollout/staleness_traj_lag1"] > 0 for r in records[1:])

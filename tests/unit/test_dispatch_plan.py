@@ -26,6 +26,7 @@ from megatron_earl.dispatch.plan import (
     plan_dispatch,
     plan_micro_batches,
     plan_return,
+    stage_count,
 )
 from megatron_earl.dispatch.reference import (
     agentic_lengths,
@@ -286,6 +287,7 @@ def test_random_plans_match_reference(case):
 
     assert sorted(s for mbs in plan.micro_batches for mb in mbs for s in mb) == list(range(num))
     _check_exact_cover(plan)
+    _check_rank_views(metas, schema, Destination(dst), cfg, plan)
     for stages in (plan.stages, centralized_stages(plan)):
         stores = {r: _Store.from_batch(b) for r, b in enumerate(batches)}
         simulate(stages, schema, stores)
@@ -337,3 +339,64 @@ def _check_exact_cover(plan):
     relayed = {k for k in got if k not in want}
     assert all(k[0] in plan.needs for k in relayed)
     assert not relayed, f"pieces delivered to ranks that do not need them: {sorted(relayed)[:4]}"
+
+
+def _involving(stages, rank, count):
+    out = [tuple(t for t in s if rank in (t.src, t.dst)) for s in stages]
+    return out + [()] * (count - len(out))
+
+
+def _check_rank_views(metas, schema, destination, cfg, plan):
+    """Each rank's view (planned from its own pieces only) is the whole plan restricted to it:
+    the same transfers in the same stages and order, its needs, its micro-batches; the same
+    holds for the centralized baseline's stages and the return plan."""
+    central = centralized_stages(plan)
+    rplan = plan_return(plan, schema)
+    for r in range(destination.layout.world_size):
+        view = plan_dispatch(metas, schema, destination, cfg, rank=r)
+        assert view.rank == r and view.assignment == plan.assignment
+        assert len(view.stages) == stage_count(cfg.route) >= len(plan.stages)
+        assert view.stages == tuple(_involving(plan.stages, r, len(view.stages)))
+        assert view.needs == {r: plan.needs[r]}
+        d = destination.layout.coord(r).dp
+        assert view.micro_batches[d] == plan.micro_batches[d]
+        assert view.mini_batch_sizes[d] == plan.mini_batch_sizes[d]
+        assert list(centralized_stages(view)) == [list(s) for s in _involving(central, r, 2)]
+        rview = plan_return(view, schema)
+        assert rview.stages == tuple(_involving(rplan.stages, r, 1))
+
+
+def test_rank_view_of_a_large_batch_is_its_part_of_the_whole_plan():
+    """128 ranks, 512 long-tailed samples (sample 5 replicated on two ranks), relay fan-out."""
+    lengths = agentic_lengths(512, seed=4)
+    owners = [list(range(r, 512, 128)) for r in range(128)]
+    owners[1].append(5)
+    metas = [
+        SourceMeta(tuple(o), tuple(lengths[s] for s in o), tuple(s // 8 for s in o)) for o in owners
+    ]
+    dest = Destination(ParallelLayout(tp=4, cp=2, pp=2, dp=8))
+    cfg = PlanConfig(route=RouteConfig("node_relay", 8))
+    plan = plan_dispatch(metas, SCHEMA, dest, cfg)
+    for r in (0, 1, 5, 77, 127):
+        view = plan_dispatch(metas, SCHEMA, dest, cfg, rank=r)
+        assert view.stages == tuple(_involving(plan.stages, r, 2))
+        assert view.needs == {r: plan.needs[r]}
+
+
+def test_plan_cache_keys_and_eviction():
+    from megatron_earl.dispatch.execute import PlanCache
+
+    cache = PlanCache(size=2)
+    made = []
+
+    def make(tag):
+        return lambda: made.append(tag) or tag
+
+    assert cache.lookup(("a",), make("a")) == "a"
+    assert cache.lookup(("a",), make("x")) == "a"  # hit: not rebuilt
+    cache.lookup(("b",), make("b"))
+    cache.lookup(("c",), make("c"))  # evicts "a", the least recently used
+    assert cache.lookup(("a",), make("a2")) == "a2"
+    assert made == ["a", "b", "c", "a2"] and (cache.hits, cache.misses) == (1, 4)
+    with pytest.raises(DispatchError, match="size=0"):
+        PlanCache(size=0)

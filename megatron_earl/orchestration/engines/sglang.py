@@ -29,6 +29,7 @@ Which ranks call: every rank of the world.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -188,6 +189,10 @@ class SGLangBackend(RolloutBackend):
             self.transport = build_transport(
                 self.config.rollout.sglang, self.config.model, self.config.run_dir
             )
+            if self.config.rollout.mode == "async":
+                # requests are in flight during the push (SGLang's flush_cache refuses then);
+                # the pause retracts or holds them and they continue under the new weights
+                self.transport.sync = dataclasses.replace(self.transport.sync, flush_cache=False)
         clients = self._control_clients()
         out: dict[str, float] = {}
         try:
@@ -256,7 +261,7 @@ class SGLangBackend(RolloutBackend):
         key = self.config.rollout.sglang.admin_api_key()
         return [SGLangClient(url, ClientConfig(api_key=key)) for url in self.urls]
 
-    def _generation_clients(self) -> list[SGLangClient]:
+    def generation_clients(self) -> list[SGLangClient]:
         """The router when one is configured, else every engine (the pool routes)."""
         sglang = self.config.rollout.sglang
         urls = [sglang.router_url] if sglang.router_url else self.urls
@@ -269,7 +274,7 @@ class SGLangBackend(RolloutBackend):
         self.stats = {"engine_retries": 0.0, "engine_failovers": 0.0}
 
         async def run() -> list[Trajectory]:
-            clients = self._generation_clients()
+            clients = self.generation_clients()
             pool = EnginePool(clients)
             try:
                 batch = await AgentLoop(pool, self.tokenizer, agent).run_batch(tasks)

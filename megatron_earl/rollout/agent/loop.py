@@ -160,8 +160,15 @@ class AgentLoop:
 
     # -- one trajectory ------------------------------------------------------------------
     async def run_trajectory(
-        self, factory: EnvFactory, seed: int, group_id: str, sample_index: int = 0
+        self,
+        factory: EnvFactory,
+        seed: int,
+        group_id: str,
+        sample_index: int = 0,
+        sampling_seed: int | None = None,
     ) -> Trajectory:
+        """One episode. ``sampling_seed`` replaces the config's for this trajectory's requests
+        (the asynchronous producer runs groups of several steps on one loop)."""
         traj = Trajectory(group_id, sample_index, seed)
         engine_idx = next(self._next_engine) % len(self.engines)
         start = time.monotonic()
@@ -183,7 +190,7 @@ class AgentLoop:
                 )
             traj.info.update(reset.info)
             traj.prompt_ids = self._render_prompt(reset.prompt)
-            await self._episode(env, traj, engine_idx, turn_texts, stopped)
+            await self._episode(env, traj, engine_idx, turn_texts, stopped, sampling_seed)
             if traj.ok:
                 await self._score(traj, turn_texts, stopped)
         except _EnvFailure as e:
@@ -229,6 +236,7 @@ class AgentLoop:
         engine_idx: int,
         turn_texts: list[str],
         stopped: list[bool],
+        sampling_seed: int | None = None,
     ) -> None:
         cfg, tok = self.config, self.tokenizer
         context = list(traj.prompt_ids)
@@ -238,7 +246,7 @@ class AgentLoop:
             if budget < 1:
                 traj.end_reason = EndReason.CONTEXT_LIMIT
                 break
-            result = await self._generate(engine_idx, traj, context, turn, budget)
+            result = await self._generate(engine_idx, traj, context, turn, budget, sampling_seed)
             if result is None:
                 return
             ids, start = list(result.output_ids), len(traj.response_ids)
@@ -288,12 +296,19 @@ class AgentLoop:
         traj.rewards["outcome"] = outcome
 
     async def _generate(
-        self, engine_idx: int, traj: Trajectory, context: list[int], turn: int, budget: int
+        self,
+        engine_idx: int,
+        traj: Trajectory,
+        context: list[int],
+        turn: int,
+        budget: int,
+        sampling_seed: int | None = None,
     ) -> GenerateResult | None:
         cfg = self.config
         seed = None
-        if cfg.sampling_seed is not None:
-            key = f"{cfg.sampling_seed}/{traj.uid}/{turn}".encode()
+        base = cfg.sampling_seed if sampling_seed is None else sampling_seed
+        if base is not None:
+            key = f"{base}/{traj.uid}/{turn}".encode()
             seed = zlib.crc32(key) & 0x7FFFFFFF
         sampling = SamplingParams(
             max_new_tokens=min(cfg.max_new_tokens_per_turn, budget),

@@ -3,7 +3,8 @@
 A loss is one ``PolicyLoss`` subclass with a ``name`` and a ``surrogate``: the per-token
 policy-gradient terms and the importance ratio they use. Everything else is common and lives in
 ``PolicyLoss.__call__``: input checks, masking, the per-sample token counts and log-ratio sums
-(reduced over CP), truncated importance sampling, aggregation, the KL-to-reference term, the
+(reduced over CP), the off-policy correction (``losses.off_policy``: the behaviour importance
+weight of the decoupled objective, truncated or masked), aggregation, the KL-to-reference term, the
 entropy bonus and the metrics. ``docs/rl_losses.md`` has the maths and how to add a loss.
 
 Shapes: see ``losses.common``.
@@ -27,6 +28,7 @@ from megatron_earl.training.losses.common import (
     kl_estimate,
     masked_mean,
 )
+from megatron_earl.training.losses.off_policy import behaviour_weight
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,23 @@ class Surrogate:
     """A loss's per-token policy-gradient terms and the ratio they are built from."""
 
     pg: torch.Tensor
-    """[B, T] per-token loss terms, before the TIS weight and aggregation."""
+    """[B, T] per-token loss terms, before the behaviour weight and aggregation."""
     ratio: torch.Tensor
     """[B, T] importance ratio (its statistics and clip fractions are reported)."""
     dual_clipped: torch.Tensor | None = None
     """[B, T] bool where a dual-clip bound applied (None: no dual clip)."""
+
+
+def masked_extremes(
+    values: torch.Tensor, trainable: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Detached (max, min) of ``values`` over the ``trainable`` tokens (-inf, inf when there is
+    none; (1, 1) for an empty tensor)."""
+    values = values.detach()
+    if not values.numel():
+        return values.new_ones(()), values.new_ones(())
+    inf = values.new_tensor(float("inf"))
+    return torch.where(trainable, values, -inf).amax(), torch.where(trainable, values, inf).amin()
 
 
 def clipped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -149,8 +163,9 @@ class PolicyLoss(ABC):
             raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs")
         if config.entropy_coef != 0 and entropy is None:
             raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy")
-        if config.tis_cap is not None and rollout_logprobs is None:
-            raise ValueError(f"tis_cap={config.tis_cap} needs rollout_logprobs")
+        correction = config.off_policy_correction
+        if correction != "none" and rollout_logprobs is None:
+            raise ValueError(f"off_policy_correction={correction!r} needs rollout_logprobs")
 
         trainable = loss_mask != 0
         zero = logprobs.new_zeros((), dtype=torch.float32)
@@ -168,21 +183,25 @@ class PolicyLoss(ABC):
             )
         reduce = seq_sum_reduce or (lambda x: x)
         log_ratio = logp - old
+        # log w = log pi_old - log pi_rollout: the behaviour importance weight of the decoupled
+        # objective (losses.off_policy); 0 (w = 1) without rollout log-probs
+        rollout = clean(rollout_logprobs) if rollout_logprobs is not None else old
+        log_w = (old - rollout).detach()
         local_counts = samples.sum(trainable.float())
-        partial = torch.stack([local_counts, samples.sum(log_ratio.detach())], dim=1)
-        counts, ratio_sums = reduce(partial).unbind(1)
+        sums = [local_counts, samples.sum(log_ratio.detach())]
+        if config.off_policy_level != "token":
+            sums.append(samples.sum(log_w))  # a sequence-level w needs whole-sample sums
+        whole = reduce(torch.stack(sums, dim=1)).unbind(1)
+        counts, ratio_sums = whole[0], whole[1]
+        log_w_sums = whole[2] if len(whole) > 2 else None
         out = self.surrogate(
             SurrogateInputs(logp, old, log_ratio, adv, trainable, samples, counts, ratio_sums)
         )
         pg, ratio = out.pg, out.ratio
         dual = out.dual_clipped if out.dual_clipped is not None else torch.zeros_like(trainable)
-        tis_weight = torch.ones_like(logp)
-        tis_clipped = torch.zeros_like(trainable)
-        if config.tis_cap is not None:
-            raw = clipped_ratio(old - clean(rollout_logprobs))
-            tis_clipped = raw > config.tis_cap
-            tis_weight = raw.clamp(max=config.tis_cap).detach()
-            pg = pg * tis_weight
+        behaviour = behaviour_weight(config, log_w, samples, counts, log_w_sums)
+        if correction != "none":
+            pg = pg * behaviour.weight
 
         agg = dict(
             loss_mask=loss_mask,
@@ -208,12 +227,12 @@ class PolicyLoss(ABC):
                 loss = loss - config.entropy_coef * entropy_term
             metrics["entropy"] = entropy_term.detach()
         ratio_d = ratio.detach()
-        if ratio_d.numel():
-            inf = ratio_d.new_tensor(float("inf"))
-            rmax = torch.where(trainable, ratio_d, -inf).amax()
-            rmin = torch.where(trainable, ratio_d, inf).amin()
-        else:
-            rmax = rmin = ratio_d.new_ones(())
+        rmax, rmin = masked_extremes(ratio_d, trainable)
+        wmax, wmin = masked_extremes(behaviour.raw, trainable)
+        # a sample counts by its share of tokens here (1 / n_i each): the counts add up over CP
+        share = 1.0 / samples.gather(counts.clamp(min=1), logp)
+        seq_clipped = samples.gather(behaviour.sample_truncated.float(), logp) * share
+        seq_masked = samples.gather(behaviour.sample_masked.float(), logp) * share
         has_tokens = num_tokens > 0  # with no trainable token the ratio stats read 1 (neutral)
         hi = (ratio_d > 1 + config.clip_eps_high) & (adv > 0)
         lo = (ratio_d < 1 - config.clip_eps_low) & (adv < 0)
@@ -226,8 +245,14 @@ class PolicyLoss(ABC):
             ratio_mean=masked_mean(ratio_d, trainable, num_tokens),
             ratio_max=torch.where(has_tokens, rmax, 1.0),
             ratio_min=torch.where(has_tokens, rmin, 1.0),
-            tis_weight_mean=masked_mean(tis_weight, trainable, num_tokens),
-            tis_clip_frac=masked_mean(tis_clipped.float(), trainable, num_tokens),
+            tis_weight_mean=masked_mean(behaviour.weight, trainable, num_tokens),
+            tis_clip_frac=masked_mean(behaviour.truncated.float(), trainable, num_tokens),
+            is_mask_frac=masked_mean(behaviour.masked.float(), trainable, num_tokens),
+            is_weight_mean=masked_mean(behaviour.raw, trainable, num_tokens),
+            is_weight_max=torch.where(has_tokens, wmax, 1.0),
+            is_weight_min=torch.where(has_tokens, wmin, 1.0),
+            is_seq_clipped=torch.where(trainable, seq_clipped, 0.0).sum().detach(),
+            is_seq_masked=torch.where(trainable, seq_masked, 0.0).sum().detach(),
             num_tokens=num_tokens,
             num_samples=num_tokens.new_tensor(float(samples.num_samples)),
             num_empty_samples=(local_counts == 0).float().sum(),

@@ -1,0 +1,119 @@
+"""The asynchronous rollout's pure parts: which groups a rank generates (the synchronous loop's
+split), AReaL's admission rule in RL steps, the buffer cap, and the consumption rule (a group
+staler than ``max_staleness`` is discarded and counted, never taken; the rest are taken by global
+index with their per-trajectory and per-token lags)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_earl.config import ConfigError, load_config
+from megatron_earl.orchestration.async_rollout import (
+    AsyncProducer,
+    FinishedGroup,
+    GroupPlan,
+    async_metrics,
+    group_ids,
+)
+from megatron_earl.orchestration.rollout import PromptSet
+from megatron_earl.orchestration.validate import run_problems
+from megatron_earl.rollout.agent.trajectory import Trajectory, TurnRecord
+
+
+@pytest.mark.parametrize(("n", "world"), [(8, 2), (8, 3), (5, 5), (6, 1)])
+def test_groups_follow_the_synchronous_split(n, world):
+    """Rank r's groups of step s are exactly the prompts the sync loop gives it in step s, with
+    the same group ids, task seeds and per-step sampling seed."""
+    for rank in range(world):
+        plan = GroupPlan(n, rank, world, seed=7)
+        for step in range(3):
+            js = range(step * plan.quota, (step + 1) * plan.quota)
+            groups = [plan.group(j) for j in js]
+            sync = PromptSet({}, tuple(range(step * n, (step + 1) * n)), f"s{step}")
+            tasks = sync.tasks_for(rank, world)
+            assert [plan.group_id(g) for g in groups] == [t.group_id for t in tasks]
+            assert groups == [t.seed for t in tasks]  # task seed = global prompt index
+            assert {plan.sampling_seed(g) for g in groups} == {7 * 1_000_003 + step}
+
+
+def test_admission_limit_and_buffer_cap():
+    plan = GroupPlan(8, 0, 2, max_staleness=2)
+    assert plan.quota == 4
+    assert [plan.limit(s) for s in range(3)] == [12, 16, 20]  # quota x (s + k + 1)
+    assert GroupPlan(8, 0, 2).limit(0) == 4  # k = 0: exactly the step's groups
+    assert GroupPlan(8, 1, 2, max_buffered_groups=10).buffer_cap() == 5
+    assert GroupPlan(8, 1, 2, max_buffered_groups=8).buffer_cap() == 4
+    assert GroupPlan(8, 1, 2).buffer_cap() is None
+    with pytest.raises(ValueError, match="rank 3 of 4 gets no group"):
+        GroupPlan(3, 3, 4)
+
+
+def _traj(gid: str, i: int, turns: list[tuple[int, int]]) -> Trajectory:
+    """A trajectory with turns of (tokens, weight version)."""
+    t = Trajectory(gid, i, 0)
+    start = 0
+    for tokens, version in turns:
+        t.add_model_tokens([1] * tokens, [-0.5] * tokens)
+        t.turns.append(TurnRecord(start, start + tokens, version, "stop"))
+        start += tokens
+    return t
+
+
+def _producer(k: int) -> AsyncProducer:
+    plan = GroupPlan(2, 0, 1, max_staleness=k)
+    return AsyncProducer(plan, {}, None, None, None, group_size=2)
+
+
+def test_take_discards_stale_groups_and_reports_lags():
+    producer = _producer(k=1)
+    producer.version_step = {10: 0, 11: 1, 12: 2, 13: 3}  # version 10 pushed for step 0 ...
+    ready = [
+        FinishedGroup(5, [_traj("s2-1", 0, [(3, 12)]), _traj("s2-1", 1, [(2, 12), (4, 13)])]),
+        FinishedGroup(1, [_traj("s0-1", 0, [(5, 10)]), _traj("s0-1", 1, [(1, 11)])]),  # lag 3
+        FinishedGroup(4, [_traj("s2-0", 0, [(2, 13)]), _traj("s2-0", 1, [(6, 12)])]),
+    ]
+    producer._ready = list(ready)
+    producer.started = producer.produced = 3
+    taken = producer.take(step=3, timeout_s=1.0)
+    assert [g.index for g in taken.groups] == [4, 5]  # by global index, the stale one dropped
+    assert [g.index for g in taken.discarded] == [1]
+    assert (producer.consumed, producer.discarded, producer.buffered()) == (2, 1, 0)
+    assert sorted(taken.lags) == [0, 1, 1, 1]  # oldest turn of each taken trajectory
+    assert dict(taken.token_lags) == {0: 2 + 4, 1: 6 + 3 + 2}
+    producer.check_accounting()
+    metrics = async_metrics(producer, taken, max_staleness=1)
+    assert metrics["staleness_traj_lag0"] == 1 and metrics["staleness_traj_lag1"] == 3
+    assert metrics["staleness_token_lag1"] == 11 and metrics["async_step_discarded_groups"] == 1
+    assert group_ids(taken.groups, producer.plan) == {"s2-0": 4, "s2-1": 5}
+
+
+def test_take_times_out_naming_the_counts():
+    producer = _producer(k=0)
+    with pytest.raises(TimeoutError, match=r"0 of 2 groups ready for step 0 after 0\.05 s"):
+        producer.take(step=0, timeout_s=0.05)
+
+
+def test_accounting_catches_a_group_counted_twice():
+    producer = _producer(k=0)
+    producer.produced, producer.consumed = 1, 2
+    with pytest.raises(AssertionError, match="produced 1 != consumed 2"):
+        producer.check_accounting()
+
+
+def test_async_config_bad_input_is_named():
+    with pytest.raises(ConfigError, match=r"max_staleness \(-1\) must be >= 0"):
+        load_config(overrides=["rollout.max_staleness=-1"])
+    with pytest.raises(ConfigError, match="mode 'later' is not one of"):
+        load_config(overrides=["rollout.mode=later"])
+    with pytest.raises(ConfigError, match="partial_rollout 'drop' is not one of"):
+        load_config(overrides=["rollout.partial_rollout=drop"])
+    config = load_config(
+        overrides=[
+            "rollout.mode=async",
+            "rollout.max_buffered_groups=3",
+            "batch.prompts_per_step=8",
+        ]
+    )
+    problems = "\n".join(run_problems(config, 2))
+    assert "rollout.mode=async needs rollout.engine=sglang" in problems
+    assert "max_buffered_groups (3) < batch.prompts_per_step (8)" in problems
