@@ -75,29 +75,33 @@ class LengthKind(StrEnum):
     LOGNORMAL = "lognormal"
     PARETO = "pareto"
     EMPIRICAL = "empirical"
+    SEQUENCE = "sequence"
 
 
 @dataclass(frozen=True)
 class LengthDist:
-    """Generated tokens per trajectory: fixed, lognormal, Pareto or drawn from measured values;
-    draws are rounded and clipped to [1, ``max_tokens``]."""
+    """Generated tokens per trajectory: fixed, lognormal, Pareto, drawn from measured values, or
+    a measured run replayed in order; draws are rounded and clipped to [1, ``max_tokens``]."""
 
     kind: LengthKind
-    """fixed | lognormal | pareto | empirical."""
+    """fixed | lognormal | pareto | empirical | sequence."""
     scale: float = 0.0
     """fixed: the length; lognormal: the median; pareto: the minimum (x_m)."""
     shape: float = 0.0
     """lognormal: sigma of log-length; pareto: alpha (tail index; smaller = longer tail)."""
     values: tuple[int, ...] = ()
-    """empirical: the measured lengths, drawn uniformly with replacement."""
+    """empirical: the measured lengths, drawn uniformly with replacement; sequence: the lengths
+    of a measured run in creation order (trajectory i gets ``values[i % len(values)]``)."""
     max_tokens: int | None = None
     """Clip (a context limit); None: unclipped."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LengthKind(self.kind))
-        if self.kind is LengthKind.EMPIRICAL:
+        if self.kind in (LengthKind.EMPIRICAL, LengthKind.SEQUENCE):
             if not self.values or min(self.values) < 1:
-                raise ValueError(f"empirical lengths need values >= 1, got {list(self.values)[:8]}")
+                raise ValueError(
+                    f"{self.kind} lengths need values >= 1, got {list(self.values)[:8]}"
+                )
         elif not self.scale >= 1:
             raise ValueError(f"{self.kind} lengths need scale >= 1 token, got {self.scale}")
         if self.kind in (LengthKind.LOGNORMAL, LengthKind.PARETO) and not self.shape > 0:
@@ -121,28 +125,37 @@ class LengthDist:
     def empirical(cls, values: list[int] | tuple[int, ...]) -> LengthDist:
         return cls(LengthKind.EMPIRICAL, values=tuple(int(v) for v in values))
 
-    def sample(self, rng: random.Random) -> int:
+    @classmethod
+    def sequence(cls, values: list[int] | tuple[int, ...]) -> LengthDist:
+        return cls(LengthKind.SEQUENCE, values=tuple(int(v) for v in values))
+
+    def sample(self, rng: random.Random, index: int) -> int:
+        """The length of trajectory ``index`` (the index matters only for ``sequence``)."""
         if self.kind is LengthKind.FIXED:
             x = self.scale
         elif self.kind is LengthKind.LOGNORMAL:
             x = self.scale * math.exp(rng.gauss(0.0, self.shape))
         elif self.kind is LengthKind.PARETO:
             x = self.scale * rng.paretovariate(self.shape)
-        else:
+        elif self.kind is LengthKind.EMPIRICAL:
             x = rng.choice(self.values)
+        else:
+            x = self.values[index % len(self.values)]
         x = max(1, round(x))
         return x if self.max_tokens is None else min(x, self.max_tokens)
 
     def describe(self, num_samples: int = 20000, seed: int = 0) -> dict[str, Any]:
         """The distribution's parameters and the quantiles of ``num_samples`` seeded draws."""
         rng = random.Random(seed)
-        draws = sorted(self.sample(rng) for _ in range(num_samples))
+        if self.kind is LengthKind.SEQUENCE:
+            num_samples = len(self.values)
+        draws = sorted(self.sample(rng, i) for i in range(num_samples))
 
         def q(p: float) -> int:
             return draws[min(len(draws) - 1, int(p * len(draws)))]
 
         params = {"kind": str(self.kind), "max_tokens": self.max_tokens}
-        if self.kind is LengthKind.EMPIRICAL:
+        if self.kind in (LengthKind.EMPIRICAL, LengthKind.SEQUENCE):
             params["num_values"] = len(self.values)
         else:
             params |= {"scale": self.scale, "shape": self.shape}
@@ -241,8 +254,9 @@ class SimConfig:
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SimConfig:
         """From JSON (e.g. filled from a measured run): ``SimConfig``'s field names; ``lengths``
-        is a list of measured lengths (drawn from) or ``{"kind", "scale", "shape",
-        "max_tokens"}``. An unknown field is an error that names it."""
+        is a list of measured lengths (drawn from), ``{"kind": "sequence", "values": [...]}``
+        (a run replayed in order) or ``{"kind", "scale", "shape", "max_tokens"}``. An unknown
+        field is an error that names it."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
         if unknown:
@@ -252,7 +266,7 @@ class SimConfig:
             lengths = LengthDist.empirical(lengths)
         elif isinstance(lengths, dict):
             try:
-                lengths = LengthDist(**lengths)
+                lengths = LengthDist(**lengths | {"values": tuple(lengths.get("values", ()))})
             except TypeError as err:
                 raise ValueError(f"lengths {lengths}: {err}") from None
         else:
@@ -462,7 +476,7 @@ class _Simulation:
         for _ in range(self.cfg.group_size):
             engine = self._least_loaded()
             self._add_load(engine, 1)
-            tokens = self.cfg.lengths.sample(self.rng)
+            tokens = self.cfg.lengths.sample(self.rng, self.num_trajectories)
             traj = _Trajectory(
                 self.num_trajectories, group, _split_turns(tokens, self.cfg.tokens_per_turn), engine
             )

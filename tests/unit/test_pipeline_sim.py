@@ -159,6 +159,21 @@ def test_length_distributions():
     pareto = LengthDist.pareto(minimum=50, alpha=1.5).describe()
     assert pareto["p50"] >= 50 and pareto["p99"] > 10 * pareto["p50"]
     assert LengthDist.empirical([3, 3, 3]).describe()["max"] == 3
+    assert LengthDist.sequence([5, 1, 9]).describe()["p50"] == 5
+
+
+def test_a_sequence_replays_a_run_in_order():
+    # step 1: trajectories of 100 and 300 tokens; step 2: 200 and 50 (one engine, flat steps)
+    config = _with(
+        ONE_ENGINE,
+        lengths=LengthDist.sequence([100, 300, 200, 50]),
+        group_size=1,
+        train_s_fixed=0.0,
+        train_s_per_token=0.0,
+        push_s=0.0,
+        num_steps=2,
+    )
+    assert simulate(config).step_end_s == pytest.approx([300 * D, 500 * D])
     assert LengthDist.fixed(7).describe()["p99_over_p50"] == 1
 
 
