@@ -15,11 +15,13 @@ with ``rollout.engine=sglang``, once in ``rollout.mode=sync`` and once per stale
 (``time/rollout`` / ``time/step``: waiting for rollouts, the push included), the engines' paced
 decode steps and overruns (``/server_info``), discarded groups.
 
-Simulator check: ``orchestration.pipeline_sim`` with the sync run's figures -- the pace, the
-engines' mean prefill, the run's trajectory lengths (the longtail tasks' turn counts of the
-seeds the run trained x the measured tokens per turn), the fitted trainer time per token
-(experience + train per trained token) and the mean push time -- simulated in sync and
-in async k, and compared with the measured s/step of every run: the error is reported.
+Simulator check: ``orchestration.pipeline_sim`` replays each run -- the pace, the engines'
+measured mean prefill, the trajectories of the task seeds in the order their groups start (a
+trajectory's tokens = its task's turns x the measured tokens per turn), the run's own trainer
+time per token and mean push -- with one input no run measures, the per-turn overhead between two
+model turns (HTTP round trip, agent loop, environment step), fitted so that the simulated sync
+s/step equals the measured one. The async runs are then predictions (their scheduling: what
+overlaps, what waits, what is discarded), and their error is reported.
 
 Costs counted on both sides: each s/step is the trainer's whole step (rollout wait and push,
 dispatch, experience, train, metrics); the async runs pay their producers' threads and the
@@ -122,42 +124,75 @@ def steady(records: list[dict], skip: int) -> dict[str, float]:
     return out
 
 
-def _trainer_s_per_token(records: list[dict], skip: int) -> float:
-    """Trainer time (experience + train) per trained token over the steady steps: the steps'
-    token counts vary too little for a fixed + per-token fit to be determined."""
+def _trainer_s_per_token(records: list[dict], skip: int, asynchronous: bool) -> float:
+    """Trainer time per trained token over the steady steps. Sync: the busy experience + train
+    time (its wall train time also holds the wait for the other ranks' rollouts). Async: the
+    wall ``time/step - time/rollout`` (the trainer shares the cores with the background
+    generation on this machine, which slows it down). The steps' token counts vary too little
+    for a fixed + per-token fit to be determined."""
     rs = records[skip:]
-    seconds = sum(r["time/experience"] + r["time/train"] for r in rs)
+    if asynchronous:
+        seconds = sum(r["time/step"] - r["time/rollout"] for r in rs)
+    else:
+        seconds = sum(r["time_busy/experience"] + r["time_busy/train"] for r in rs)
     return seconds / max(sum(r["train/num_tokens"] for r in rs), 1.0)
 
 
-def sim_config(config, records, pacing, pace_ms, engines, engine_batch, skip) -> dict[str, Any]:
-    """The simulator's inputs from a measured synchronous run (module docstring)."""
+def sim_inputs(config, records, prefill_ms, pace_ms, engines, engine_batch, skip, k=None):
+    """The simulator's inputs from a measured run (``k``: its staleness if async): the pace,
+    the engines' mean prefill, the trajectories of the task seeds in the order their groups
+    start (group g = seed g in both modes; a trajectory's tokens = its task's turns x the
+    measured tokens per turn), the run's own trainer time per token and mean push, and its
+    steps. The per-turn overhead ``env_step_s`` is left to ``fit_turn_overhead``."""
     env = LongTailEnv(**config.env.kwargs)
-    n, steps = config.batch.prompts_per_step, len(records)
-    turns = [len(env.task(g)) for g in range(n * steps)]
-    # generated (trainable) tokens per model turn, as the run measured them
+    n, g = config.batch.prompts_per_step, config.batch.samples_per_prompt
     generated = sum(r["train/num_tokens"] for r in records)
     all_turns = sum(r["rollout/turns_mean"] * r["rollout/trajectories"] for r in records)
     per_turn = generated / max(all_turns, 1.0)
-    lengths = [
-        max(1, round(t * per_turn)) for t in turns for _ in range(config.batch.samples_per_prompt)
-    ]
+    # enough groups for every step the simulator may start (staleness and discards included)
+    groups = n * (len(records) + 4 * ((k or 0) + 2))
+    values = [max(1, round(len(env.task(s)) * per_turn)) for s in range(groups) for _ in range(g)]
     push = [r.get("sync/weight_push_s", 0.0) for r in records[skip:]]
     return {
         "num_engines": engines,
         "slots_per_engine": engine_batch,
         "decode_s_per_token": pace_ms / 1000.0,
-        "prefill_s": pacing["mean_prefill_ms"] / 1000.0,
-        "lengths": lengths,
+        "prefill_s": prefill_ms / 1000.0,
+        "lengths": {"kind": "sequence", "values": values},
         "tokens_per_turn": max(1, round(per_turn)),
-        "group_size": config.batch.samples_per_prompt,
+        "group_size": g,
         "prompts_per_step": n,
         "train_s_fixed": 0.0,
-        "train_s_per_token": _trainer_s_per_token(records, skip),
+        "train_s_per_token": _trainer_s_per_token(records, skip, k is not None),
         "push_s": sum(push) / max(len(push), 1),
-        "num_steps": steps,
+        "num_steps": len(records),
+        "mode": "sync" if k is None else "async",
+        "max_staleness": k or 0,
         "seed": config.seed,
     }
+
+
+def sim_s_per_step(inputs: dict[str, Any], env_step_s: float, skip: int) -> float:
+    """The simulated s/step over the steps after the first ``skip`` (as measured)."""
+    ends = simulate(SimConfig.from_dict({**inputs, "env_step_s": env_step_s})).step_end_s
+    first = ends[skip - 1] if skip else 0.0
+    return (ends[-1] - first) / (len(ends) - skip)
+
+
+def fit_turn_overhead(inputs: dict[str, Any], measured_s: float, skip: int) -> float:
+    """The per-turn overhead (HTTP round trip, agent loop, environment step: the one input the
+    run does not measure) that makes the simulated sync s/step equal the measured one
+    (bisection on [0, 1] s; the simulated time grows with it)."""
+    lo, hi = 0.0, 1.0
+    if sim_s_per_step(inputs, lo, skip) >= measured_s:
+        return lo
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if sim_s_per_step(inputs, mid, skip) < measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,20 +249,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for proc in procs:
             proc.stop(stop_timeout_s=20)
     sync = runs["sync"]
-    inputs = sim_config(
-        config,
-        sync["records"],
-        sync["pacing"],
-        args.pace_ms,
-        args.engines,
-        args.engine_batch,
-        args.skip,
-    )
+    prefill_ms = sync["pacing"]["mean_prefill_ms"]
+    common = (prefill_ms, args.pace_ms, args.engines, args.engine_batch, args.skip)
+    sync_inputs = sim_inputs(config, sync["records"], *common)
+    overhead = fit_turn_overhead(sync_inputs, sync["measured"]["s_per_step"], args.skip)
     rows = []
     for name, r in runs.items():
-        mode = "sync" if name == "sync" else "async"
-        sim = simulate(SimConfig.from_dict({**inputs, "mode": mode, "max_staleness": r["k"]}))
-        sim_s = _sim_s_per_step(sim, args.skip)
+        k = None if name == "sync" else r["k"]
+        inputs = sim_inputs(config, r["records"], *common, k=k)
+        sim_s = sim_s_per_step(inputs, overhead, args.skip)
         measured = r["measured"]["s_per_step"]
         rows.append(
             {
@@ -235,14 +265,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 **r["measured"],
                 "paced_decode_steps": r["pacing"]["decode_steps"],
                 "pace_overruns": r["pacing"]["overruns"],
-                "speedup_vs_sync": runs["sync"]["measured"]["s_per_step"] / measured,
+                "speedup_vs_sync": sync["measured"]["s_per_step"] / measured,
                 "sim_s_per_step": sim_s,
                 "sim_error": (sim_s - measured) / measured,
             }
         )
-    sim_sync = rows[0]["sim_s_per_step"]
     for row in rows:
-        row["sim_speedup_vs_sync"] = sim_sync / row["sim_s_per_step"]
+        row["sim_speedup_vs_sync"] = rows[0]["sim_s_per_step"] / row["sim_s_per_step"]
     env = LongTailEnv(**config.env.kwargs)
     return {
         "label": f"PACED engines: every decode step >= {args.pace_ms:g} ms (measured here)",
@@ -258,16 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "turn_distribution": env.turn_distribution(),
         },
         "rows": rows,
-        "sim_inputs": {k: v for k, v in inputs.items() if k != "lengths"}
-        | {"lengths_count": len(inputs["lengths"])},
+        "sim_inputs": {k: v for k, v in sync_inputs.items() if k != "lengths"}
+        | {"fitted_turn_overhead_s": overhead, "mean_prefill_ms": prefill_ms},
     }
-
-
-def _sim_s_per_step(result, skip: int) -> float:
-    """The simulated s/step over the steps after the first ``skip`` (as measured)."""
-    ends = result.step_end_s
-    first = ends[skip - 1] if skip else 0.0
-    return (ends[-1] - first) / (len(ends) - skip)
 
 
 def main(argv: list[str] | None = None) -> int:

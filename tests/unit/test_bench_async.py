@@ -36,16 +36,36 @@ def test_steady_figures_skip_the_warm_up():
 
 def test_sim_inputs_from_a_measured_sync_run():
     config = load_config(bench.CONFIG, ["steps=2"])
-    records = [_record(2.0, 1.0, 384, turns_mean=2.0), _record(3.0, 1.0, 384, turns_mean=2.0)]
-    pacing = {"mean_prefill_ms": 12.0}
-    inputs = bench.sim_config(config, records, pacing, 30.0, 2, 64, skip=0)
-    per_turn = 768 / (2.0 * 64 * 2)  # generated tokens / model turns
+    records = [_record(2.0, 1.0, 384 * 7 // 2), _record(3.0, 1.0, 384 * 7 // 2)]
+    for r in records:
+        r["time_busy/experience"], r["time_busy/train"] = 0.1, 0.5
+    inputs = bench.sim_inputs(config, records, 12.0, 40.0, 2, 64, skip=0)
+    per_turn = 384 * 7 / (2.0 * 64 * 2)  # generated tokens / model turns = 10.5
     env = LongTailEnv(**config.env.kwargs)
-    turns = [len(env.task(g)) for g in range(8 * 2)]
-    assert inputs["lengths"] == [max(1, round(t * per_turn)) for t in turns for _ in range(8)]
-    assert inputs["decode_s_per_token"] == 0.03 and inputs["prefill_s"] == 0.012
-    assert inputs["train_s_per_token"] == pytest.approx((0.9 + 1.9 + 0.2) / 768)
-    assert inputs["push_s"] == pytest.approx(0.2) and inputs["num_engines"] == 2
+    values = inputs["lengths"]["values"]
+    assert inputs["lengths"]["kind"] == "sequence" and len(values) % 8 == 0
+    assert values[:16] == [
+        max(1, round(len(env.task(s)) * per_turn)) for s in (0, 1) for _ in range(8)
+    ]
+    assert inputs["decode_s_per_token"] == 0.04 and inputs["prefill_s"] == 0.012
+    assert inputs["train_s_per_token"] == pytest.approx(1.2 / (384 * 7))  # busy time / tokens
+    assert inputs["push_s"] == pytest.approx(0.2) and inputs["mode"] == "sync"
+    asyn = bench.sim_inputs(config, records, 12.0, 40.0, 2, 64, skip=0, k=1)
+    assert asyn["mode"] == "async" and asyn["max_staleness"] == 1
+    assert asyn["train_s_per_token"] == pytest.approx(3.0 / (384 * 7))  # wall step - rollout
+
+
+def test_turn_overhead_fit_reproduces_the_measured_sync_step():
+    config = load_config(bench.CONFIG, ["steps=4"])
+    records = [_record(2.0, 1.0, 300) for _ in range(4)]
+    for r in records:
+        r["time_busy/experience"], r["time_busy/train"] = 0.1, 0.5
+    inputs = bench.sim_inputs(config, records, 10.0, 40.0, 2, 64, skip=1)
+    base = bench.sim_s_per_step(inputs, 0.0, 1)
+    overhead = bench.fit_turn_overhead(inputs, base + 0.5, 1)
+    assert overhead > 0
+    assert bench.sim_s_per_step(inputs, overhead, 1) == pytest.approx(base + 0.5, rel=1e-3)
+    assert bench.fit_turn_overhead(inputs, base * 0.5, 1) == 0.0  # faster than any overhead
 
 
 def test_pacing_counters_between_two_reads():
