@@ -220,6 +220,51 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions served by the reward service (``python -m megatron_earl.rewards.service``,
+    e.g. on CPU nodes: ``REWARD_NODES`` in scripts/slurm_disaggregated.sbatch), added to the
+    environment's outcome reward of every trajectory (total = outcome + sum of weight x fn)."""
+
+    service_url: str | None = None
+    """The service's base URL (http://host:port); None: no remote reward."""
+    fns: tuple[str, ...] = ()
+    """Names of the service's functions to call (checked against its /health at start-up)."""
+    weights: tuple[float, ...] = ()
+    """One weight per function; empty: 1.0 each."""
+    timeout_s: float = 10.0
+    """Per-request timeout."""
+    retries: int = 3
+    """Retries (exponential backoff) on connection errors, timeouts and 5xx answers; a
+    trajectory whose reward still fails is FAILED (counted, not trained on)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.service_url is not None and not self.service_url.startswith(
+            ("http://", "https://")
+        ):
+            problems.append(f"service_url {self.service_url!r} must start with http:// or https://")
+        if bool(self.service_url) != bool(self.fns):
+            problems.append(
+                f"service_url ({self.service_url!r}) and fns ({list(self.fns)}) go together: "
+                "give both (the functions to call on the service) or neither"
+            )
+        if self.weights and len(self.weights) != len(self.fns):
+            problems.append(
+                f"weights {list(self.weights)} must have one entry per fn {list(self.fns)} "
+                "(or be empty: 1.0 each)"
+            )
+        if not self.timeout_s > 0:
+            problems.append(f"timeout_s ({self.timeout_s}) must be > 0")
+        if self.retries < 0:
+            problems.append(f"retries ({self.retries}) must be >= 0")
+        _require(problems, "reward")
+
+    def weighted(self) -> list[tuple[str, float]]:
+        """(fn, weight) pairs."""
+        return list(zip(self.fns, self.weights or [1.0] * len(self.fns), strict=True))
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """Which environment the agent loop runs (``megatron_earl.envs.ENVS``; the name is checked
     against the registry at start-up, ``orchestration.validate``)."""
@@ -456,6 +501,8 @@ class RunConfig:
     """Rollout engine, limits and sampling."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Environment."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Remote reward functions (the reward service), added to the environment's reward."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimizer, policy loss and advantages."""
     eval: EvalConfig = field(default_factory=EvalConfig)

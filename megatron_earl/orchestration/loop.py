@@ -33,6 +33,7 @@ Which ranks call: every rank of the world (``run`` under torchrun / srun).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.oom_agreement import agreement_point
 from megatron_earl.parallel.state import use_layout
+from megatron_earl.rewards.service import check_reward_service, remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.pool import EnginePool
@@ -107,6 +109,7 @@ class RLLoop:
         layouts = kind.policy_layouts(self.layouts)
         if not self.old_logprobs:  # the experience phase never runs the policy
             layouts.pop(Phase.EXPERIENCE)
+        asyncio.run(check_reward_service(config.reward))  # before anything is built
         self.policy = Policy.build(config.model, layouts, config.train.optim(), config.seed)
         self.backend = kind(config, self.policy, tokenizer)
         self.sync_stats: dict[str, float] = {}
@@ -490,7 +493,7 @@ class RLLoop:
         return AsyncProducer(
             plan,
             cfg.env.spec(),
-            lambda engine: AgentLoop(engine, self.tokenizer, agent),
+            lambda engine: AgentLoop(engine, self.tokenizer, agent, remote_rewards(cfg.reward)),
             lambda: EnginePool(backend.generation_clients()),
             close,
             group_size=cfg.batch.samples_per_prompt,

@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from megatron_earl.envs.tool_env import last_number
-from megatron_earl.rewards.base import RewardInput
+from megatron_earl.rewards.base import RewardInput, WeightedReward
 from megatron_earl.tools.registry import Registry
 
 REWARD_FNS: Registry[Callable[[dict[str, Any]], float]] = Registry("reward function")
@@ -133,6 +133,46 @@ class RemoteReward:
                     last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise RewardServiceError(
             f"reward {self.fn!r} at {self.url} failed after {attempt + 1} attempt(s): {last}"
+        )
+
+
+def remote_rewards(config) -> list[WeightedReward]:
+    """The run's remote reward functions (``RunConfig.reward``: a ``RewardConfig``), weighted,
+    for the agent loop; empty without a service."""
+    if not config.service_url:
+        return []
+    return [
+        WeightedReward(
+            RemoteReward(
+                config.service_url, fn, timeout_s=config.timeout_s, retries=config.retries
+            ),
+            weight,
+        )
+        for fn, weight in config.weighted()
+    ]
+
+
+async def check_reward_service(config) -> None:
+    """Raise ``RewardServiceError`` unless the service answers ``/health`` and serves every
+    function of ``config.fns`` (start-up: before any rollout). No-op without a service."""
+    if not config.service_url:
+        return
+    url = f"{config.service_url.rstrip('/')}/health"
+    try:
+        timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(url) as resp:
+                body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise RewardServiceError(
+            f"reward service not reachable at start-up (GET {url}): {type(e).__name__}: {e}; "
+            "check reward.service_url and that the service is up"
+        ) from None
+    missing = sorted(set(config.fns) - set(body.get("fns", [])))
+    if missing:
+        raise RewardServiceError(
+            f"reward.fns {missing} are not served by {config.service_url} (it serves "
+            f"{body.get('fns')}); start it with --fn NAME=FN for each"
         )
 
 

@@ -120,3 +120,36 @@ def test_remote_reward_in_the_agent_loop(service):
     batch = asyncio.run(loop.run_batch([RolloutTask("arithmetic", 3)]))
     (t,) = batch.trajectories
     assert t.rewards == {"outcome": 1.0, "remote_exact": 1.0} and t.reward == 1.5
+
+
+def test_run_config_wires_the_service_and_checks_it_at_start_up(service):
+    """``reward.service_url`` / ``reward.fns`` / ``reward.weights`` give the agent loop its remote
+    rewards (the trainer passes them to every rollout path); the start-up check names a function
+    the service does not serve, and an unreachable service, before anything runs."""
+    from megatron_earl.config import load_config
+    from megatron_earl.rewards.service import (
+        RewardServiceError,
+        check_reward_service,
+        remote_rewards,
+    )
+
+    config = load_config(
+        overrides=[
+            f"reward.service_url={service.url}",
+            "reward.fns=[exact]",
+            "reward.weights=[0.5]",
+        ]
+    ).reward
+    asyncio.run(check_reward_service(config))
+    rewards = remote_rewards(config)
+    turns = demo_assistant_turns(ArithmeticEnv(), 3)
+    loop = AgentLoop(turns_engine(turns), TOK, reward_fns=rewards)
+    (t,) = asyncio.run(loop.run_batch([RolloutTask("arithmetic", 3)])).trajectories
+    assert t.rewards == {"outcome": 1.0, "exact": 1.0} and t.reward == 1.5
+    assert remote_rewards(load_config().reward) == []
+    missing = load_config(overrides=[f"reward.service_url={service.url}", "reward.fns=[judge]"])
+    with pytest.raises(RewardServiceError, match=r"reward.fns \['judge'\] are not served"):
+        asyncio.run(check_reward_service(missing.reward))
+    dead = load_config(overrides=["reward.service_url=http://127.0.0.1:9", "reward.fns=[exact]"])
+    with pytest.raises(RewardServiceError, match="reward service not reachable at start-up"):
+        asyncio.run(check_reward_service(dead.reward))

@@ -281,11 +281,52 @@ def test_disaggregated_servers_then_trainer(fake_slurm):
         assert run["env"]["SGLANG_API_KEY"] == key
 
 
+def test_disaggregated_reward_service_on_its_own_node(fake_slurm):
+    """REWARD_NODES=1: node01 serves SGLang, node02 runs the reward service (before the trainer
+    starts, health-checked), node03-04 train with reward.service_url and reward.fns set."""
+    proc, calls = fake_slurm(
+        "sbatch",
+        "--nodes=4",
+        "scripts/slurm_disaggregated.sbatch",
+        "configs/demo_cpu_switching.yaml",
+        "layouts.rollout=dp4",
+        "layouts.experience=tp2dp2",
+        "layouts.train=tp2dp2",
+        "rollout.mode=async",
+        SGLANG_MODEL_PATH="/models/qwen",
+        GPUS_PER_NODE="2",
+        SGLANG_TP="2",
+        SGLANG_ROUTER="0",
+        REWARD_NODES="1",
+        REWARD_FNS="exact=exact_match,judge=my_pkg.rewards:judge",
+    )
+    assert proc.returncode == 0, proc.stderr
+    (service,) = [c for c in _calls(calls, "srun") if "megatron_earl.rewards.service" in c["argv"]]
+    argv = service["argv"]
+    assert "--nodelist=node02" in argv
+    cmd = argv[argv.index(sys.executable) :]
+    assert cmd[cmd.index("--port") + 1] == "30200"
+    assert cmd[cmd.index("--port") + 2 :] == [
+        "--fn", "exact=exact_match", "--fn", "judge=my_pkg.rewards:judge"
+    ]  # fmt: skip
+    assert [c["argv"][-1] for c in _calls(calls, "curl")][-1] == "http://node02:30200/health"
+    (trainer,) = [c for c in _calls(calls, "srun") if "bash" in c["argv"]]
+    assert "--nodelist=node03,node04" in trainer["argv"]
+    for run in _calls(calls, "torchrun"):
+        assert run["argv"][-2:] == [
+            "reward.service_url=http://node02:30200",
+            "reward.fns=[exact,judge]",
+        ]
+        assert "rollout.mode=async" in run["argv"]
+
+
 @pytest.mark.parametrize(
     "env,fragment",
     [
         ({}, "set SGLANG_MODEL_PATH"),
         ({"SGLANG_MODEL_PATH": "/m", "SGLANG_NODES": "2"}, "no node left for the trainer"),
+        ({"SGLANG_MODEL_PATH": "/m", "REWARD_NODES": "1"}, "REWARD_NODES=1 needs REWARD_FNS"),
+        ({"SGLANG_MODEL_PATH": "/m", "REWARD_NODES": "x"}, "REWARD_NODES='x' is not a number"),
         ({"SGLANG_MODEL_PATH": "/m", "SGLANG_SERVERS_PER_NODE": "3"}, "3 servers x tp 4 > 8 GPUs"),
     ],
 )

@@ -20,7 +20,7 @@ Which ranks call: every rank of the world.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from megatron.core import parallel_state
@@ -36,6 +36,8 @@ from megatron_earl.orchestration.rollout import PromptSet
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.state import use_layout
+from megatron_earl.rewards.base import WeightedReward
+from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig, RolloutBatch
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
@@ -98,7 +100,8 @@ class EmbeddedBackend(RolloutBackend):
     def generate(self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout):
         engine = self._engine(layout)
         engine.model.eval()
-        result = run_rollout(engine, self.tokenizer, prompts, agent)
+        rewards = remote_rewards(self.config.reward)
+        result = run_rollout(engine, self.tokenizer, prompts, agent, rewards)
         for chunk in self.policy.ddp_chunks:  # the engine may run on the master chunks
             chunk.train()
         source = parallel_state.get_data_parallel_rank() if result.is_source else None
@@ -131,6 +134,7 @@ def run_rollout(
     tokenizer: ChatTokenizer,
     prompts: PromptSet,
     config: AgentLoopConfig,
+    reward_fns: Sequence[WeightedReward] = (),
 ) -> RolloutResult:
     """Roll out this replica's prompts (``config.group_size`` samples each) on ``engine``. Every
     rank of the world calls, with the rollout layout active."""
@@ -139,7 +143,7 @@ def run_rollout(
     tasks = prompts.tasks_for(replica, num_replicas)
 
     async def driver(eng: EmbeddedEngine) -> RolloutBatch:
-        return await AgentLoop(eng, tokenizer, config).run_batch(tasks)
+        return await AgentLoop(eng, tokenizer, config, reward_fns).run_batch(tasks)
 
     batch = run_engine(engine, driver)
     if batch is None:

@@ -51,6 +51,7 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.redistribute.geometry import ShardPiece
 from megatron_earl.redistribute.weight_exec import reshard_weights
+from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import EngineError
@@ -277,7 +278,8 @@ class SGLangBackend(RolloutBackend):
             clients = self.generation_clients()
             pool = EnginePool(clients)
             try:
-                batch = await AgentLoop(pool, self.tokenizer, agent).run_batch(tasks)
+                rewards = remote_rewards(self.config.reward)
+                batch = await AgentLoop(pool, self.tokenizer, agent, rewards).run_batch(tasks)
             finally:
                 await pool.close()
                 self.stats = {
