@@ -1,8 +1,8 @@
 """The metrics contract of ``megatron_earl/docs/metrics.md``: the table under "Keys the RL loop
 writes" lists every key with the condition under which the loop emits it (``always``, ``eval``,
 ``selector``, ``sglang``, ``colocated``, ``reshard``, ``async``).
-``check_documented(records, conditions)`` asserts, for one run's metrics records, that every emitted key matches a documented key and
-every documented key of the run's conditions is emitted. The trainer's integration tests call it
+``check_documented(records, conditions)`` asserts, for one run's metrics records, that every
+emitted key matches a documented key and every documented key of the run's conditions is emitted. The trainer's integration tests call it
 on the runs they make anyway.
 """
 
