@@ -2,8 +2,8 @@
 writes" lists every key with the condition under which the loop emits it (``always``, ``eval``,
 ``selector``, ``sglang``, ``colocated``, ``reshard``, ``async``).
 ``check_documented(records, conditions)`` asserts, for one run's metrics records, that every
-emitted key matches a documented key and every documented key of the run's conditions is emitted. The trainer's integration tests call it
-on the runs they make anyway.
+emitted key matches a documented key and every documented key of the run's conditions is
+emitted. The trainer's integration tests call it on the runs they make anyway.
 """
 
 from __future__ import annotations
