@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ),
             log_path=str(out / f"engine{i}.log"),
             env={"OMP_NUM_THREADS": "1"},
+            rebind_on_conflict=True,
         )
         for i in range(args.engines)
     ]

@@ -12,8 +12,10 @@ same protocol and flags: the tests start ``megatron_earl.rollout.server`` this w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -123,17 +125,35 @@ class ServerProcess:
         *,
         env: dict[str, str] | None = None,
         log_path: str | None = None,
+        rebind_on_conflict: bool = False,
     ) -> None:
+        """``rebind_on_conflict``: the port was picked free by the caller (nothing else expects
+        it), so a server that exits because another socket took it in the meantime
+        ("address already in use" in ``log_path``) is started again on a new free port by
+        ``wait_healthy`` (``url`` follows), at most 3 times."""
+        if rebind_on_conflict and not log_path:
+            raise ValueError("rebind_on_conflict needs log_path (the bind error is read there)")
         self.config = config
-        self.url = f"http://{config.host}:{config.port}"
+        self._env = {**os.environ, **(env or {})}
+        self._log_path = log_path
+        self._rebinds = 3 if rebind_on_conflict else 0
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self._start()
+
+    def _start(self) -> None:
+        self.url = f"http://{self.config.host}:{self.config.port}"
         self.process = subprocess.Popen(
-            build_command(config),
-            env={**os.environ, **(env or {})},
+            build_command(self.config),
+            env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def _lost_its_port(self) -> bool:
+        self._log.flush()
+        with open(self._log_path, "rb") as f:
+            return b"address already in use" in f.read()[-4096:]
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -146,6 +166,14 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self._rebinds and self._lost_its_port():
+                    self._rebinds -= 1
+                    with socket.socket() as sock:
+                        sock.bind((self.config.host, 0))
+                        port = sock.getsockname()[1]
+                    self.config = dataclasses.replace(self.config, port=port)
+                    self._start()
+                    continue
                 raise RuntimeError(
                     f"server {self.url} exited with code {self.process.returncode} before it was "
                     f"healthy; command: {' '.join(build_command(self.config))}"

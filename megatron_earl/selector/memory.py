@@ -147,6 +147,11 @@ def _packing(lengths: tuple[int, ...], token_budget: int, dp: int, cp: int) -> t
     return len(bins), max(max(loads), max(lengths))
 
 
+ROTARY_LRU_ENTRIES = 32
+"""``functools.lru_cache(maxsize=32)`` on Megatron-Core 0.16's ``RotaryEmbedding.forward`` and
+``YarnRotaryEmbedding.forward``: one fp32 table per distinct (length, offset, packed) call."""
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     """Numerics and constants of the memory model (``gpu()`` / ``cpu()`` give the defaults)."""
@@ -178,6 +183,10 @@ class MemorySettings:
     train_state_resident: bool = False
     """Gradients and optimizer state stay on the device during rollout and experience (no
     offload); False assumes they are offloaded while those phases run."""
+    rotary_cache_entries: int = ROTARY_LRU_ENTRIES
+    """Tables of Megatron's rotary LRU cache counted (an upper bound: it fills with the distinct
+    packed lengths of a run); 0 where a calibration's fitted fixed bytes already hold them
+    (``cpu()``)."""
 
     def __post_init__(self) -> None:
         if self.recompute not in (None, "selective", "full"):
@@ -205,6 +214,8 @@ class MemorySettings:
                 "train_state_resident": True,
                 "cp_mask_bytes": 4.0,
                 "logprob_chunk_size": 512,
+                # the calibration's fixed bytes hold the (few, small) tables a CPU run creates
+                "rotary_cache_entries": 0,
                 # fitted by calibrate.fit on dp2/tp2/cp2/pp2 x 512..4096 tokens (docs/selector.md)
                 "activation_scale": {
                     Phase.ROLLOUT: 1.0,
@@ -240,11 +251,6 @@ class MemorySettings:
         if fitted is not None:
             return float(fitted[0]), float(fitted[1])
         return self.activation_scale[phase], self.fixed_bytes[phase]
-
-
-ROTARY_LRU_ENTRIES = 32
-"""``functools.lru_cache(maxsize=32)`` on Megatron-Core 0.16's ``RotaryEmbedding.forward`` and
-``YarnRotaryEmbedding.forward``: one fp32 table per distinct (length, offset, packed) call."""
 
 
 @dataclass(frozen=True)
@@ -439,13 +445,13 @@ class MemoryModel:
 
     def rotary_tables(self, phase: str, work: PhaseWorkload) -> float:
         """RoPE table bytes per rank (not split by any axis): in train/experience, Megatron's
-        ``RotaryEmbedding.forward`` LRU cache (``ROTARY_LRU_ENTRIES`` entries of ``[s, head
-        dim]`` fp32 at most, s up to the longest sequence; with ``rope_type: yarn`` also its
+        ``RotaryEmbedding.forward`` LRU cache (``settings.rotary_cache_entries`` entries of ``[s,
+        head dim]`` fp32 at most, s up to the longest sequence; with ``rope_type: yarn`` also its
         cos/sin cache); in rollout the engine's cos and sin ``[s, head dim]``."""
         m, s = self.model, work.max_seq_len
         if phase == Phase.ROLLOUT:
             return 2 * s * m.head_dim * self.param_bytes
-        tables = ROTARY_LRU_ENTRIES * s * m.head_dim * 4
+        tables = self.settings.rotary_cache_entries * s * m.head_dim * 4
         if m.rope_type == "yarn":
             tables += 2 * s * m.head_dim * self.param_bytes
         return tables

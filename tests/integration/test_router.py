@@ -55,6 +55,7 @@ def engines(tmp_path):
             ),
             log_path=str(tmp_path / f"engine{i}.log"),
             env={"OMP_NUM_THREADS": "1"},
+            rebind_on_conflict=True,
         )
         for i in range(2)
     ]

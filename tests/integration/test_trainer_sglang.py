@@ -79,6 +79,7 @@ def servers(tmp_path_factory, shared_dir):
             ),
             log_path=str(tmp / f"server{i}.log"),
             env={"OMP_NUM_THREADS": "1"},
+            rebind_on_conflict=True,
         )
         for i in range(2)
     ]
@@ -220,8 +221,8 @@ def test_unreachable_engine_stops_the_run_at_start_naming_it(servers, tmp_path):
     assert not (tmp_path / "dead" / "metrics.jsonl").exists()
 
 
-def _train(servers, tmp_path, name: str, *overrides: str) -> list[dict]:
-    """A 3-step run on both servers (tensor pushes); returns its metrics records."""
+def _train(servers, tmp_path, name: str, *overrides: str, steps: int = 3) -> list[dict]:
+    """A run of ``steps`` steps on both servers (tensor pushes); returns its metrics records."""
     urls = ",".join(p.url for p in servers)
     result = subprocess.run(
         [
@@ -234,7 +235,7 @@ def _train(servers, tmp_path, name: str, *overrides: str) -> list[dict]:
             "--config",
             str(ROOT / "configs" / "demo_cpu_switching.yaml"),
             *RUN,
-            "steps=3",
+            f"steps={steps}",
             f"output_dir={tmp_path}",
             f"name={name}",
             "rollout.engine=sglang",
@@ -271,9 +272,12 @@ def _check_accounting(records: list[dict], groups_per_step: int, max_staleness: 
 def test_async_with_staleness_0_is_the_synchronous_loop(servers, tmp_path):
     """rollout.mode=async with max_staleness 0: every group starts once its step's weights are on
     the engines and the step trains on all of them -- the synchronous run's trajectories and
-    losses (sampling seeds per request; the tolerance covers only float reduction order)."""
-    sync = _train(servers, tmp_path, "sync")
-    asyn = _train(servers, tmp_path, "async", "rollout.mode=async", "rollout.max_staleness=0")
+    losses over 2 steps (the second on pushed weights; sampling seeds per request; the tolerance
+    covers only float reduction order)."""
+    sync = _train(servers, tmp_path, "sync", steps=2)
+    asyn = _train(
+        servers, tmp_path, "async", "rollout.mode=async", "rollout.max_staleness=0", steps=2
+    )
     for s, a in zip(sync, asyn, strict=True):
         for key in ("rollout/tokens", "train/num_tokens", "reward/mean", "success_rate"):
             assert a[key] == s[key], (key, a[key], s[key])

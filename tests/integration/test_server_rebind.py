@@ -1,0 +1,43 @@
+"""``ServerProcess(rebind_on_conflict=True)``: a port picked free that another socket takes before
+the server binds it (the race every ``free_port()`` caller has) gives a server on a new free port,
+not a failed fixture."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+
+MODEL = ModelConfig(
+    num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128
+)
+
+
+def _launch(tmp_path, port: int, name: str, rebind: bool) -> ServerProcess:
+    (tmp_path / "model.json").write_text(json.dumps(MODEL.to_dict()))
+    config = LaunchConfig(
+        model_path="random",
+        port=port,
+        module="megatron_earl.rollout.server",
+        extra_args=("--model-config", str(tmp_path / "model.json"), "--max-seq-len", "64"),
+    )
+    return ServerProcess(
+        config, log_path=str(tmp_path / f"{name}.log"), rebind_on_conflict=rebind,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def test_a_taken_port_is_replaced_by_a_free_one(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with _launch(tmp_path, port, "rebind", rebind=True) as server:
+            server.wait_healthy(timeout_s=120)
+            assert server.config.port != port and server.url.endswith(f":{server.config.port}")
+    with pytest.raises(ValueError, match="rebind_on_conflict needs log_path"):
+        ServerProcess(LaunchConfig(model_path="random"), rebind_on_conflict=True)
