@@ -164,6 +164,12 @@ class RolloutConfig:
     """Sampling of each model turn; ``sampling.max_new_tokens`` is the per-turn token limit."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """engine=sglang: how the trainer pushes weights to the engines (``config.sglang``)."""
+    env_timeout_s: float = 60.0
+    """Limit on one environment ``reset`` / ``step`` / ``close`` call; past it the trajectory is
+    FAILED (env_timeout), even if the environment ignores the cancellation."""
+    reward_timeout_s: float = 60.0
+    """Limit on one reward function call (local or remote); past it the trajectory is FAILED
+    (reward_error)."""
     mode: str = "sync"
     """"sync": the EARL loop (every step waits for its rollouts, then trains); "async":
     trajectory-level asynchrony (engine=sglang): every rank keeps generating in the background,
@@ -186,6 +192,10 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
+        for name in ("env_timeout_s", "reward_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                problems.append(f"{name} ({value!r}) must be a finite number of seconds > 0")
         if self.mode not in ROLLOUT_MODES:
             problems.append(f"mode {self.mode!r} is not one of {ROLLOUT_MODES}")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):

@@ -215,6 +215,8 @@ class RLLoop:
             min_p=r.sampling.min_p,
             sampling_seed=seed,
             max_concurrency_per_engine=r.max_concurrency,
+            env_timeout_s=r.env_timeout_s,
+            reward_timeout_s=r.reward_timeout_s,
         )
 
     def rollout(

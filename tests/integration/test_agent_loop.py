@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -433,3 +434,68 @@ def test_token_observations_are_appended_verbatim():
     assert t.loss_mask == [1] * len(first) + [0] * len(obs) + [1] * len(second)
     assert t.reward == 0.5 and t.end_reason is EndReason.DONE
     check_alignment(t)
+
+
+class ExitingEnv(ArithmeticEnv):
+    async def step(self, action: Action) -> StepResult:
+        raise SystemExit(3)
+
+
+class InterruptedResetEnv(ArithmeticEnv):
+    async def reset(self, seed: int):
+        raise KeyboardInterrupt
+
+
+class DeafEnv(ArithmeticEnv):
+    """A step that swallows every cancellation (``asyncio.wait_for`` would wait for it forever)."""
+
+    async def step(self, action: Action) -> StepResult:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue
+
+
+def test_base_exceptions_and_deaf_envs_fail_only_their_trajectory():
+    """SystemExit from a step and KeyboardInterrupt from a reset fail their trajectory (the
+    process goes on); a step that ignores cancellation is abandoned at env_timeout_s; a reward
+    function that hangs past reward_timeout_s or raises SystemExit fails its trajectory; the
+    healthy trajectory of the same batch finishes, and the batch returns in bounded time."""
+
+    class HangingReward:
+        name = "hang"
+
+        async def __call__(self, inp) -> float:
+            await asyncio.sleep(3600)
+            return 0.0
+
+    class ExitingReward:
+        name = "exit"
+
+        async def __call__(self, inp) -> float:
+            raise SystemExit(4)
+
+    turns = demo_assistant_turns(ArithmeticEnv(), 3)
+    config = AgentLoopConfig(env_timeout_s=0.5, reward_timeout_s=0.5, max_turns=4)
+    start = time.monotonic()
+    tasks = [RolloutTask(env, 3) for env in (ExitingEnv, InterruptedResetEnv, DeafEnv)]
+    batch = run(AgentLoop(turns_engine(turns), TOK, config), [*tasks, RolloutTask("arithmetic", 3)])
+    reasons = [(t.status.value, t.end_reason.value) for t in batch.trajectories]
+    assert reasons == [
+        ("failed", "env_error"),
+        ("failed", "env_error"),
+        ("failed", "env_timeout"),
+        ("ok", "done"),
+    ]
+    assert "SystemExit" in batch.trajectories[0].error
+    assert "KeyboardInterrupt" in batch.trajectories[1].error
+    cases = ((HangingReward(), "ran past reward_timeout_s=0.5"), (ExitingReward(), "SystemExit"))
+    for reward, fragment in cases:
+        loop = AgentLoop(turns_engine(turns), TOK, config, [WeightedReward(reward, 1.0)])
+        (t,) = run(loop, [RolloutTask("arithmetic", 3)]).trajectories
+        assert (t.status.value, t.end_reason.value) == ("failed", "reward_error")
+        assert fragment in t.error
+    assert time.monotonic() - start < 30
+    with pytest.raises(ValueError, match="reward_timeout_s must be > 0 and finite"):
+        AgentLoopConfig(reward_timeout_s=float("inf"))

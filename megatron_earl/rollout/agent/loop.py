@@ -16,9 +16,11 @@ Asynchrony: each trajectory is its own task; a per-engine semaphore bounds the g
 in flight (``max_concurrency_per_engine``) and is held only while generating, so a slow
 environment or tool never holds an engine slot nor blocks another trajectory's turn.
 Environments must not block the event loop (use ``asyncio.to_thread`` for blocking work).
-Failures are contained per trajectory: an environment that raises, runs past ``env_timeout_s``
-or returns garbage, an engine error or abort, a failing reward -> that trajectory is FAILED
-with its reason; the batch completes and ``RolloutMetrics.failures`` counts them.
+Failures are contained per trajectory: an environment that raises (``SystemExit`` and
+``KeyboardInterrupt`` included), runs past ``env_timeout_s`` (even one that swallows the
+cancellation: ``bounded``) or returns garbage, an engine error or abort, a reward that fails or
+runs past ``reward_timeout_s`` -> that trajectory is FAILED with its reason; the batch completes
+and ``RolloutMetrics.failures`` counts them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,67 @@ from megatron_earl.rollout.engine import (
 )
 from megatron_earl.tokenizer.base import ChatTokenizer
 
+USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+"""What user code (environments, tools, reward functions) may raise that fails only its
+trajectory: ``SystemExit`` / ``KeyboardInterrupt`` from an env do not end the process.
+Cancellation (``asyncio.CancelledError``) is never swallowed."""
+
+
+async def bounded(coro, timeout_s: float):
+    """Await ``coro`` for at most ``timeout_s``; on timeout cancel it and raise
+    ``asyncio.TimeoutError`` at once, without waiting for it to finish (``asyncio.wait_for``
+    waits for the cancelled call, so user code that swallows the cancellation would hang the
+    caller; such a call is left to finish in the background, its outcome discarded). A
+    cancellation of the caller cancels the call too."""
+    task = asyncio.ensure_future(_converted(coro))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_discard_outcome)
+        asyncio.get_running_loop().call_later(ABANDON_GRACE_S, _close_if_deaf, task)
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+ABANDON_GRACE_S = 1.0
+"""Seconds a timed-out user call has to honour its cancellation before its coroutine is closed."""
+
+
+def _close_if_deaf(task: asyncio.Task) -> None:
+    """Close the coroutine of a timed-out call that swallowed its cancellation: GeneratorExit is
+    thrown in at its await point, so the task ends (with an error) instead of keeping the event
+    loop's shutdown waiting for it forever. A coroutine that swallows GeneratorExit too cannot be
+    stopped from Python; that one is left (and logged by asyncio)."""
+    if task.done():
+        return
+    try:
+        task.get_coro().close()
+    except RuntimeError:  # it ignored GeneratorExit as well
+        return
+    task.cancel()  # wakes the task from its pending await: the closed coroutine ends it
+
+
+class UserCodeExit(RuntimeError):
+    """``SystemExit`` / ``KeyboardInterrupt`` raised by user code, turned into an ordinary error
+    inside its task (an asyncio task re-raises those two into the event loop, which would end
+    the whole rollout)."""
+
+
+async def _converted(coro):
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise UserCodeExit(f"{type(e).__name__}({e})") from e
+
+
+def _discard_outcome(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an abandoned call's error is not logged as unhandled
+
 
 @dataclass(frozen=True)
 class AgentLoopConfig:
@@ -64,7 +127,9 @@ class AgentLoopConfig:
     sampling_seed: int | None = None
     """When set, every request gets a distinct deterministic seed derived from it."""
     env_timeout_s: float = 60.0
-    """Limit on one ``reset`` or ``step`` call."""
+    """Limit on one ``reset``, ``step`` or ``close`` call."""
+    reward_timeout_s: float = 60.0
+    """Limit on one reward function call."""
     max_concurrency_per_engine: int = 64
     """Generate calls in flight per engine."""
     format_reward_weight: float = 0.0
@@ -80,8 +145,10 @@ class AgentLoopConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentLoopConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"env_timeout_s must be > 0, got {self.env_timeout_s}")
+        for name in ("env_timeout_s", "reward_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"AgentLoopConfig.{name} must be > 0 and finite, got {value}")
 
 
 EnvFactory = Callable[[], Environment]
@@ -198,8 +265,8 @@ class AgentLoop:
         finally:
             if env is not None:
                 try:
-                    await asyncio.wait_for(env.close(), self.config.env_timeout_s)
-                except Exception as e:  # a failing close does not change the episode
+                    await bounded(env.close(), self.config.env_timeout_s)
+                except USER_ERRORS as e:  # a failing close does not change the episode
                     traj.info["close_error"] = f"{type(e).__name__}: {e}"
             traj.wall_s = time.monotonic() - start
         traj.check()
@@ -220,13 +287,13 @@ class AgentLoop:
 
     async def _call_env(self, coro, what: str):
         try:
-            return await asyncio.wait_for(coro, self.config.env_timeout_s)
+            return await bounded(coro, self.config.env_timeout_s)
         except asyncio.TimeoutError as e:
             raise _EnvFailure(
                 EndReason.ENV_TIMEOUT,
                 f"{what} ran past env_timeout_s={self.config.env_timeout_s:g}",
             ) from e
-        except Exception as e:
+        except USER_ERRORS as e:
             raise _EnvFailure(EndReason.ENV_ERROR, f"{what} raised {type(e).__name__}: {e}") from e
 
     async def _episode(
@@ -363,8 +430,15 @@ class AgentLoop:
             )
             for wr in self.reward_fns:
                 try:
-                    value = float(await wr.fn(inp))
-                except Exception as e:
+                    value = float(await bounded(wr.fn(inp), self.config.reward_timeout_s))
+                except asyncio.TimeoutError:
+                    traj.fail(
+                        EndReason.REWARD_ERROR,
+                        f"reward {wr.fn.name!r} ran past reward_timeout_s="
+                        f"{self.config.reward_timeout_s:g}",
+                    )
+                    return
+                except USER_ERRORS as e:
                     traj.fail(
                         EndReason.REWARD_ERROR,
                         f"reward {wr.fn.name!r} failed: {type(e).__name__}: {e}",
