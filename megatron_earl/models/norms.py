@@ -31,27 +31,9 @@ def _rms_norm(config: TransformerConfig, hidden_size: int, eps: float) -> torch.
     return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
 
 
-class HiddenRMSNorm:
-    """A norm over hidden states (input, pre-MLP and final layernorm); Megatron's norm-module
-    signature (the unused arguments are Megatron's)."""
-
-    def __new__(
-        cls,
-        config: TransformerConfig,
-        hidden_size: int,
-        eps: float = 1e-5,
-        persist_layer_norm: bool = False,
-        zero_centered_gamma: bool = False,
-        normalization: str = "RMSNorm",
-    ) -> torch.nn.RMSNorm:
-        norm = _rms_norm(config, hidden_size, eps)
-        if config.sequence_parallel:
-            norm.weight.sequence_parallel = True
-        return norm
-
-
 class HeadRMSNorm:
-    """A q/k layernorm over the head dimension (Qwen3); never marked for sequence parallelism."""
+    """A q/k layernorm over the head dimension (Qwen3); never marked for sequence parallelism.
+    Megatron's norm-module signature (the unused arguments are Megatron's)."""
 
     def __new__(
         cls,
@@ -63,3 +45,14 @@ class HeadRMSNorm:
         normalization: str = "RMSNorm",
     ) -> torch.nn.RMSNorm:
         return _rms_norm(config, hidden_size, eps)
+
+
+class HiddenRMSNorm(HeadRMSNorm):
+    """A norm over hidden states (input, pre-MLP and final layernorm): ``HeadRMSNorm``'s, its
+    weight marked for Megatron's TP reduction under sequence parallelism."""
+
+    def __new__(cls, config: TransformerConfig, *args, **kwargs) -> torch.nn.RMSNorm:
+        norm = super().__new__(cls, config, *args, **kwargs)
+        if config.sequence_parallel:
+            norm.weight.sequence_parallel = True
+        return norm

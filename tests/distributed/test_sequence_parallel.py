@@ -15,7 +15,14 @@ import torch
 
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
-from tests.distributed.test_rl_step import COMPARED, MODEL, TOL, _config, _samples, _setup
+from tests.distributed.test_rl_step import (
+    MODEL,
+    TOL,
+    _config,
+    _samples,
+    _setup,
+    assert_matches_reference,
+)
 
 # qk-layernorm and a qkv bias too: every kind of parameter whose gradient TP must reduce.
 SP_MODEL = dataclasses.replace(MODEL, sequence_parallel=True, qk_layernorm=True, add_qkv_bias=True)
@@ -91,13 +98,11 @@ def reference():
 
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(tp=2, cp=2)], ids=str)
 def test_sequence_parallel_equals_single_process(reference, layout):
-    from megatron_earl.redistribute.geometry import region_slices
 
     assert not reference["sp_on"]  # tp = 1: Megatron's sequence parallelism stays off
     results = run_distributed(
         _run, layout.world_size, args=(layout, reference["weights"]), timeout_s=300
     )
-    final = reference["final"]
     for res in results:
         assert res["sp_on"]
         # the sequence is split: the final norm saw 1/tp of each micro-batch's local tokens
@@ -105,13 +110,7 @@ def test_sequence_parallel_equals_single_process(reference, layout):
         assert "decoder.final_layernorm.weight" in res["marked"]
         assert "decoder.layers.0.input_layernorm.weight" in res["marked"]
         assert not any("q_layernorm" in n or "k_layernorm" in n for n in res["marked"])
-        for key, region, local in res["params"]:
-            expected = final[key][region_slices(region)].reshape(local.shape)
-            torch.testing.assert_close(local, expected, rtol=0, atol=TOL, msg=key)
-        for got, want in zip(res["metrics"], reference["metrics"], strict=True):
-            for k in COMPARED:
-                assert abs(got[k] - want[k]) <= TOL * max(1.0, abs(want[k])), (k, got[k], want[k])
-            assert got["skipped_step"] == 0 and got["update_ok"] == 1
+        assert_matches_reference(res, reference)
         for got, want in zip(res["logprobs"], reference["logprobs"], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=TOL)
         for got, want in zip(res["engine"] or [], reference["engine"], strict=False):
