@@ -10,6 +10,7 @@
     megatron-earl bench async-sim [--json]          # simulated sync vs async, 64-1024 GPUs
     megatron-earl bench async [--pace-ms 30]        # paced engines: real sync vs async runs
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
+    megatron-earl relay --port 31000 [--upstream URL] [--engines URL,...]   # weight relay
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
     megatron-earl bench selector                    # context-length sweep: selector vs static
@@ -34,6 +35,7 @@ _MODULES = {
     ("bench", "engine"): "megatron_earl.rollout.bench",
     ("bench", "serve"): "megatron_earl.rollout.bench_serve",
     ("serve",): "megatron_earl.rollout.server",
+    ("relay",): "megatron_earl.relay.server",
     ("plot",): "megatron_earl.orchestration.plot",
     ("plan",): "megatron_earl.selector.plan_cli",
     ("convert",): "megatron_earl.convert.cli",

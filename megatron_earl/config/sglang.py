@@ -4,7 +4,7 @@
       engine: sglang
       engine_urls: [http://10.0.0.2:30000, http://10.0.0.3:30000]
       sglang:
-        weight_update: distributed      # tensor (default) | disk | distributed
+        weight_update: distributed      # tensor (default) | disk | distributed | relay
         tensor_payload: portable        # tensor: portable (default) | sglang (colocated)
         bucket_bytes: 536870912
         router_url: http://10.0.0.1:30100   # SGLang's router in front of the engines (optional)
@@ -38,7 +38,8 @@ class SGLangConfig:
 
     weight_update: WeightUpdate = WeightUpdate.TENSOR
     """ "tensor" (``update_weights_from_tensor``), "disk" (``update_weights_from_disk`` of an HF
-    directory) or "distributed" (``update_weights_from_distributed`` over a process group)."""
+    directory) "distributed" (``update_weights_from_distributed`` over a process group) or "relay" (published
+    once to the relay tier, ``megatron-earl relay``)."""
     bucket_bytes: int = 512 << 20
     """Tensor bytes per bucket at most (tensor and distributed; one tensor larger travels
     alone)."""
@@ -72,6 +73,12 @@ class SGLangConfig:
     """tensor: "tensors" (a list of (name, tensor); SGLang's default ``load_format``, the
     model's ``load_weights``) or "flattened_bucket" (one uint8 tensor of the bucket's bytes plus
     metadata; needs ``tensor_payload: sglang``)."""
+    relay_urls: tuple[str, ...] = ()
+    """relay: the root relays the trainer publishes to (``megatron-earl relay``), first healthy
+    first; the relays that feed the engines pull from them (``--upstream``)."""
+    relay_timeout_s: float = 600.0
+    """relay: how long a publish may take, and (synchronous loop) how long the trainer waits
+    for every engine to report the published version."""
     engine_tp: int = 1
     """TP ranks of each engine, its ``--tp-size`` (SGLang's or ``megatron-earl serve``'s; ranks
     it joins the group with; payloads per tensor push)."""
@@ -132,6 +139,16 @@ class SGLangConfig:
                 f"tensor_load_format 'flattened_bucket' needs tensor_payload 'sglang', got "
                 f"{self.tensor_payload!r}"
             )
+        object.__setattr__(self, "relay_urls", tuple(self.relay_urls))
+        for url in self.relay_urls:
+            if not str(url).startswith(("http://", "https://")):
+                problems.append(f"relay_urls entry {url!r} must start with http:// or https://")
+        if self.weight_update == WeightUpdate.RELAY and not self.relay_urls:
+            problems.append(
+                "weight_update 'relay' needs relay_urls (the root relays, `megatron-earl relay`)"
+            )
+        if self.relay_timeout_s <= 0:
+            problems.append(f"relay_timeout_s ({self.relay_timeout_s}) must be > 0")
         if self.engine_tp < 1:
             problems.append(f"engine_tp ({self.engine_tp}) must be >= 1")
         if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):

@@ -89,6 +89,9 @@ class WeightUpdate(Vocabulary):
     DISTRIBUTED = "distributed"
     """``init_weights_update_group`` once, then ``update_weights_from_distributed`` per bucket
     while the trainer broadcasts it over the group (NCCL on GPUs, gloo on CPU)."""
+    RELAY = "relay"
+    """Published once to a root relay (``megatron-earl relay``); the relays fan it out and load
+    it into their engines (``update_weights_from_tensor``), each engine on its own."""
 
 
 class MemoryTag(Vocabulary):

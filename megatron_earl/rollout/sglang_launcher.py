@@ -143,12 +143,16 @@ class ServerProcess:
     def _start(self) -> None:
         self.url = f"http://{self.config.host}:{self.config.port}"
         self.process = subprocess.Popen(
-            build_command(self.config),
+            self.command(),
             env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def command(self) -> list[str]:
+        """The command line that starts the server."""
+        return build_command(self.config)
 
     def _lost_its_port(self) -> bool:
         self._log.flush()
@@ -176,7 +180,7 @@ class ServerProcess:
                     continue
                 raise RuntimeError(
                     f"server {self.url} exited with code {self.process.returncode} before it was "
-                    f"healthy; command: {' '.join(build_command(self.config))}"
+                    f"healthy; command: {' '.join(self.command())}"
                 )
             try:
                 with urllib.request.urlopen(self.url + path, timeout=5) as resp:

@@ -22,6 +22,11 @@ and must be the pushed one (``EngineError`` naming the engine otherwise).
   per bucket ``update_weights_from_distributed`` while rank 0 broadcasts the tensors
   (``weight_group.broadcast_bucket``). The group lives until ``close``.
 
+- ``relay``: published once to a root relay (``relay.publisher``); the relays fan it out and
+  load it into their engines on their own (``relay.server``). Synchronous loop: the push waits
+  until every engine reports the version; asynchronous (``asynchronous`` set): it returns once
+  the version is committed on a root relay (the trainer's stall is one copy to one relay).
+
 ``PushStats.bytes_sent`` is the tensor bytes each engine receives (disk: bytes written once).
 Which ranks call: only the rank that holds the full tensors (rank 0).
 """
@@ -44,6 +49,7 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import WeightUpdate
+from megatron_earl.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
@@ -74,6 +80,8 @@ class WeightTransport(ABC):
         self.settings = settings
         self.model = model
         self.run_dir = run_dir
+        self.asynchronous = False
+        """Set by the asynchronous loop: generation goes on during pushes."""
         self.sync = WeightSyncConfig(
             bucket_bytes=settings.bucket_bytes, pause_mode=settings.pause_mode
         )
@@ -244,6 +252,25 @@ class DistributedTransport(WeightTransport):
         )
         self.group.shutdown()
         self.group = None
+
+
+@register_transport
+class RelayTransport(WeightTransport):
+    kind = WeightUpdate.RELAY
+
+    def __init__(self, settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> None:
+        super().__init__(settings, model, run_dir)
+        self.publisher = RelayPublisher(settings.relay_urls, settings.relay_timeout_s)
+
+    async def push(self, clients, named, version):
+        """Publish; then (synchronous loop) wait until every engine reports ``version``."""
+        stats = await self._push(clients, named, version)
+        if not self.asynchronous:
+            await wait_for_engines(clients, version, self.settings.relay_timeout_s)
+        return stats
+
+    async def _push(self, clients, named, version):
+        return await self.publisher.publish(named, version, self.settings.bucket_bytes)
 
 
 def _computes_on_cuda() -> bool:

@@ -194,6 +194,7 @@ class SGLangBackend(RolloutBackend):
                 # requests are in flight during the push (SGLang's flush_cache refuses then);
                 # the pause retracts or holds them and they continue under the new weights
                 self.transport.sync = dataclasses.replace(self.transport.sync, flush_cache=False)
+                self.transport.asynchronous = True
         clients = self._control_clients()
         out: dict[str, float] = {}
         try:

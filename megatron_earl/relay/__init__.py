@@ -1,0 +1,9 @@
+"""The relay weight service (Laminar, arXiv 2510.12633): the trainer publishes each weight
+version once to a root relay; relays pull from each other (a chain or a tree) and load the
+newest version into their own engines, each engine on its own schedule.
+
+- ``versions``: what a relay holds (immutable versions, complete or absent, collection);
+- ``codec``: a bucket of named tensors as checksummed safetensors bytes;
+- ``server``: ``megatron-earl relay`` (receive, fan out, feed engines, ``/relay_info``);
+- ``publisher``: the trainer's side and the ``relay`` weight transport.
+"""

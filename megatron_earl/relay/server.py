@@ -1,0 +1,525 @@
+"""``megatron-earl relay``: one relay of the weight service (Laminar's relay tier).
+
+    megatron-earl relay --port 31000                  # a root: the trainer publishes here
+    megatron-earl relay --port 31001 --upstream http://root:31000 \\
+        --engines http://10.0.0.5:30000,http://10.0.0.6:30000   # pulls, feeds its engines
+
+A relay holds weight versions (``versions.VersionStore``: immutable, complete or absent) and
+passes them on without the trainer:
+
+- **Receiving.** The trainer (``publisher.RelayPublisher``) publishes each version once to a
+  root relay: ``POST /versions/{v}/begin``, ``PUT /versions/{v}/buckets/{i}`` (the bucket's
+  bytes, ``X-Sha256`` its checksum: a body that does not hash to it is refused with 422 and
+  stored nowhere), ``POST /versions/{v}/commit`` (the manifest: every bucket's checksum, size
+  and tensor count; a missing or differing bucket is a 409 and nothing is served).
+- **Fan-out.** A relay started with ``--upstream A[,B...]`` pulls every new version from
+  whichever upstream has the newest (``GET /versions/latest?after=V&wait_s=T``, a long poll),
+  bucket by bucket, checks each against the manifest's checksum (the trainer's), re-pulls a
+  bucket that does not match from another upstream (``checksum_refused``, ``repulls``) and
+  commits only a complete version. Relays chain or form a tree this way; an upstream that
+  fails is skipped for the next (``upstream_errors``).
+- **Engines.** For each URL of ``--engines`` an applier loads the newest version into that
+  engine when it serves another one (SGLang's own API: ``pause_generation`` in
+  ``--pause-mode``, ``update_weights_from_tensor`` per bucket with the version on the last one,
+  ``continue_generation``, then ``get_model_info`` must report it). Each engine on its own: a
+  slow or dead engine delays nobody else; a failed apply is retried with backoff, and an engine
+  that restarts (it reports another version) gets the newest version again.
+- **Collection.** A version older than the newest is dropped once no applier is loading it and
+  no child relay has fetched a bucket of it within ``--lease-s``.
+
+``GET /relay_info`` reports the versions held and staged, every engine's state and the
+counters (JSON). Errors answer ``{"error": {"message": ...}}`` with a 4xx naming the value.
+Bound to 127.0.0.1 by default; with ``$EARL_RELAY_API_KEY`` set (here and on the publisher)
+every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from megatron_earl.config.vocab import PauseMode
+from megatron_earl.relay.codec import decode_bucket
+from megatron_earl.relay.versions import (
+    ChecksumError,
+    Manifest,
+    VersionError,
+    VersionStore,
+    digest,
+)
+from megatron_earl.rollout.engine import EngineError
+from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
+from megatron_earl.rollout.weight_sync import WeightSyncConfig, push_weights
+
+log = logging.getLogger("megatron_earl.relay")
+
+API_KEY_ENV = "EARL_RELAY_API_KEY"
+SHA_HEADER = "X-Sha256"
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """One relay's settings (``megatron-earl relay --help``)."""
+
+    upstreams: tuple[str, ...] = ()
+    engines: tuple[str, ...] = ()
+    pause_mode: str = PauseMode.RETRACT
+    engine_tp: int = 1
+    lease_s: float = 60.0
+    poll_wait_s: float = 10.0
+    """Longest wait of one long poll on an upstream."""
+    engine_check_s: float = 2.0
+    """How often an applier reads its engine's version when no new version arrived (a restarted
+    engine is noticed within this)."""
+    retry_s: float = 0.2
+    retry_max_s: float = 5.0
+    max_bucket_bytes: int = 2 << 30
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        for url in (*self.upstreams, *self.engines):
+            if not url.startswith(("http://", "https://")):
+                problems.append(f"URL {url!r} must start with http:// or https://")
+        if self.pause_mode not in tuple(PauseMode):
+            problems.append(
+                f"pause_mode {self.pause_mode!r} is not one of {[str(m) for m in PauseMode]}"
+            )
+        for name in ("lease_s", "poll_wait_s", "engine_check_s", "retry_s", "retry_max_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.engine_tp < 1:
+            problems.append(f"engine_tp must be >= 1, got {self.engine_tp}")
+        if problems:
+            raise ValueError("relay: " + "; ".join(problems))
+
+
+@dataclass
+class EngineState:
+    """What one applier knows of its engine."""
+
+    url: str
+    version: int | None = None
+    """Version the engine last reported (None: not reached yet)."""
+    healthy: bool = False
+    applies: int = 0
+    failures: int = 0
+    last_error: str = ""
+    last_apply_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Counters:
+    published: int = 0
+    pulled: int = 0
+    checksum_refused: int = 0
+    repulls: int = 0
+    upstream_errors: int = 0
+    collected: int = 0
+    extra: Counter = field(default_factory=Counter)
+
+
+class RelayServer:
+    """The HTTP side and the background tasks of one relay (module docstring)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self.settings = settings
+        self.store = VersionStore()
+        self.counters = Counters()
+        self.engines = {url: EngineState(url) for url in settings.engines}
+        self._new_version = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- HTTP -----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.settings.max_bucket_bytes, middlewares=[self._middleware]
+        )
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/relay_info", self.info)
+        app.router.add_post("/versions/{v}/begin", self.begin)
+        app.router.add_put("/versions/{v}/buckets/{i}", self.put_bucket)
+        app.router.add_post("/versions/{v}/commit", self.commit)
+        app.router.add_get("/versions/latest", self.latest)
+        app.router.add_get("/versions/{v}/buckets/{i}", self.get_bucket)
+        app.on_startup.append(self._start_tasks)
+        app.on_cleanup.append(self._stop_tasks)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        key = self.settings.api_key
+        if key and request.path != "/health":
+            if request.headers.get("Authorization") != f"Bearer {key}":
+                return _error(401, "missing or wrong Authorization: Bearer <EARL_RELAY_API_KEY>")
+        try:
+            return await handler(request)
+        except ChecksumError as err:
+            self.counters.checksum_refused += 1
+            return _error(422, str(err))
+        except VersionError as err:
+            return _error(409, str(err))
+        except web.HTTPException:
+            raise
+        except ValueError as err:
+            return _error(400, str(err))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def info(self, request: web.Request) -> web.Response:
+        latest = self.store.latest()
+        return web.json_response(
+            {
+                "newest_version": None if latest is None else latest.version,
+                "committed": self.store.committed_versions(),
+                "staged": self.store.staged_versions(),
+                "upstreams": list(self.settings.upstreams),
+                "engines": {url: s.to_dict() for url, s in self.engines.items()},
+                "counters": {
+                    **{k: v for k, v in dataclasses.asdict(self.counters).items() if k != "extra"},
+                    **self.counters.extra,
+                },
+            }
+        )
+
+    async def begin(self, request: web.Request) -> web.Response:
+        self.store.begin(_int(request, "v"))
+        return web.json_response({"ok": True})
+
+    async def put_bucket(self, request: web.Request) -> web.Response:
+        sha = request.headers.get(SHA_HEADER)
+        if not sha:
+            raise ValueError(f"a bucket needs its checksum in the {SHA_HEADER} header")
+        data = await request.read()
+        self.store.put(_int(request, "v"), _int(request, "i"), data, sha)
+        return web.json_response({"ok": True, "nbytes": len(data)})
+
+    async def commit(self, request: web.Request) -> web.Response:
+        manifest = Manifest.from_dict(await request.json())
+        if manifest.version != _int(request, "v"):
+            raise ValueError(
+                f"manifest version {manifest.version} != path version {request.match_info['v']}"
+            )
+        was = self.store.newest_version()
+        self.store.commit(manifest)
+        if self.store.newest_version() != was:
+            self.counters.published += 1
+            self._announce()
+        return web.json_response({"ok": True, "version": manifest.version})
+
+    async def latest(self, request: web.Request) -> web.Response:
+        """The newest manifest, after waiting up to ``wait_s`` for one newer than ``after``;
+        204 when there is none."""
+        after = int(request.query.get("after", -1))
+        wait_s = min(float(request.query.get("wait_s", 0)), 60.0)
+        deadline = time.monotonic() + wait_s
+        while True:
+            newest = self.store.newest_version()
+            if newest is not None and newest > after:
+                self.store.lease(newest, time.monotonic() + self.settings.lease_s)
+                return web.json_response(self.store.latest().to_dict())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return web.Response(status=204)
+            event = self._new_version
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+
+    async def get_bucket(self, request: web.Request) -> web.Response:
+        v, i = _int(request, "v"), _int(request, "i")
+        data = self.store.bucket(v, i)
+        self.store.lease(v, time.monotonic() + self.settings.lease_s)
+        return web.Response(
+            body=data,
+            content_type="application/octet-stream",
+            headers={SHA_HEADER: self.store.manifest(v).buckets[i].sha256},
+        )
+
+    def _announce(self) -> None:
+        """Wake every waiter (long polls, appliers) and collect what nobody needs."""
+        event, self._new_version = self._new_version, asyncio.Event()
+        event.set()
+        self.counters.collected += len(self.store.collect(time.monotonic()))
+
+    # -- background tasks -----------------------------------------------------------------
+    async def _start_tasks(self, app: web.Application) -> None:
+        headers = (
+            {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        )
+        self._session = aiohttp.ClientSession(headers=headers)
+        if self.settings.upstreams:
+            self._tasks.append(asyncio.create_task(self._pull_loop(), name="relay-pull"))
+        for url in self.engines:
+            self._tasks.append(asyncio.create_task(self._apply_loop(url), name=f"apply {url}"))
+        self._tasks.append(asyncio.create_task(self._collect_loop(), name="relay-collect"))
+
+    async def _stop_tasks(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _collect_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.lease_s / 4)
+            self.counters.collected += len(self.store.collect(time.monotonic()))
+
+    # upstream ------------------------------------------------------------------------------
+    async def _pull_loop(self) -> None:
+        """Pull every newer version from the upstreams (the one that has the newest first)."""
+        failures = 0
+        while True:
+            try:
+                manifest, source = await self._newest_upstream()
+                if manifest is not None:
+                    await self._pull(manifest, source)
+                    failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # an upstream down or a version that would not verify
+                failures += 1
+                log.warning("relay: pull failed (%s); retrying", err)
+                await asyncio.sleep(self._backoff(failures))
+
+    async def _newest_upstream(self) -> tuple[Manifest | None, str]:
+        """Long-poll every upstream at once; the first answer with a newer version wins (the
+        others are cancelled). (None, "") when none had a newer one within the wait."""
+        after = self.store.newest_version()
+        after = -1 if after is None else after
+        polls = {
+            asyncio.create_task(self._poll(url, after)): url for url in self.settings.upstreams
+        }
+        try:
+            while polls:
+                done, _ = await asyncio.wait(polls, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    url = polls.pop(task)
+                    manifest = task.result()
+                    if manifest is not None and manifest.version > after:
+                        return manifest, url
+            return None, ""
+        finally:
+            for task in polls:
+                task.cancel()
+            await asyncio.gather(*polls, return_exceptions=True)
+
+    async def _poll(self, url: str, after: int) -> Manifest | None:
+        wait_s = self.settings.poll_wait_s
+        try:
+            async with self._session.get(
+                f"{url}/versions/latest",
+                params={"after": str(after), "wait_s": str(wait_s)},
+                timeout=aiohttp.ClientTimeout(total=wait_s + 10),
+            ) as resp:
+                if resp.status == 204:
+                    return None
+                if resp.status != 200:
+                    raise EngineError(f"{url}/versions/latest: HTTP {resp.status}")
+                return Manifest.from_dict(await resp.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, EngineError) as err:
+            self.counters.upstream_errors += 1
+            log.warning("relay: upstream %s: %s", url, err)
+            await asyncio.sleep(min(wait_s, 1.0))  # a dead upstream does not spin the loop
+            return None
+
+    async def _pull(self, manifest: Manifest, source: str) -> None:
+        """Fetch and verify every bucket of ``manifest`` (first from ``source``; a bucket that
+        fails or does not verify is fetched again from the next upstream), then commit."""
+        v = manifest.version
+        order = [source, *(u for u in self.settings.upstreams if u != source)]
+        self.store.begin(v)
+        for index, info in enumerate(manifest.buckets):
+            for attempt in range(2 * len(order)):
+                url = order[attempt % len(order)]
+                if attempt:
+                    self.counters.repulls += 1
+                try:
+                    data = await self._fetch(url, v, index)
+                    self.store.put(v, index, data, info.sha256)
+                    break
+                except ChecksumError as err:
+                    self.counters.checksum_refused += 1
+                    log.warning(
+                        "relay: refused bucket %d of version %d from %s: %s", index, v, url, err
+                    )
+                except (aiohttp.ClientError, asyncio.TimeoutError, EngineError) as err:
+                    self.counters.upstream_errors += 1
+                    log.warning("relay: bucket %d of version %d from %s: %s", index, v, url, err)
+            else:
+                self.store.abandon(v)
+                raise EngineError(
+                    f"no upstream of {list(order)} gave bucket {index} of version {v} with "
+                    f"sha256 {info.sha256}"
+                )
+        self.store.commit(manifest)
+        self.counters.pulled += 1
+        self._announce()
+
+    async def _fetch(self, url: str, version: int, index: int) -> bytes:
+        async with self._session.get(
+            f"{url}/versions/{version}/buckets/{index}",
+            timeout=aiohttp.ClientTimeout(total=600, sock_connect=5),
+        ) as resp:
+            if resp.status != 200:
+                raise EngineError(f"{url}: bucket {index} of version {version}: HTTP {resp.status}")
+            return await resp.read()
+
+    # engines -------------------------------------------------------------------------------
+    async def _apply_loop(self, url: str) -> None:
+        """Keep engine ``url`` on the newest version (module docstring)."""
+        state = self.engines[url]
+        key = os.environ.get("SGLANG_ADMIN_API_KEY") or os.environ.get("SGLANG_API_KEY") or None
+        client = SGLangClient(url, ClientConfig(api_key=key, max_retries=1, connect_timeout_s=3))
+        failures = 0
+        try:
+            while True:
+                event = self._new_version
+                try:
+                    await client.get_model_info()
+                    state.version, state.healthy = client.weight_version, True
+                    newest = self.store.newest_version()
+                    if newest is not None and state.version != newest:
+                        await self._apply(client, state, newest)
+                        failures = 0
+                        continue  # a newer version may have come in meanwhile
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # this engine only: others go on
+                    failures += 1
+                    state.healthy, state.failures = False, state.failures + 1
+                    state.last_error = str(err)[:500]
+                    log.warning("relay: engine %s: %s", url, err)
+                    await asyncio.sleep(self._backoff(failures))
+                    continue
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), self.settings.engine_check_s)
+        finally:
+            await client.close()
+
+    async def _apply(self, client: SGLangClient, state: EngineState, version: int) -> None:
+        start = time.perf_counter()
+        with self.store.pinned(version):
+            manifest = self.store.manifest(version)
+            named = (
+                pair
+                for i in range(len(manifest.buckets))
+                for pair in decode_bucket(self.store.bucket(version, i))
+            )
+            sync = WeightSyncConfig(
+                bucket_bytes=max(b.nbytes for b in manifest.buckets),
+                pause_mode=self.settings.pause_mode,
+                flush_cache=False,
+            )
+            await push_weights([client], named, version, sync, engine_tp=self.settings.engine_tp)
+        await client.get_model_info()
+        if client.weight_version != version:
+            raise EngineError(
+                f"engine {client.base_url} reports version {client.weight_version} after "
+                f"loading version {version}"
+            )
+        state.version, state.applies = version, state.applies + 1
+        state.last_apply_s = time.perf_counter() - start
+
+    def _backoff(self, failures: int) -> float:
+        s = self.settings
+        return min(s.retry_s * 2 ** (failures - 1), s.retry_max_s) * random.uniform(0.75, 1.25)
+
+
+def _int(request: web.Request, name: str) -> int:
+    raw = request.match_info[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-earl relay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--upstream", default="", help="relays to pull from, comma-separated")
+    p.add_argument("--engines", default="", help="engine URLs this relay feeds, comma-separated")
+    p.add_argument(
+        "--pause-mode", default=str(PauseMode.RETRACT), choices=[str(m) for m in PauseMode]
+    )
+    p.add_argument("--engine-tp", type=int, default=1)
+    p.add_argument("--lease-s", type=float, default=60.0)
+    p.add_argument("--poll-wait-s", type=float, default=10.0)
+    p.add_argument("--engine-check-s", type=float, default=2.0)
+    p.add_argument("--max-bucket-mb", type=int, default=2048)
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> RelaySettings:
+    def urls(raw: str) -> tuple[str, ...]:
+        return tuple(u.strip().rstrip("/") for u in raw.split(",") if u.strip())
+
+    return RelaySettings(
+        upstreams=urls(args.upstream),
+        engines=urls(args.engines),
+        pause_mode=args.pause_mode,
+        engine_tp=args.engine_tp,
+        lease_s=args.lease_s,
+        poll_wait_s=args.poll_wait_s,
+        engine_check_s=args.engine_check_s,
+        max_bucket_bytes=args.max_bucket_mb << 20,
+        api_key=os.environ.get(API_KEY_ENV) or None,
+    )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    server = RelayServer(settings_from_args(args))
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.warning("relay listening on http://%s:%d", args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    try:
+        settings_from_args(args)
+    except ValueError as err:
+        print(f"megatron-earl relay: {err}")
+        return 2
+    asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["RelayServer", "RelaySettings", "digest", "main"]
