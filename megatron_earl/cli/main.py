@@ -9,6 +9,7 @@
     megatron-earl bench serve [--sources A,B]       # serve under 32 concurrent clients: p50/p99
     megatron-earl bench async-sim [--json]          # simulated sync vs async, 64-1024 GPUs
     megatron-earl bench async [--pace-ms 30]        # paced engines: real sync vs async runs
+    megatron-earl bench relay [--engines 2,4,8]     # trainer stall per publish: relays vs direct
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl relay --port 31000 [--upstream URL] [--engines URL,...]   # weight relay
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
@@ -43,6 +44,7 @@ _MODULES = {
     ("bench", "peer"): "megatron_earl.orchestration.bench_peer",
     ("bench", "async-sim"): "megatron_earl.orchestration.bench_async_sim",
     ("bench", "async"): "megatron_earl.orchestration.bench_async",
+    ("bench", "relay"): "megatron_earl.relay.bench",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",
