@@ -9,6 +9,10 @@ and passes U's wait status to B on the status pipe; B ends the same way U did (e
 the same signal). When R ends -- after U, or when the parent kills the process group -- the
 kernel kills every process left in the namespace, including any that left the process group
 with ``setsid``. Without a PID namespace B runs U's part itself (no R, no status pipe).
+
+Under bubblewrap (``cfg["applied"]`` lists the layers bwrap enforces) the namespaces exist
+already and this bootstrap is PID 1 of the PID namespace (``--as-pid-1``): it is R from the start,
+with no B, and reports U's wait status on the status pipe ``cfg["status_fd"]`` to the parent.
 """
 
 import json
@@ -24,8 +28,9 @@ _FUNCTION = type(lambda: None)
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     work = os.path.realpath(cfg["workdir"])
-    applied = []
-    report, status_r = cfg["report_fd"], None
+    applied = list(cfg["applied"])  # layers the launcher (bwrap) enforces
+    report, status_r = cfg["report_fd"], cfg["status_fd"]
+    own_pidns = False
 
     if cfg["net_namespace"] or cfg["pid_namespace"]:
         import ctypes
@@ -38,10 +43,11 @@ def main() -> None:
         ):
             if wanted and _libc.unshare(flag | _user) == 0:
                 applied.append(name)
+                own_pidns = own_pidns or name == "pidns"
                 _user = 0  # one user namespace is enough
         del _libc
 
-    if "pidns" in applied:
+    if own_pidns:
         status_r, status_w = os.pipe()
         if os.fork() != 0:  # B: wait for R's report of U's end and end the same way
             os.close(status_w)

@@ -1,7 +1,26 @@
 """Sandboxed Python execution: ``run_python(code)`` and the ``python`` tool.
 
-Each run is a fresh child process (``python -I``) in its own session and temporary directory.
-Layers, strongest first, each recorded in ``SandboxResult.isolation`` when it was applied:
+Each run is a fresh child process (``python -I``) in its own session and temporary directory,
+started by one of two backends (``SandboxConfig.backend``; ``auto`` picks ``bwrap`` when it works
+here, probed once per interpreter and user, else ``native``). The backend comes first in
+``SandboxResult.isolation``.
+
+``bwrap``   bubblewrap (``tools._bwrap``) builds the sandbox with the kernel: a mount namespace
+            that shows only ``/usr`` and the interpreter's installation (read-only), the work
+            directory (read-write), a private ``/proc``, a minimal ``/dev`` and an empty tmpfs
+            ``/tmp`` (layer ``mountns``); new user, PID, network, IPC and UTS namespaces
+            (``netns``, ``pidns``: the bootstrap is PID 1, the kernel kills what is left when it
+            ends); no capabilities, ``no_new_privs``; as root it runs as ``sandbox_user``
+            (``uid``). The bootstrap then applies ``rlimits`` and ``audit`` as below. What the code
+            runs (a binary under /usr through ``_posixsubprocess``, a stdlib module the audit hook
+            does not see, native code) runs inside the same namespaces, user and limits.
+``native``  the layers below, applied by the bootstrap itself with ``unshare(2)``/``setuid``: no
+            mount namespace, so the file system is hidden from the code only by the audit hook,
+            which is not a security boundary. The fallback where bubblewrap is missing or
+            unusable (no user namespaces).
+
+Layers of ``native`` (``rlimits`` and ``audit`` also under ``bwrap``), strongest first, each
+recorded when it was applied:
 
 ``netns``   ``unshare(CLONE_NEWNET)`` (as root; unprivileged: with ``CLONE_NEWUSER`` where the
             kernel allows). The child sees a network namespace with only a down loopback: no
@@ -33,7 +52,9 @@ is killed with SIGKILL. Without ``pidns`` a process that calls ``setsid`` escape
 (``setsid`` is not an audit event); with ``uid`` it stays bounded by ``RLIMIT_NPROC``/CPU.
 
 Nothing the code can touch is read back: the layers applied come over a pipe the bootstrap
-closes before the code starts, stdout/stderr are read asynchronously with a size cap, and after
+closes before the code starts (under ``bwrap`` the code's wait status comes over a second pipe
+from PID 1, read non-blocking after the end: bwrap's own exit status cannot carry a signal),
+stdout/stderr are read asynchronously with a size cap, and after
 the kill the readers get ``READ_GRACE_S`` to drain before they are dropped (a descendant that
 escaped the kill may hold the pipes open; its output is cut there). The work directory is
 removed off the event loop, so a file the code left behind (a named pipe, a huge tree) cannot
@@ -44,7 +65,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -54,12 +77,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from megatron_earl.tools import _bwrap
 from megatron_earl.tools.base import TOOLS, Tool
+
+logger = logging.getLogger(__name__)
 
 _CHILD = Path(__file__).with_name("_sandbox_child.py").read_text()
 READ_GRACE_S = 1.0
@@ -68,9 +95,23 @@ CLEANUP_TIMEOUT_S = 10.0
 """Removing the work directory (in a thread) is waited for at most this long."""
 
 
+class SandboxBackend(str, Enum):
+    """How the sandbox is built (module docstring)."""
+
+    AUTO = "auto"
+    BWRAP = "bwrap"
+    NATIVE = "native"
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     """Limits of one sandboxed run."""
+
+    backend: SandboxBackend | str = SandboxBackend.AUTO
+    """``auto`` (bubblewrap when it works here, else ``native``), ``bwrap`` (required: a run
+    raises when it is missing or unusable) or ``native`` (never bubblewrap)."""
+    bwrap: str = "bwrap"
+    """The bubblewrap executable: a path, or a name looked up on PATH."""
 
     wall_timeout_s: float = 5.0
     """Wall-clock limit; the process group is killed after it."""
@@ -87,10 +128,11 @@ class SandboxConfig:
     max_output_bytes: int = 65536
     """stdout/stderr kept per stream; the rest is dropped."""
     net_namespace: bool = True
-    """Run in a fresh network namespace when the kernel allows."""
+    """Run in a fresh network namespace when the kernel allows (``native``; ``bwrap`` always
+    does)."""
     pid_namespace: bool = True
     """Run under a reaper in a fresh PID namespace when the kernel allows (no process outlives
-    the call)."""
+    the call; ``native``: ``bwrap`` always does)."""
     drop_privileges: bool = True
     """As root, run the code as ``sandbox_user``."""
     sandbox_user: str = "nobody"
@@ -103,6 +145,10 @@ class SandboxConfig:
     """Interpreter; None picks one the sandbox user can run."""
 
     def __post_init__(self) -> None:
+        valid = [b.value for b in SandboxBackend]
+        if self.backend not in valid:
+            raise ValueError(f"SandboxConfig.backend must be one of {valid}, got {self.backend!r}")
+        object.__setattr__(self, "backend", SandboxBackend(self.backend))
         for name in (
             "wall_timeout_s",
             "cpu_time_s",
@@ -128,7 +174,7 @@ class SandboxResult:
     """The wall timeout expired."""
     wall_s: float
     isolation: list[str] = field(default_factory=list)
-    """Layers applied (see the module docstring)."""
+    """The backend, then the layers applied (see the module docstring)."""
 
     @property
     def ok(self) -> bool:
@@ -170,9 +216,8 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, kept: bytearray) 
         kept += chunk[: max(0, cap - len(kept))]
 
 
-def _read_report(fd: int) -> list[str]:
-    """The layers the bootstrap applied, from the report pipe (non-blocking: every writer is gone
-    or never wrote; anything else than a JSON list of strings reads as no layer)."""
+def _drain(fd: int) -> bytes:
+    """What is in a pipe (non-blocking: every writer is gone or never wrote), at most 4 KiB."""
     os.set_blocking(fd, False)
     raw = b""
     try:
@@ -180,11 +225,71 @@ def _read_report(fd: int) -> list[str]:
             raw += chunk
     except BlockingIOError:
         pass
+    return raw
+
+
+def _read_report(fd: int) -> list[str]:
+    """The layers the bootstrap applied, from the report pipe (anything else than a JSON list of
+    strings reads as no layer)."""
     try:
-        layers = json.loads(raw)
+        layers = json.loads(_drain(fd))
     except ValueError:
         return []
     return layers if isinstance(layers, list) and all(isinstance(x, str) for x in layers) else []
+
+
+def _read_status(fd: int) -> int | None:
+    """The code's exit code (negative: killed by that signal) from the bwrap bootstrap's status
+    pipe; None when it wrote none (it died first) or something else than a wait status."""
+    try:
+        return os.waitstatus_to_exitcode(int(_drain(fd)))
+    except ValueError:
+        return None
+
+
+def _backend(config: SandboxConfig, python: str, user: tuple[int, int] | None) -> _bwrap.Probe:
+    """The bubblewrap to use (``Probe.bwrap`` None: the native backend); raises when bubblewrap is
+    required and unusable."""
+    if config.backend is SandboxBackend.NATIVE:
+        return _bwrap.Probe(None, reason="SandboxConfig.backend='native'")
+    probe = _bwrap.probe(config.bwrap, python, user)
+    if probe.bwrap is None and config.backend is SandboxBackend.BWRAP:
+        raise SandboxUnavailableError(
+            f"SandboxConfig.backend='bwrap' but bubblewrap is unusable: {probe.reason}. Install "
+            f"the distribution package {_bwrap.PACKAGE!r} (scripts/install_system_deps.sh), or "
+            "set SandboxConfig.backend to 'auto' or 'native' (whose file-system isolation is "
+            "not a security boundary)"
+        )
+    if probe.bwrap is None:
+        _warn_fallback(probe.reason)
+    return probe
+
+
+def sandbox_backend(config: SandboxConfig) -> SandboxBackend:
+    """The backend runs with ``config`` use here (``bwrap`` or ``native``); raises
+    ``SandboxUnavailableError`` when ``config.backend`` is ``bwrap`` and it is unusable. Probes
+    once per bwrap executable, interpreter and user (then cached)."""
+    python, use_uid = _interpreter(config, os.geteuid() == 0 and config.drop_privileges)
+    probe = _backend(config, python, _sandbox_user(config) if use_uid else None)
+    return SandboxBackend(probe.backend)
+
+
+def _sandbox_user(config: SandboxConfig) -> tuple[int, int]:
+    entry = pwd.getpwnam(config.sandbox_user)
+    return entry.pw_uid, entry.pw_gid
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    logger.warning(
+        "sandbox: bubblewrap unusable (%s); using the native backend, whose file-system "
+        "isolation is an audit hook, not a security boundary",
+        reason,
+    )
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The configured sandbox backend cannot run here."""
 
 
 def _kill_group(pgid: int) -> None:
@@ -196,35 +301,47 @@ def _kill_group(pgid: int) -> None:
 
 async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
     """Run ``code`` in a sandboxed child process; never raises for what the code does, and
-    returns within ``wall_timeout_s + READ_GRACE_S`` (plus the removal of its directory)."""
+    returns within ``wall_timeout_s + READ_GRACE_S`` (plus the removal of its directory).
+    Raises ``SandboxUnavailableError`` when ``config.backend`` is ``bwrap`` and it is unusable."""
     config = config or SandboxConfig()
+    is_root = os.geteuid() == 0
+    python, use_uid = _interpreter(config, is_root and config.drop_privileges)
+    user = _sandbox_user(config) if use_uid else None
+    probe = await asyncio.to_thread(_backend, config, python, user)
     workdir = tempfile.mkdtemp(prefix="earl-sandbox-")
     start = time.monotonic()
     report_r, report_w = os.pipe()
+    status_r, status_w = os.pipe() if probe.bwrap else (None, None)
     try:
         Path(workdir, "main.py").write_text(code)
-        is_root = os.geteuid() == 0
-        python, use_uid = _interpreter(config, is_root and config.drop_privileges)
-        uid = gid = None
-        nproc = config.max_processes + 1  # + the PID-namespace reaper
-        if use_uid:
-            user = pwd.getpwnam(config.sandbox_user)
-            uid, gid = user.pw_uid, user.pw_gid
+        if user is not None:
             for p in (workdir, os.path.join(workdir, "main.py")):
-                os.chown(p, uid, gid)
-        if uid is not None or not is_root:
-            me = uid if uid is not None else os.getuid()
-            nproc += sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"].real == me)
+                os.chown(p, *user)
+        if probe.bwrap:  # the processes of the sandbox's own user namespace count (kernel >= 5.14)
+            nproc = config.max_processes + 1 if (user or not is_root) else None
+        else:
+            nproc = config.max_processes + 1  # + the PID-namespace reaper
+            if user or not is_root:
+                me = user[0] if user else os.getuid()
+                nproc += sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"].real == me)
+            else:
+                nproc = None
         child_cfg = {
             "workdir": workdir,
+            "applied": (
+                ["bwrap", "mountns", "netns", "pidns"] + (["uid"] if user else [])
+                if probe.bwrap
+                else ["native"]
+            ),
             "report_fd": report_w,
-            "uid": uid,
-            "gid": gid,
-            "net_namespace": config.net_namespace,
-            "pid_namespace": config.pid_namespace,
+            "status_fd": status_w,
+            "uid": None if probe.bwrap or user is None else user[0],
+            "gid": None if probe.bwrap or user is None else user[1],
+            "net_namespace": config.net_namespace and not probe.bwrap,
+            "pid_namespace": config.pid_namespace and not probe.bwrap,
             "cpu": config.cpu_time_s,
             "memory": config.memory_mb * 2**20,
-            "nproc": nproc if (uid is not None or not is_root) else None,
+            "nproc": nproc,
             "fsize": config.max_file_mb * 2**20,
             "nofile": config.max_open_files,
             "audit": config.audit_hook,
@@ -237,8 +354,10 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONIOENCODING": "utf-8",
         }
+        launcher = _bwrap.command(probe.bwrap, probe.binds, workdir) if probe.bwrap else []
         try:
             proc = await asyncio.create_subprocess_exec(
+                *launcher,
                 python,
                 "-I",
                 "-c",
@@ -250,10 +369,13 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
                 start_new_session=True,
                 cwd=workdir,
                 env=env,
-                pass_fds=(report_w,),
+                pass_fds=tuple(fd for fd in (report_w, status_w) if fd is not None),
+                **(_bwrap.as_user(user) if probe.bwrap else {}),
             )
         finally:
-            os.close(report_w)
+            for fd in (report_w, status_w):
+                if fd is not None:
+                    os.close(fd)
         kept = (bytearray(), bytearray())
         readers = [
             asyncio.ensure_future(_read_capped(s, config.max_output_bytes, k))
@@ -267,7 +389,9 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
                 await asyncio.sleep(0.01)
         finally:
             timed_out = proc.returncode is None
-            _kill_group(proc.pid)  # the process group: leftover children of the code too
+            # The process group: leftover children of the code too (native), or bwrap's monitor,
+            # whose death kills the sandbox's PID 1 and with it the namespace (bwrap).
+            _kill_group(proc.pid)
         # Not ``proc.wait()``: on Python 3.11 it also waits for the pipes, which a process that
         # escaped the kill (no PID namespace, ``setsid``) holds open.
         grace_end = time.monotonic() + READ_GRACE_S
@@ -280,16 +404,23 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
             # Close our ends now (asyncio's Process has no public close; left to the garbage
             # collector, the transport would be closed after its event loop is gone).
             proc._transport.close()
+        returncode = proc.returncode
+        if status_r is not None and returncode == 0:
+            # bwrap's exit status is PID 1's; the code's own (with its signal) comes over the pipe
+            status = _read_status(status_r)
+            returncode = returncode if status is None else status
         return SandboxResult(
             bytes(kept[0]).decode(errors="replace"),
             bytes(kept[1]).decode(errors="replace"),
-            None if timed_out else proc.returncode,
+            None if timed_out else returncode,
             timed_out,
             time.monotonic() - start,
             _read_report(report_r),
         )
     finally:
-        os.close(report_r)
+        for fd in (report_r, status_r):
+            if fd is not None:
+                os.close(fd)
         await _remove(workdir)
 
 
@@ -320,6 +451,7 @@ class PythonTool(Tool):
             SandboxConfig(**sandbox) if isinstance(sandbox, dict) else (sandbox or SandboxConfig())
         )
         self.max_result_chars = max_result_chars
+        sandbox_backend(self.sandbox)  # a required but unusable bubblewrap fails here, not per call
         super().__init__(timeout_s=self.sandbox.wall_timeout_s + 5.0)
 
     async def execute(self, arguments: dict[str, Any]) -> str:
