@@ -38,8 +38,8 @@ class SGLangConfig:
 
     weight_update: WeightUpdate = WeightUpdate.TENSOR
     """ "tensor" (``update_weights_from_tensor``), "disk" (``update_weights_from_disk`` of an HF
-    directory) "distributed" (``update_weights_from_distributed`` over a process group) or "relay" (published
-    once to the relay tier, ``megatron-earl relay``)."""
+    directory), "distributed" (``update_weights_from_distributed`` over a process group) or
+    "relay" (published once to the relay tier, ``megatron-earl relay``)."""
     bucket_bytes: int = 512 << 20
     """Tensor bytes per bucket at most (tensor and distributed; one tensor larger travels
     alone)."""
@@ -73,6 +73,10 @@ class SGLangConfig:
     """tensor: "tensors" (a list of (name, tensor); SGLang's default ``load_format``, the
     model's ``load_weights``) or "flattened_bucket" (one uint8 tensor of the bucket's bytes plus
     metadata; needs ``tensor_payload: sglang``)."""
+    health_interval_s: float = 5.0
+    """Period of the trainer's health checks of every engine during rollouts (each must answer
+    within it); an engine that fails two in a row is taken out of routing and the requests it
+    holds move to the others (a stopped or partitioned engine); it rejoins when it answers."""
     relay_urls: tuple[str, ...] = ()
     """relay: the root relays the trainer publishes to (``megatron-earl relay``), first healthy
     first; the relays that feed the engines pull from them (``--upstream``)."""
@@ -147,6 +151,8 @@ class SGLangConfig:
             problems.append(
                 "weight_update 'relay' needs relay_urls (the root relays, `megatron-earl relay`)"
             )
+        if not self.health_interval_s > 0:
+            problems.append(f"health_interval_s ({self.health_interval_s}) must be > 0")
         if self.relay_timeout_s <= 0:
             problems.append(f"relay_timeout_s ({self.relay_timeout_s}) must be > 0")
         if self.engine_tp < 1:

@@ -77,7 +77,6 @@ from megatron_earl.parallel.state import use_layout
 from megatron_earl.rewards.service import check_reward_service, remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.pool import EnginePool
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
@@ -496,7 +495,7 @@ class RLLoop:
             plan,
             cfg.env.spec(),
             lambda engine: AgentLoop(engine, self.tokenizer, agent, remote_rewards(cfg.reward)),
-            lambda: EnginePool(backend.generation_clients()),
+            backend.generation_pool,
             close,
             group_size=cfg.batch.samples_per_prompt,
             partial_rollout=cfg.rollout.partial_rollout,

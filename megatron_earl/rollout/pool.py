@@ -11,7 +11,11 @@
   engine (``max_failovers`` times); the session moves with it. A rejected request
   (``EngineRequestError``, HTTP 4xx) is raised at once.
 * Health: ``check_health()`` (or the periodic task of ``start_health_checks``) polls every engine
-  and brings recovered ones back.
+  (``/health`` within ``health_timeout_s``) and brings recovered ones back. An engine that fails
+  ``unhealthy_after`` checks in a row is taken out, and the requests it holds are moved: a
+  stopped or partitioned engine (its socket open, no answer) would otherwise hold them until
+  the client's request timeout. The moved request's abort is sent to it (in case it comes back)
+  and its result, if any, is never used: a request is answered once.
 
 ``choose_engine`` is the pure routing rule.
 """
@@ -35,12 +39,22 @@ class PoolConfig:
     """Other engines a failed request is retried on."""
     health_interval_s: float = 5.0
     """Period of the background health checks (``start_health_checks``)."""
+    health_timeout_s: float = 5.0
+    """A health check not answered within this fails."""
+    unhealthy_after: int = 2
+    """Consecutive failed checks after which an engine's in-flight requests move elsewhere."""
 
     def __post_init__(self) -> None:
-        if self.max_failovers < 0 or self.health_interval_s <= 0:
+        if (
+            self.max_failovers < 0
+            or self.health_interval_s <= 0
+            or self.health_timeout_s <= 0
+            or self.unhealthy_after < 1
+        ):
             raise ValueError(
-                f"need max_failovers >= 0 and health_interval_s > 0, got "
-                f"{self.max_failovers}, {self.health_interval_s}"
+                f"need max_failovers >= 0, health_interval_s > 0, health_timeout_s > 0 and "
+                f"unhealthy_after >= 1, got {self.max_failovers}, {self.health_interval_s}, "
+                f"{self.health_timeout_s}, {self.unhealthy_after}"
             )
 
 
@@ -66,6 +80,12 @@ class EnginePool:
         self.healthy = [True] * len(self.engines)
         self.failovers = 0
         """Requests moved to another engine after a failure (a metric)."""
+        self.moved_from_stalled = 0
+        """In-flight requests taken from an engine that stopped answering health checks."""
+        self._failed_checks = [0] * len(self.engines)
+        self._inflight: list[set[asyncio.Task]] = [set() for _ in self.engines]
+        self._stalled: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
         self._sessions: dict[str, int] = {}
         self._rids: dict[str, int] = {}
         self._health_task: asyncio.Task | None = None
@@ -85,11 +105,20 @@ class EnginePool:
             if request.rid:
                 self._rids[request.rid] = index
             self.loads[index] += 1
+            call = asyncio.ensure_future(self.engines[index].generate(request))
+            self._inflight[index].add(call)
             try:
-                return await self.engines[index].generate(request)
+                return await call
             except EngineRequestError:
                 raise
-            except EngineError as err:
+            except (EngineError, asyncio.CancelledError) as err:
+                if isinstance(err, asyncio.CancelledError):
+                    if call not in self._stalled:  # our caller cancelled us
+                        call.cancel()
+                        raise
+                    self._stalled.discard(call)
+                    err = EngineError("stopped answering health checks; request moved")
+                    self._abort_later(index, request.rid)
                 errors.append(f"{self.engines[index]!r}: {err}")
                 self.healthy[index] = False
                 if attempt < self.config.max_failovers and any(self.healthy):
@@ -97,6 +126,7 @@ class EnginePool:
                     continue
                 break
             finally:
+                self._inflight[index].discard(call)
                 self.loads[index] -= 1
                 if request.rid:
                     self._rids.pop(request.rid, None)
@@ -112,10 +142,35 @@ class EnginePool:
         return any(self.healthy)
 
     async def check_health(self) -> list[bool]:
-        """Poll every engine; unhealthy ones that answer come back into rotation."""
-        results = await asyncio.gather(*(e.health() for e in self.engines), return_exceptions=True)
+        """Poll every engine; unhealthy ones that answer come back into rotation, and one that
+        failed ``unhealthy_after`` checks in a row has its in-flight requests moved."""
+        timeout = self.config.health_timeout_s
+        results = await asyncio.gather(
+            *(_bounded_health(e, timeout) for e in self.engines), return_exceptions=True
+        )
         self.healthy = [r is True for r in results]
+        for index, ok in enumerate(self.healthy):
+            self._failed_checks[index] = 0 if ok else self._failed_checks[index] + 1
+            if self._failed_checks[index] >= self.config.unhealthy_after:
+                for call in list(self._inflight[index]):
+                    if not call.done() and call not in self._stalled:
+                        self._stalled.add(call)
+                        self.moved_from_stalled += 1
+                        call.cancel()
         return list(self.healthy)
+
+    def _abort_later(self, index: int, rid: str | None) -> None:
+        """Send ``rid``'s abort to engine ``index`` in the background (it may be stopped)."""
+        if not rid:
+            return
+
+        async def abort() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.engines[index].abort(rid), 30)
+
+        task = asyncio.ensure_future(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def end_session(self, session: str) -> None:
         """Forget a finished trajectory's engine."""
@@ -136,6 +191,9 @@ class EnginePool:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for engine in self.engines:
             close = getattr(engine, "close", None)
             if close is not None:
@@ -143,3 +201,11 @@ class EnginePool:
 
     def _sticky(self, session: str | None) -> int | None:
         return None if session is None else self._sessions.get(session)
+
+
+async def _bounded_health(engine: Engine, timeout_s: float) -> bool:
+    """``engine.health()`` within ``timeout_s`` (False after it)."""
+    try:
+        return await asyncio.wait_for(engine.health(), timeout_s)
+    except asyncio.TimeoutError:
+        return False

@@ -55,7 +55,7 @@ from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.pool import EnginePool
+from megatron_earl.rollout.pool import EnginePool, PoolConfig
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import hf_named_tensors
 from megatron_earl.rollout.weight_transports import WeightTransport, build_transport
@@ -269,6 +269,15 @@ class SGLangBackend(RolloutBackend):
         urls = [sglang.router_url] if sglang.router_url else self.urls
         return [SGLangClient(url, ClientConfig(api_key=sglang.api_key())) for url in urls]
 
+    def generation_pool(self) -> EnginePool:
+        """The generation clients as one pool with health checks running (call it inside the
+        event loop that will use it; ``pool.close()`` stops them)."""
+        interval = self.config.rollout.sglang.health_interval_s
+        config = PoolConfig(health_interval_s=interval, health_timeout_s=interval)
+        pool = EnginePool(self.generation_clients(), config)
+        pool.start_health_checks()
+        return pool
+
     def generate(self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout):
         """Run this rank's prompts on the pool (local: the HTTP traffic is this rank's own)."""
         rank = dist.get_rank()
@@ -276,8 +285,8 @@ class SGLangBackend(RolloutBackend):
         self.stats = {"engine_retries": 0.0, "engine_failovers": 0.0}
 
         async def run() -> list[Trajectory]:
-            clients = self.generation_clients()
-            pool = EnginePool(clients)
+            pool = self.generation_pool()
+            clients = pool.engines
             try:
                 rewards = remote_rewards(self.config.reward)
                 batch = await AgentLoop(pool, self.tokenizer, agent, rewards).run_batch(tasks)
