@@ -10,6 +10,7 @@
     megatron-earl bench async-sim [--json]          # simulated sync vs async, 64-1024 GPUs
     megatron-earl bench async [--pace-ms 30]        # paced engines: real sync vs async runs
     megatron-earl bench relay [--engines 2,4,8]     # trainer stall per publish: relays vs direct
+    megatron-earl bench faults                      # async run with relays under injected faults
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl relay --port 31000 [--upstream URL] [--engines URL,...]   # weight relay
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
@@ -45,6 +46,7 @@ _MODULES = {
     ("bench", "async-sim"): "megatron_earl.orchestration.bench_async_sim",
     ("bench", "async"): "megatron_earl.orchestration.bench_async",
     ("bench", "relay"): "megatron_earl.relay.bench",
+    ("bench", "faults"): "megatron_earl.orchestration.fault_suite",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",

@@ -208,6 +208,9 @@ class AsyncProducer:
         self._thread: threading.Thread | None = None
         self._attempts: set[asyncio.Task] = set()
         self._groups: set[asyncio.Task] = set()
+        self._wake: asyncio.Event | None = None
+        self.engine: object | None = None
+        """The engine the producer drives (the pool; its failover counters are reported)."""
 
     # ------------------------------------------------------------------ trainer thread
 
@@ -254,11 +257,10 @@ class AsyncProducer:
                 if step - self._oldest_step(group) > k:
                     dropped.append(group)
                     self.discarded += 1
+                    self._wake_producer()  # a discard lets a new prompt start: now, not after
                 else:
                     taken.append(group)
                     self.consumed += 1
-        if dropped:
-            self._call(self._admit())  # each discard lets a new prompt start
         taken.sort(key=lambda g: g.index)
         out = Taken(taken, dropped, time.perf_counter() - start)
         for group in taken:
@@ -309,6 +311,12 @@ class AsyncProducer:
             return self.pushed_step
         return min(self.version_step.get(v, -1) for v in versions)
 
+    def _wake_producer(self) -> None:
+        """Make the producer's loop check admission again (thread-safe; does not wait, so it
+        may be called holding ``_cond``, which the loop's thread may be waiting for)."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
     def _call(self, coro) -> None:
         if self._loop is None:
             coro.close()
@@ -332,6 +340,7 @@ class AsyncProducer:
         self._resumed = asyncio.Event()
         self._resumed.set()
         engine = self._make_engine()
+        self.engine = engine
         self._agent = self._agent_loop(_VersionTagger(engine, self))
         self._factory = ENVS.factory(self.env_spec)
         started.set()
@@ -418,9 +427,6 @@ class AsyncProducer:
         self._resumed.set()
         self._wake.set()
 
-    async def _admit(self) -> None:
-        self._wake.set()
-
     async def _stop(self) -> None:
         self._stopping = True
         self._resumed.set()
@@ -430,8 +436,9 @@ class AsyncProducer:
 def async_metrics(producer: AsyncProducer, taken: Taken, max_staleness: int) -> dict[str, float]:
     """This rank's counters for the step (summed over ranks by the loop: the same keys on every
     rank): cumulative produced/consumed/discarded groups, buffered and in-flight groups, the
-    step's discards, restarts and wasted tokens, straddled turns, and trajectories and generated
-    tokens per lag 0..max_staleness."""
+    step's discards, restarts and wasted tokens, straddled turns, the engine pool's failovers
+    and requests moved off a stalled engine (cumulative), and trajectories and generated tokens
+    per lag 0..max_staleness."""
     out = {
         "async_started_groups": float(producer.started),
         "async_produced_groups": float(producer.produced),
@@ -443,6 +450,8 @@ def async_metrics(producer: AsyncProducer, taken: Taken, max_staleness: int) -> 
         "async_restarts": float(producer.restarts),
         "async_wasted_tokens": float(producer.wasted_tokens),
         "async_straddled_turns": float(producer.straddled_turns),
+        "async_engine_failovers": float(getattr(producer.engine, "failovers", 0)),
+        "async_moved_from_stalled": float(getattr(producer.engine, "moved_from_stalled", 0)),
     }
     lags = Counter(taken.lags)
     for lag in range(max_staleness + 1):

@@ -128,7 +128,10 @@ async def _rounds(urls, root_url, args, tmp, model) -> dict:
     clients = [SGLangClient(u) for u in urls]
     out = {"direct_s": [], "relay_stall_s": [], "propagation_s": [], "bytes": 0}
     try:
-        version = 0
+        warm = _weights(model, 99)  # first connections and the relay transport's first push
+        await direct.push(clients, hf_named_tensors(warm, model), 1)  # (which waits) excluded
+        await relay.push(clients, hf_named_tensors(warm, model), 2)
+        version = 2
         for r in range(args.repeats):
             full = _weights(model, r)
             version += 1

@@ -261,12 +261,16 @@ class RelayTransport(WeightTransport):
     def __init__(self, settings: SGLangConfig, model: ModelConfig, run_dir: Path) -> None:
         super().__init__(settings, model, run_dir)
         self.publisher = RelayPublisher(settings.relay_urls, settings.relay_timeout_s)
+        self.published = False
 
     async def push(self, clients, named, version):
-        """Publish; then (synchronous loop) wait until every engine reports ``version``."""
+        """Publish; then wait until every engine reports ``version`` in the synchronous loop,
+        and at the first push of the asynchronous one (no request runs on weights the run
+        never had)."""
         stats = await self._push(clients, named, version)
-        if not self.asynchronous:
+        if not self.asynchronous or not self.published:
             await wait_for_engines(clients, version, self.settings.relay_timeout_s)
+        self.published = True
         return stats
 
     async def _push(self, clients, named, version):

@@ -5,6 +5,9 @@ index with their per-trajectory and per-token lags)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from megatron_earl.config import ConfigError, load_config
@@ -85,6 +88,38 @@ def test_take_discards_stale_groups_and_reports_lags():
     assert metrics["staleness_traj_lag0"] == 1 and metrics["staleness_traj_lag1"] == 3
     assert metrics["staleness_token_lag1"] == 11 and metrics["async_step_discarded_groups"] == 1
     assert group_ids(taken.groups, producer.plan) == {"s2-0": 4, "s2-1": 5}
+
+
+def test_a_discard_wakes_the_producer_while_take_waits():
+    """The trainer drops a stale group and waits for the rest of its quota: the producer (here a
+    loop in its own thread that finishes new groups once woken, as admission does) must be woken
+    at the discard. It was woken only after take returned, which never happened: the run hung
+    (found by the fault-injection suite, a relay lagging behind the trainer)."""
+    producer = _producer(k=0)
+    producer.version_step = {10: 0, 11: 1}
+    producer._ready = [FinishedGroup(0, [_traj("s0-0", 0, [(2, 10)]), _traj("s0-0", 1, [(2, 10)])])]
+    producer.started = producer.produced = 1
+    ready = threading.Event()
+
+    async def fake_producer() -> None:
+        producer._loop, producer._wake = asyncio.get_running_loop(), asyncio.Event()
+        ready.set()
+        await producer._wake.wait()  # admission re-checked: two fresh groups start and finish
+        with producer._cond:
+            for g in (2, 3):
+                gid = producer.plan.group_id(g)
+                fresh = [_traj(gid, i, [(2, 11)]) for i in range(2)]
+                producer._ready.append(FinishedGroup(g, fresh))
+                producer.started += 1
+                producer.produced += 1
+            producer._cond.notify_all()
+
+    thread = threading.Thread(target=lambda: asyncio.run(fake_producer()), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    taken = producer.take(step=1, timeout_s=10)
+    assert [g.index for g in taken.groups] == [2, 3] and [g.index for g in taken.discarded] == [0]
+    producer.check_accounting()
 
 
 def test_take_times_out_naming_the_counts():
