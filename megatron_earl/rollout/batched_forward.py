@@ -16,7 +16,8 @@ whole contexts of the requests admitted together) over the model's own parameter
     projection (+ qkv bias, q/k layernorm), RoPE at each token's position, KV-cache write,
     attention, output projection + TP all-reduce + bias, residual, pre_mlp_layernorm, fc1,
     SwiGLU, fc2 + TP all-reduce + bias, residual -> final_layernorm and output layer (+ TP
-    all-gather of the vocabulary) on each sequence's last token only.
+    all-gather of the vocabulary) on each sequence's last token only (a prefill's last layer runs
+    its output projection and MLP on those tokens only: nothing reads the others).
 
 The projections are ``F.linear`` on the Megatron modules' own parameters (the local shards of a
 column-/row-parallel layer) with the reductions Megatron's tensor-parallel layers perform, the
@@ -29,8 +30,9 @@ model's own rotary module (computed once; YaRN's mscale applied as Megatron's at
 greedy tokens with a no-cache ``GPTModel.forward`` decode and log-probs with the training
 forward, at TP1 and TP2. Attention: SDPA, GQA without repeating keys (decode: the query heads of
 a group attend as a group; prefill: ``enable_gqa``), a key-padding mask for rows of different
-lengths. The step's index tensors are built on the host from Python ints and moved to the
-compute device once (boundary "engine step inputs", docs/devices.md).
+lengths. A decode step is one tensor-only function (``_decode``), optionally run compiled
+(``compile_decode``). The step's index tensors are built on the host from Python ints and moved
+to the compute device once (boundary "engine step inputs", docs/devices.md).
 
 Legend: T = tokens in the step, k = sequences in the step, n = running rows, L = cached length,
 h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary.
@@ -207,9 +209,17 @@ class BatchedForward:
     """Runs steps (``Batch``) through one GPT model chunk and its row cache (module docstring).
 
     The layer parameters are referenced, not copied: weights written into the chunk in place
-    (a reshard, ``load_full_state_dict``) are what the next step computes with."""
+    (a reshard, ``load_full_state_dict``) are what the next step computes with.
 
-    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int) -> None:
+    ``compile_decode``: decode steps run ``torch.compile`` of ``_decode`` (inductor: fused C++
+    kernels for the norms, RoPE, cache writes, softmax and SwiGLU; matmuls stay library calls),
+    one graph with the row count and key length dynamic, compiled at the first decode step
+    (tens of seconds on a CPU; a step of one row compiles once more: sizes 0 and 1 are
+    specialised). TP 1 only (the graph holds no collectives)."""
+
+    def __init__(
+        self, model: nn.Module, max_batch_size: int, max_seq_len: int, compile_decode: bool = False
+    ) -> None:
         gpt = unwrap_chunk(model)
         check_supported(gpt)
         self.gpt = gpt
@@ -234,6 +244,12 @@ class BatchedForward:
             device=weight.device,
         )
         self.cos, self.sin = self._rope_tables(max_seq_len, weight.dtype)
+        if compile_decode and self.tp > 1:
+            raise ValueError(
+                f"compile_decode needs tp = 1 (the compiled step holds no TP collectives), got "
+                f"tp={self.tp}; leave it off for a TP engine"
+            )
+        self._decode_compiled = torch.compile(self._decode) if compile_decode else None
 
     @torch.no_grad()
     def _rope_tables(self, max_seq_len: int, dtype: torch.dtype):
@@ -273,52 +289,91 @@ class BatchedForward:
         """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence (with
         ``batch.logits_from``: at its new tokens from that index on, sequence after sequence);
         the new tokens' keys and values are written to the cache."""
+        if batch.is_decode:
+            ids_n, pos_n, key_pos_L = (
+                runtime.to_device(t)
+                for t in (
+                    torch.tensor([t[0] for t in batch.tokens], dtype=torch.long),
+                    torch.tensor(batch.starts, dtype=torch.long),
+                    torch.arange(max(batch.starts) + 1),
+                )
+            )
+            if self._decode_compiled is None:
+                return self._decode(ids_n, pos_n, key_pos_L)
+            for t in (ids_n, pos_n, key_pos_L):  # one graph for every row count and length
+                torch._dynamo.mark_dynamic(t, 0)
+            return self._decode_compiled(ids_n, pos_n, key_pos_L)
         index = _StepIndex.build(batch)
         ids, pos_T, seq_T, local_T, last_k, key_len, new_len, rows_k, w_rows, w_pos, w_src = (
             runtime.to_device(t) for t in index.tensors
         )
         cos, sin = self.cos[pos_T], self.sin[pos_T]  # [T, 1, 1, rot]: shared by every layer
-        ng, hn = self.num_groups, self.head_dim
-        rep = self.num_heads // ng
-        n = len(batch.rows)
-        if index.is_decode:  # one additive key-padding bias [n * ng, 1, L] for every layer
-            k_pos = torch.arange(index.max_key_len, device=key_len.device)
-            blocked = (k_pos[None, :] >= key_len[:, None])[:, None, None, :]
-            bias = torch.zeros(blocked.shape, dtype=self.cos.dtype, device=blocked.device)
-            bias = (
-                bias.masked_fill_(blocked, float("-inf"))
-                .expand(n, ng, 1, -1)
-                .reshape(n * ng, 1, -1)
-            )
         x = self._embed(ids)  # [T, h]
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(layer.norm1(x), layer.qkv_weight, layer.qkv_bias)
-            qkv = qkv.view(-1, ng, rep + 2, hn)  # groups of [q x rep, k, v]
-            if layer.q_norm is None:  # one rotation for the queries and the key of each group
-                qk = _rope(qkv[:, :, : rep + 1], cos, sin)
-                q, k = qk[:, :, :rep], qk[:, :, rep]
-            else:
-                q = _rope(layer.q_norm(qkv[:, :, :rep]), cos, sin)
-                k = _rope(layer.k_norm(qkv[:, :, rep : rep + 1]), cos, sin)[:, :, 0]
-            v = qkv[:, :, rep + 1]
+            q, k, v = self._qkv(layer, x, cos, sin)
             if index.shared:
                 k, v = k[w_src], v[w_src]
             self.cache.write(i, w_rows, w_pos, k, v)
-            if index.is_decode:
-                keys, values = self.cache.view(i, 0, n, index.max_key_len)
-                ctx = _attend_decode(q.reshape(n * ng, rep, hn), keys, values, bias, self.scale)
-            else:
-                keys, values = self.cache.gather(i, rows_k, index.max_key_len)
-                start = key_len - new_len
-                q = q.reshape(-1, self.num_heads, hn)
-                ctx = self._attend_ragged(q, keys, values, index, seq_T, local_T, start)
-            x = x + _bias(self._reduce(F.linear(ctx, layer.proj_weight)), layer.proj_bias)
-            gate, up = torch.chunk(
-                F.linear(layer.norm2(x), layer.fc1_weight, layer.fc1_bias), 2, dim=-1
-            )
-            out = self._reduce(F.linear(F.silu(gate) * up, layer.fc2_weight))
-            x = x + _bias(out, layer.fc2_bias)
-        return self._logits(self.final_norm(x[last_k]))
+            keys, values = self.cache.gather(i, rows_k, index.max_key_len)
+            start = key_len - new_len
+            q = q.reshape(-1, self.num_heads, self.head_dim)
+            ctx = self._attend_ragged(q, keys, values, index, seq_T, local_T, start)
+            if i == len(self.layers) - 1:
+                # Past the last cache write only the tokens whose logits are returned matter:
+                # the last layer's projection and MLP run on those alone ([k, h]).
+                x, ctx = x[last_k], ctx[last_k]
+            x = self._mlp(layer, self._attn_out(layer, x, ctx))
+        return self._logits(self.final_norm(x))
+
+    def _decode(self, ids_n: torch.Tensor, pos_n: torch.Tensor, key_pos_L: torch.Tensor):
+        """A decode step: row r's one new token ``ids_n[r]`` at position ``pos_n[r]``, rows
+        ``0 .. n-1``, key positions ``key_pos_L = arange(L)`` (L: the longest row's keys);
+        logits ``[n, V]``. Only tensors in, so that one compiled graph serves every step."""
+        n, ng, hn, length = ids_n.size(0), self.num_groups, self.head_dim, key_pos_L.size(0)
+        rep = self.num_heads // ng
+        cos, sin = self.cos[pos_n], self.sin[pos_n]  # [n, 1, 1, rot]: shared by every layer
+        # One additive key-padding bias [n * ng, 1, L] for every layer.
+        blocked = key_pos_L[None, :] > pos_n[:, None]
+        bias = torch.zeros(blocked.shape, dtype=self.cos.dtype, device=blocked.device)
+        bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
+        bias = bias.expand(n, ng, 1, length).reshape(n * ng, 1, length)
+        rows = torch.arange(n, device=pos_n.device)
+        x = self._embed(ids_n)  # [n, h]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            self.cache.write(i, rows, pos_n, k, v)
+            keys, values = self.cache.view(i, 0, n, length)
+            ctx = _attend_decode(q.reshape(n * ng, rep, hn), keys, values, bias, self.scale)
+            x = self._mlp(layer, self._attn_out(layer, x, ctx))
+        return self._logits(self.final_norm(x))
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries ``[T, ng, rep, hn]``, keys and values ``[T, ng, hn]`` (keys and queries
+        rotated) of the fused QKV projection."""
+        ng, hn = self.num_groups, self.head_dim
+        rep = self.num_heads // ng
+        qkv = F.linear(layer.norm1(x), layer.qkv_weight, layer.qkv_bias)
+        qkv = qkv.view(-1, ng, rep + 2, hn)  # groups of [q x rep, k, v]
+        if layer.q_norm is None:  # one rotation for the queries and the key of each group
+            qk = _rope(qkv[:, :, : rep + 1], cos, sin)
+            q, k = qk[:, :, :rep], qk[:, :, rep]
+        else:
+            q = _rope(layer.q_norm(qkv[:, :, :rep]), cos, sin)
+            k = _rope(layer.k_norm(qkv[:, :, rep : rep + 1]), cos, sin)[:, :, 0]
+        return q, k, qkv[:, :, rep + 1]
+
+    def _attn_out(self, layer: _Layer, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention's output projection."""
+        return x + _bias(self._reduce(F.linear(ctx, layer.proj_weight)), layer.proj_bias)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer's SwiGLU MLP."""
+        gate, up = torch.chunk(
+            F.linear(layer.norm2(x), layer.fc1_weight, layer.fc1_bias), 2, dim=-1
+        )
+        return x + _bias(
+            self._reduce(F.linear(F.silu(gate) * up, layer.fc2_weight)), layer.fc2_bias
+        )
 
     def _logits(self, hidden_kh: torch.Tensor) -> torch.Tensor:
         """Output layer on the last tokens; the vocabulary shards all-gathered over TP."""
@@ -362,7 +417,6 @@ class _StepIndex:
     tensors: tuple[torch.Tensor, ...]
     """Per token: ids, positions, sequence and local index; per sequence: last-token index, key
     length, new-token count, row; per cache write: row, position and source token."""
-    is_decode: bool
     fresh: bool
     max_new: int
     max_key_len: int
@@ -371,8 +425,6 @@ class _StepIndex:
 
     @classmethod
     def build(cls, batch: Batch) -> _StepIndex:
-        if batch.is_decode:
-            return cls._decode(batch)
         lengths = [len(t) for t in batch.tokens]
         ids = [t for seq in batch.tokens for t in seq]
         pos, seq, local, last = [], [], [], []
@@ -403,23 +455,11 @@ class _StepIndex:
         )  # fmt: skip
         return cls(
             tensors,
-            is_decode=batch.is_decode,
             fresh=not any(batch.starts),
             max_new=max(lengths),
             max_key_len=max(key_len),
             shared=any(batch.shared),
         )
-
-    @classmethod
-    def _decode(cls, batch: Batch) -> _StepIndex:
-        """Decode: one token per row ``i`` at position ``starts[i]``; rows ``0 .. n-1``."""
-        n = len(batch.rows)
-        ids = torch.tensor([t[0] for t in batch.tokens], dtype=torch.long)
-        pos = torch.tensor(batch.starts, dtype=torch.long)
-        arange, ones = torch.arange(n), torch.ones(n, dtype=torch.long)
-        tensors = (ids, pos, arange, ones - 1, arange, pos + 1, ones, arange, arange, pos, arange)
-        max_len = max(batch.starts) + 1
-        return cls(tensors, is_decode=True, fresh=False, max_new=1, max_key_len=max_len)
 
 
 def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:

@@ -4,6 +4,7 @@
     megatron-earl bench engine                          # demo model, batch 64, prompt 32, 48 new
     megatron-earl bench engine --batches 1,8,32,64 --repeats 2        # a batch sweep
     megatron-earl bench engine --tp 2                   # ours on 2 TP processes, HF still on 1
+    megatron-earl bench engine --compile-decode         # ours with torch.compile'd decode steps
     megatron-earl bench engine model.num_layers=8 model.hidden_size=256   # another model shape
     python scripts/bench_engine.py --json               # one machine-readable line
 
@@ -75,6 +76,9 @@ class EngineBenchConfig:
     8 completions per prompt -- our engine prefills a group's prompt once, HF every row)."""
     seed: int = 0
     """Seed of the weights, the prompts and our engine's sampling stream."""
+    compile_decode: bool = False
+    """Our engine's ``EmbeddedEngineConfig.compile_decode`` (``torch.compile`` of the decode
+    step; its compilation happens in the untimed warm-up and is reported as ``ours_warmup_s``)."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -193,12 +197,13 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
         max_seq_len=cfg.prompt_len + cfg.new_tokens,
         max_prefills_per_step=biggest,
         seed=cfg.seed,
+        compile_decode=cfg.compile_decode,
     )
     engine = EmbeddedEngine(chunks, model, engine_config)
     hf = bench_hf.hf_model(full, model) if dist.get_rank() == 0 else None
     threads = torch.get_num_threads()
     out = run_engine(engine, lambda eng: drive(eng, hf, cfg))
-    return None if out is None else (*out, threads)
+    return None if out is None else (*out, threads, engine_config.decode_threads or threads)
 
 
 def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
@@ -218,7 +223,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
             f"{bench_hf.LOGITS_TOL} (max |logit| {scale:.3g}); timings would compare two functions"
         )
     per_rank = run_distributed(_bench_rank, cfg.tp, args=(cfg, full), timeout_s=3600)
-    rows, greedy, threads = per_rank[0]
+    rows, greedy, warmup_s, threads, decode_threads = per_rank[0]
     m = cfg.model
     settings = {
         "model": (
@@ -234,6 +239,9 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
         "repeats": cfg.repeats,
         "ours_processes": cfg.tp,
         "ours_threads_per_process": threads,
+        "ours_decode_threads": decode_threads,
+        "ours_compile_decode": cfg.compile_decode,
+        "ours_warmup_s": warmup_s,
         "hf_processes": 1,
         "hf_threads": os.cpu_count() or 1,
         "hf_attention": "sdpa",
@@ -256,7 +264,10 @@ def format_report(result: EngineBenchResult) -> str:
         "bench engine: embedded engine (ours) vs transformers generate (HF), same weights/prompts",
         f"model: {s['model']}",
         f"ours: {s['ours_processes']} process(es) (tp={s['ours_processes']}) x "
-        f"{s['ours_threads_per_process']} torch threads; HF: 1 process x {s['hf_threads']} torch "
+        f"{s['ours_threads_per_process']} torch threads (decode steps: "
+        f"{s['ours_decode_threads']}), compile_decode {'on' if s['ours_compile_decode'] else 'off'}"
+        f" (untimed warm-up incl. any compilation: {s['ours_warmup_s']:.1f} s); "
+        f"HF: 1 process x {s['hf_threads']} torch "
         f"threads, {s['hf_attention']} attention, transformers {s['transformers']}; torch "
         f"{s['torch']}, {s['cores']} cores",
         f"prompt {s['prompt_len']} tokens ({_groups(s['group_size'])}), {s['new_tokens']} new "
@@ -290,6 +301,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes of our engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-size", type=int, default=1, help="requests per prompt (8: GRPO groups)")
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="torch.compile our engine's decode step (compiled in the warm-up, time reported)",
+    )
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
     return p.parse_args(argv)
 
@@ -311,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         tp=args.tp,
         seed=args.seed,
         group_size=args.group_size,
+        compile_decode=args.compile_decode,
     )
     result = measure(cfg)
     print(json.dumps(dataclasses.asdict(result)) if args.json else format_report(result))

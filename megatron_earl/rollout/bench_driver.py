@@ -103,9 +103,12 @@ def _rows(
     return rows
 
 
-async def drive(engine: Any, hf: Any, cfg: EngineBenchConfig) -> tuple[list[BenchRow], tuple]:
+async def drive(
+    engine: Any, hf: Any, cfg: EngineBenchConfig
+) -> tuple[list[BenchRow], tuple, float]:
     """Warm up, compare greedy outputs once, then time every (batch, sampling mode): per repeat
-    a prefill run and a full run of each engine, ours then HF, on fresh shared prompts."""
+    a prefill run and a full run of each engine, ours then HF, on fresh shared prompts. Returns
+    the rows, the greedy agreement and the seconds of our first (warm-up) run."""
     from megatron_earl.rollout.bench import ENGINES, SAMPLING_MODES
 
     pair = _Pair(engine, hf)
@@ -118,7 +121,9 @@ async def drive(engine: Any, hf: Any, cfg: EngineBenchConfig) -> tuple[list[Benc
         return fresh.repeat_interleave(cfg.group_size, dim=0)[:batch]
 
     warm = prompts(2)
-    await pair.ours(warm, 2, False)
+    start = time.perf_counter()
+    await pair.ours(warm, 2, False)  # the first decode step: compiles it with compile_decode
+    warmup_s = time.perf_counter() - start
     pair.theirs(warm, 2, False)
     greedy = await _agreement(pair, prompts(cfg.batches[0]), min(cfg.agree_tokens, cfg.new_tokens))
     rows: list[BenchRow] = []
@@ -137,4 +142,4 @@ async def drive(engine: Any, hf: Any, cfg: EngineBenchConfig) -> tuple[list[Benc
                     times[ENGINES[0]][slot].append(ours_s)
                     times[ENGINES[1]][slot].append(hf_s)
             rows += _rows(cfg, batch, sampling, times)
-    return rows, greedy
+    return rows, greedy, warmup_s

@@ -103,7 +103,21 @@ class EmbeddedEngineConfig:
     decode time is fixed whatever the CPU contention (``PaceStats`` counts the steps whose
     forward was slower). 0: unpaced. Prefills are not paced. Tokens are unchanged."""
 
+    decode_threads: int = 1
+    """``torch`` intra-op threads of a decode step (0: as many as a prefill step, which uses
+    the process's setting at construction). One by default: a decode step of a small model is
+    ~80 small ops, and each parallel region costs a wake-up of the other threads that the
+    arithmetic does not repay (docs/engines.md, "Threads")."""
+
+    compile_decode: bool = False
+    """``torch.compile`` the decode step (``BatchedForward``; tp 1 only): fewer, fused kernels
+    per step, paid for by a compilation at the first decode step (docs/engines.md)."""
+
     def __post_init__(self) -> None:
+        if self.decode_threads < 0:
+            raise ValueError(
+                f"decode_threads must be >= 0 (0: the prefill's threads), got {self.decode_threads}"
+            )
         names = ("max_batch_size", "max_seq_len", "max_prefills_per_step", "max_prefill_tokens")
         for name in names:
             if getattr(self, name) < 1:
@@ -223,8 +237,15 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self.detokenize = detokenize
         self._version = weight_version
         self._forward = BatchedForward(
-            self.model, self.config.max_batch_size, self.config.max_seq_len
+            self.model,
+            self.config.max_batch_size,
+            self.config.max_seq_len,
+            compile_decode=self.config.compile_decode,
         )
+        prefill_threads = torch.get_num_threads()
+        self._threads = (prefill_threads, self.config.decode_threads or prefill_threads)
+        """Intra-op threads of a (prefill, decode) step, set in the thread that runs it (the
+        setting is per thread: the step thread starts with OpenMP's default, all cores)."""
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._tp = parallel_state.get_tensor_model_parallel_world_size()
         self._src = parallel_state.get_tensor_model_parallel_src_rank()
@@ -647,6 +668,9 @@ class EmbeddedEngine(StepResults, EngineMemory):
             return self._call(step.fn)
         for src, dst, length in step.moves:
             self._forward.move_row(src, dst, length)
+        threads = self._threads[step.batch.is_decode]
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         return self._forward(step.batch)
 
     def _call(self, fn: Callable[[EmbeddedEngine], Any] | None) -> list[tuple[bool, Any]] | None:
