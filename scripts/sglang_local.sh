@@ -14,7 +14,10 @@
 # generated for this run), OUT (logs and the shared weight directory, default
 # runs/sglang_local), PACE_DECODE_MS (measurement only: every engine's decode step lasts at
 # least this many ms, `serve --pace-decode-ms`; default 0, unpaced), NPROC, PYTHON,
-# OMP_NUM_THREADS (as scripts/train_local.sh).
+# OMP_NUM_THREADS (as scripts/train_local.sh), RELAYS (0: the trainer pushes to every engine,
+# default; N > 0: the relay weight service, docs/relay.md -- a root relay the trainer publishes
+# to and N relays pulling from it, relay j feeding engines j, j + N, ...; ports after the
+# router's).
 # The engines start with random weights: the trainer pushes its own before the first rollout.
 set -euo pipefail
 
@@ -24,6 +27,7 @@ PYTHON=${PYTHON:-python}
 ENGINES=${ENGINES:-2}
 ROUTER=${ROUTER:-1}
 ROUTER_POLICY=${ROUTER_POLICY:-cache_aware}
+RELAYS=${RELAYS:-0}
 ENGINE_PORT=${ENGINE_PORT:-31000}
 ENGINE_BATCH=${ENGINE_BATCH:-64}
 PACE_DECODE_MS=${PACE_DECODE_MS:-0}
@@ -99,6 +103,25 @@ if [[ "$ROUTER" == 1 ]]; then
     PIDS+=($!)
     wait_up "$ROUTER_URL" router
     OVERRIDES+=("rollout.sglang.router_url=${ROUTER_URL}")
+fi
+
+if (( RELAYS > 0 )); then
+    RELAY_PORT=$(( ENGINE_PORT + ENGINES + 2 ))
+    ROOT_URL="http://127.0.0.1:${RELAY_PORT}"
+    "$PYTHON" -m megatron_earl.relay.server --port "$RELAY_PORT" > "$OUT/engines/relay_root.log" 2>&1 &
+    PIDS+=($!)
+    wait_up "$ROOT_URL" relay
+    for (( j = 0; j < RELAYS; j++ )); do
+        FED=()
+        for (( i = j; i < ENGINES; i += RELAYS )); do FED+=("${URLS[$i]}"); done
+        port=$(( RELAY_PORT + 1 + j ))
+        "$PYTHON" -m megatron_earl.relay.server --port "$port" --upstream "$ROOT_URL" \
+            --engines "$(IFS=,; echo "${FED[*]}")" > "$OUT/engines/relay$j.log" 2>&1 &
+        PIDS+=($!)
+        wait_up "http://127.0.0.1:${port}" relay
+    done
+    OVERRIDES+=("rollout.sglang.weight_update=relay" "rollout.sglang.relay_urls=[${ROOT_URL}]")
+    echo "sglang_local.sh: root relay ${ROOT_URL}, ${RELAYS} relays feeding the engines"
 fi
 
 if [[ "$PACE_DECODE_MS" != 0 ]]; then

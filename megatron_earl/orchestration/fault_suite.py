@@ -378,12 +378,20 @@ def report(out: dict) -> str:
         f"short of trajectories {out['short_steps']}, discarded (stale) {out['discarded_groups']}",
         f"engine failovers {out['engine_failovers']}, requests moved off a stalled engine "
         f"{out['moved_from_stalled']}, median fault-free step {out['median_clean_step_s']:.2f} s",
-        f"{'fault':<14} {'target':<6} {'after step':>10} {'step s':>7} {'recovered s':>12}",
+        "back s: from the injection until the component ran again (restart or SIGCONT); "
+        "recovered s: from then until every engine serves the newest version and the reward "
+        "service answers; step s: the step the fault began in",
+        f"{'fault':<14} {'target':<6} {'after step':>10} {'step s':>7} {'back s':>7} "
+        f"{'recovered s':>12}",
     ]
     for f in out["faults"]:
         rec = "never" if f["recovered_s"] is None else f"{f['recovered_s']:.2f}"
         step = "-" if f["step_s"] is None else f"{f['step_s']:.2f}"
-        lines.append(f"{f['kind']:<14} {f['target']:<6} {f['after_step']:>10} {step:>7} {rec:>12}")
+        back = f["ended_s"] - f["injected_s"]
+        lines.append(
+            f"{f['kind']:<14} {f['target']:<6} {f['after_step']:>10} {step:>7} {back:>7.2f} "
+            f"{rec:>12}"
+        )
     for name, c in out["relays"].items():
         lines.append(f"relay {name}: {c}")
     return "\n".join(lines)

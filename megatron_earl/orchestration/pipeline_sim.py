@@ -203,7 +203,11 @@ class SimConfig:
     train_s_per_token: float = 0.0
     """Trainer time per trained token (experience log-probs + forward/backward)."""
     push_s: float = 0.0
-    """Weight push to every engine (engines paused meanwhile)."""
+    """Weight push: the trainer is blocked this long after each step."""
+    engine_pause_s: float | None = None
+    """How long every engine is paused by the push (None: ``push_s``, a direct push to every
+    engine). A relay weight service (docs/relay.md) blocks the trainer only for its publish
+    (``push_s``) and pauses each engine for its own load (``engine_pause_s``)."""
     mode: SimMode = SimMode.SYNC
     """sync | async."""
     max_staleness: int = 0
@@ -244,6 +248,8 @@ class SimConfig:
         ]
         if not self.decode_s_per_token > 0:
             bad.append(f"decode_s_per_token={self.decode_s_per_token} (must be > 0)")
+        if self.engine_pause_s is not None and not self.engine_pause_s >= 0:
+            bad.append(f"engine_pause_s={self.engine_pause_s} (must be >= 0 or None)")
         if self.prefill_s is not None and not self.prefill_s >= 0:
             bad.append(f"prefill_s={self.prefill_s} (must be >= 0 or None)")
         if self.tokens_per_turn is not None and self.tokens_per_turn < 1:
@@ -441,6 +447,7 @@ class _Simulation:
             "env": self._on_env,
             "train_done": self._on_train_done,
             "push_done": self._on_push_done,
+            "engines_resume": self._on_engines_resume,
         }
         while len(self.result.step_end_s) < self.cfg.num_steps:
             assert self.events, "simulation stalled"  # every started group finishes
@@ -550,6 +557,8 @@ class _Simulation:
         if self.cfg.partial_rollout is PartialRollout.RESTART:
             self._restart_in_flight()
         self.result.push_s += self.cfg.push_s
+        pause = self.cfg.push_s if self.cfg.engine_pause_s is None else self.cfg.engine_pause_s
+        self._at(self.now + pause, "engines_resume")
         self._at(self.now + self.cfg.push_s, "push_done")
 
     def _restart_in_flight(self) -> None:
@@ -578,12 +587,17 @@ class _Simulation:
         self.trainer_busy, self.trainer_free_since = False, self.now
         if len(self.result.step_end_s) == self.cfg.num_steps:
             return  # the run ends here
+        self._start_groups()
+        self._try_train()
+
+    def _on_engines_resume(self, _: Any) -> None:
+        """The engines end their pause (at the push's end unless ``engine_pause_s`` says other)."""
+        if len(self.result.step_end_s) == self.cfg.num_steps:
+            return
         for engine in self.engines:
             engine.paused, engine.last = False, self.now
             self._fill(engine)
             self._schedule(engine)
-        self._start_groups()
-        self._try_train()
 
     # ------------------------------------------------------------------ engines
 

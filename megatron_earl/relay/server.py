@@ -23,7 +23,10 @@ passes them on without the trainer:
   ``--pause-mode``, ``update_weights_from_tensor`` per bucket with the version on the last one,
   ``continue_generation``, then ``get_model_info`` must report it). Each engine on its own: a
   slow or dead engine delays nobody else; a failed apply is retried with backoff, and an engine
-  that restarts (it reports another version) gets the newest version again.
+  that restarts (it reports another version) gets the newest version again. Each engine is fed
+  by one relay: an applier's first call to its engine is ``continue_generation`` (a no-op when
+  the engine runs), since a relay killed between its pause and its continue leaves the engine
+  paused until a relay for it starts again.
 - **Collection.** A version older than the newest is dropped once no applier is loading it and
   no child relay has fetched a bucket of it within ``--lease-s``.
 
@@ -389,12 +392,16 @@ class RelayServer:
         key = os.environ.get("SGLANG_ADMIN_API_KEY") or os.environ.get("SGLANG_API_KEY") or None
         client = SGLangClient(url, ClientConfig(api_key=key, max_retries=1, connect_timeout_s=3))
         failures = 0
+        released = False
         try:
             while True:
                 event = self._new_version
                 try:
                     await client.get_model_info()
                     state.version, state.healthy = client.weight_version, True
+                    if not released:  # a relay killed mid-apply left it paused: continue it
+                        await client.resume()
+                        released = True
                     newest = self.store.newest_version()
                     if newest is not None and state.version != newest:
                         await self._apply(client, state, newest)

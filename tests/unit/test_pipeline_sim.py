@@ -117,6 +117,27 @@ def test_async_beats_sync_on_a_long_tail_within_the_bound(k):
     assert out["wasted_tokens"] == 0
 
 
+def test_engine_pause_shorter_than_the_trainers_publish_by_hand():
+    """Relay weight service: the trainer blocked ``push_s``, the engines paused only
+    ``engine_pause_s``. Sync on one engine: the next step's rollout starts at the publish's end
+    either way, so the step is unchanged; with the engines' pause equal to the push the
+    schedule is exactly the direct push's."""
+    assert (
+        simulate(_with(ONE_ENGINE, engine_pause_s=0.2)).to_dict() == simulate(ONE_ENGINE).to_dict()
+    )
+    out = simulate(_with(ONE_ENGINE, engine_pause_s=0.05)).to_dict()
+    assert out["s_per_step"] == pytest.approx(100 * D + 0.5 + 0.4 + 0.2, rel=1e-12)
+
+
+def test_async_gains_when_the_engines_pause_less_than_the_trainer_publishes():
+    direct = simulate(_with(LONG_TAIL, mode="async", max_staleness=1, push_s=4.0)).to_dict()
+    relay = simulate(
+        _with(LONG_TAIL, mode="async", max_staleness=1, push_s=4.0, engine_pause_s=0.5)
+    ).to_dict()
+    assert relay["trajectories_per_s"] > direct["trajectories_per_s"]
+    assert max(relay["staleness_trajectories"]) <= 1
+
+
 def test_restart_wastes_tokens_that_continue_keeps():
     cont = simulate(_with(LONG_TAIL, mode="async", max_staleness=1)).to_dict()
     restart = simulate(
@@ -182,6 +203,7 @@ def test_a_sequence_replays_a_run_in_order():
     [
         ({"max_staleness": -1}, "max_staleness=-1 (must be >= 0)"),
         ({"num_engines": 0}, "num_engines=0 (must be >= 1)"),
+        ({"engine_pause_s": -1.0}, "engine_pause_s=-1.0 (must be >= 0 or None)"),
         ({"decode_s_per_token": 0.0}, "decode_s_per_token=0.0 (must be > 0)"),
         ({"mode": "asynch"}, "'asynch' is not a valid SimMode"),
         ({"partial_rollout": "drop"}, "'drop' is not a valid PartialRollout"),
