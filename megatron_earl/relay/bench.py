@@ -18,18 +18,28 @@ Engines are idle during the pushes (no request to pause), so the direct stall is
 of what a busy engine fleet costs. Every cost of each side is in its figure: encoding, HTTP,
 checksums, the engines' loading, the version read-back.
 
-The projection to 256-1024 engines is MODELLED, not measured: the direct stall is the line
-``a + b * N`` fitted to the measured points (one trainer sends N copies; its NIC is the
-bottleneck), the relay stall is the median measured publish (independent of N by construction),
-and the relay propagation is ``hops x`` the measured per-hop time of a tree with
-``--engines-per-relay`` fan-out. Real clusters use NCCL broadcast for the direct path, whose
-bandwidth term does not grow with N; the line is the HTTP transport's, which is what ran here.
+Two projections to 256-1024 engines, both MODELLED, not measured:
+
+1. *This transport scaled up*: the direct stall is the line ``a + b * N`` fitted to the
+   measured points (one trainer sends N copies over HTTP), the relay stall is the median
+   measured publish (independent of N by construction), the relay propagation ``levels x`` the
+   measured per-hop time of a tree with ``--engines-per-relay`` fan-out. Real clusters push
+   with NCCL broadcast, whose bandwidth term does not grow with N: this line is the HTTP
+   transport's, the one that ran here.
+2. *The pipeline simulator of the asynchronous mode* (``pipeline_sim``, with
+   ``bench_async_sim.Assumptions``: 32B model, engines of 4 GPUs, 3/4 of the GPUs on rollout,
+   async with ``max_staleness`` 1): the direct push is order 7's assumption (a 4 s NCCL push
+   of 64 GB, trainer blocked and every engine paused for it); with relays the trainer is
+   blocked for ``SIM_PUBLISH_S`` (its shards copied to relays on its own nodes) and each engine
+   paused for ``SIM_ENGINE_LOAD_S`` (a load from the relay on its node). Both are assumptions
+   stated here, not measurements; the simulator's output is throughput (trajectories/s).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import platform
@@ -60,6 +70,11 @@ MODEL = ModelConfig(
     make_vocab_size_divisible_by=128,
 )
 PROJECTED = (256, 512, 1024)
+SIM_PUBLISH_S = 1.0
+"""Assumed trainer stall of one publish into node-local relays (64 GB of shards over PCIe)."""
+SIM_ENGINE_LOAD_S = 1.0
+"""Assumed pause of one engine loading a version from its node's relay."""
+SIM_STEPS = 4
 
 
 def _weights(model: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -194,6 +209,7 @@ def summarize(measured: dict[int, dict], engines_per_relay: int) -> dict:
         )
     return {
         "measured": rows,
+        "simulated_MODELLED": simulated(),
         "projection_MODELLED": {
             "direct_fit": {"a_s": a, "b_s_per_engine": b},
             "relay_stall_s": stall,
@@ -201,6 +217,37 @@ def summarize(measured: dict[int, dict], engines_per_relay: int) -> dict:
             "rows": projection,
         },
     }
+
+
+def simulated(engines: tuple[int, ...] = PROJECTED, steps: int = SIM_STEPS) -> list[dict]:
+    """The pipeline simulator's async throughput, direct push vs relays (module docstring)."""
+    from megatron_earl.orchestration.bench_async_sim import Assumptions
+    from megatron_earl.orchestration.pipeline_sim import simulate
+
+    a = Assumptions()
+    rows = []
+    for n in engines:
+        gpus = 2 * round(n * a.gpus_per_engine / a.rollout_fraction / 2)
+        direct = a.async_config(gpus, steps, seed=0, k=1)
+        relay = dataclasses.replace(direct, push_s=SIM_PUBLISH_S, engine_pause_s=SIM_ENGINE_LOAD_S)
+        d, r = simulate(direct).to_dict(), simulate(relay).to_dict()
+        rows.append(
+            {
+                "engines": direct.num_engines,
+                "gpus": gpus,
+                "direct_push_s": direct.push_s,
+                "relay_publish_s": SIM_PUBLISH_S,
+                "relay_engine_load_s": SIM_ENGINE_LOAD_S,
+                "direct_trajectories_per_s": d["trajectories_per_s"],
+                "relay_trajectories_per_s": r["trajectories_per_s"],
+                "throughput_ratio_relay_over_direct": (
+                    r["trajectories_per_s"] / d["trajectories_per_s"]
+                ),
+                "direct_push_fraction": d["push_fraction"],
+                "relay_push_fraction": r["push_fraction"],
+            }
+        )
+    return rows
 
 
 def report(summary: dict, args: argparse.Namespace) -> str:
@@ -231,6 +278,22 @@ def report(summary: dict, args: argparse.Namespace) -> str:
         lines.append(
             f"{r['engines']:>8} {'':>7} {r['direct_stall_s']:>15.3f} {r['relay_stall_s']:>14.3f} "
             f"{r['stall_ratio_direct_over_relay']:>6.1f} {r['relay_propagation_s']:>14.3f}"
+        )
+    lines.append(
+        f"SIMULATED (MODELLED: pipeline simulator, async k=1, 32B on engines of 4 GPUs; direct "
+        f"push 4 s with every engine paused; relays: trainer blocked {SIM_PUBLISH_S:g} s, each "
+        f"engine paused {SIM_ENGINE_LOAD_S:g} s -- assumptions, not measurements)"
+    )
+    lines.append(
+        f"{'engines':>8} {'gpus':>6} {'direct traj/s':>14} {'relay traj/s':>13} {'ratio':>6} "
+        f"{'trainer push share direct/relay':>32}"
+    )
+    for r in summary["simulated_MODELLED"]:
+        lines.append(
+            f"{r['engines']:>8} {r['gpus']:>6} {r['direct_trajectories_per_s']:>14.1f} "
+            f"{r['relay_trajectories_per_s']:>13.1f} "
+            f"{r['throughput_ratio_relay_over_direct']:>6.2f} "
+            f"{r['direct_push_fraction']:>15.3f} / {r['relay_push_fraction']:.3f}"
         )
     return "\n".join(lines)
 
