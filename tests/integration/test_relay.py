@@ -146,9 +146,16 @@ def _settings(tree, **kw) -> SGLangConfig:
     return SGLangConfig(weight_update="relay", **{**base, "relay_timeout_s": 60, **kw})
 
 
-def _publish(tree, full, version: int, engines=("e0", "e1", "e2"), asynchronous=False, **kw):
+def _transport(tree, asynchronous=False, **kw):
     transport = build_transport(_settings(tree, **kw), MODEL, tree["tmp"])
     transport.asynchronous = asynchronous
+    return transport
+
+
+def _publish(tree, full, version: int, engines=("e0", "e1", "e2"), transport=None, **kw):
+    """One publish by ``transport`` (default: a new synchronous one, whose push waits for the
+    engines)."""
+    transport = transport or _transport(tree, **kw)
 
     async def run():
         clients = [SGLangClient(tree["url"][e]) for e in engines]
@@ -259,9 +266,11 @@ def test_a_version_is_complete_or_absent(tree):
 
 def test_a_dead_relay_or_engine_stops_only_its_own(tree):
     relays, url = tree["relays"], tree["url"]
+    run = _transport(tree, asynchronous=True)  # an asynchronous run's transport:
+    _publish(tree, weights(13), 9, transport=run)  # its first push waits for the engines
     relays["R1"].kill()
     start = time.perf_counter()
-    stats = _publish(tree, weights(13), 10, asynchronous=True)
+    stats = _publish(tree, weights(13), 10, transport=run)  # the next ones do not
     assert time.perf_counter() - start < 30 and stats.num_buckets > 1
     _wait_version(url["e2"], 10)  # R2 pulls from R0 when R1 is gone
     assert asyncio.run(_version(url["e0"])) != 10  # e0, e1: their relay is dead
