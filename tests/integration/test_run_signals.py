@@ -4,7 +4,7 @@ every process of the run followed (the launcher's descendants, found with psutil
 - a stopped worker (SIGSTOP) is named by the watchdog (rank, activity, step) and the job ends
   within a bounded time, no process left;
 - SIGTERM to the launcher stops torchrun and every worker; with ``checkpoint.on_signal`` the
-  ranks first finish the step and save a checkpoint;
+  ranks first finish the step and save a checkpoint; SIGKILL of the launcher stops them too;
 - SIGKILL of rank 0 while its checkpoint writers run leaves no writer behind.
 
 Each run costs ~15 s of start-up on 2 cores; the model is the smallest that keeps the phases
@@ -182,6 +182,16 @@ def test_sigterm_to_the_launcher_stops_every_process(run):
     rc = r.launcher.wait(timeout=60)
     r.assert_nothing_left(within_s=20)
     assert rc == 128 + signal.SIGTERM
+
+
+def test_sigkill_of_the_launcher_stops_every_process(run):
+    """torchrun dies with the launcher (PR_SET_PDEATHSIG: SIGTERM) and stops its workers."""
+    r = run([])
+    r.wait_until("step 2", lambda: _steps_logged(r) >= 2)
+    r.processes()
+    r.launcher.send_signal(signal.SIGKILL)
+    r.launcher.wait(timeout=10)
+    r.assert_nothing_left(within_s=40)
 
 
 def test_sigterm_with_on_signal_saves_a_final_checkpoint(run):
