@@ -205,27 +205,20 @@ def _evaluate(loop: RLLoop, config: RunConfig) -> dict[str, float]:
 
 
 def _save(loop: RLLoop, saving: CheckpointConfig, config: RunConfig, summary: dict) -> None:
-    with loop.heartbeat.activity(Activity.CHECKPOINT):
-        _save_now(loop, saving, config, summary)
-
-
-def _save_now(loop: RLLoop, saving: CheckpointConfig, config: RunConfig, summary: dict) -> None:
     use_layout(loop.policy.train_layout)
-    ckpt.save_checkpoint(
-        saving,
-        loop.step,
-        loop.policy.ddp_chunks,
-        loop.policy.optimizer,
-        weight_version=loop.policy.version,
-        data_state={
-            "step": loop.step,
-            "summary": summary,
-            **(
-                {"selector": loop.selection.state(), "last_lengths": loop.last_lengths}
-                if loop.selection is not None
-                else {}
-            ),
-        },
-        model_config=config.model,
-        family=family_for_model(config.model).name,
+    selector = (
+        {"selector": loop.selection.state(), "last_lengths": loop.last_lengths}
+        if loop.selection is not None
+        else {}
     )
+    with loop.heartbeat.activity(Activity.CHECKPOINT):
+        ckpt.save_checkpoint(
+            saving,
+            loop.step,
+            loop.policy.ddp_chunks,
+            loop.policy.optimizer,
+            weight_version=loop.policy.version,
+            data_state={"step": loop.step, "summary": summary, **selector},
+            model_config=config.model,
+            family=family_for_model(config.model).name,
+        )
