@@ -45,7 +45,7 @@ import torch.distributed as dist
 from megatron_earl import runtime
 from megatron_earl.config.model import sequence_parallel_size
 from megatron_earl.config.run import RunConfig
-from megatron_earl.config.vocab import EngineKind, Phase
+from megatron_earl.config.vocab import Activity, EngineKind, Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
@@ -70,6 +70,7 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
+from megatron_earl.orchestration.watchdog import Heartbeat
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.oom_agreement import agreement_point
@@ -92,7 +93,9 @@ class RLLoop:
     """State of one run on this rank: the policy in every phase layout, the rollout backend,
     the step."""
 
-    def __init__(self, config: RunConfig, tokenizer) -> None:
+    def __init__(self, config: RunConfig, tokenizer, heartbeat: Heartbeat | None = None) -> None:
+        self.heartbeat = heartbeat or Heartbeat()
+        """Told which phase runs (``Activity``), for the hang watchdog."""
         embedded = config.rollout.engine == EngineKind.EMBEDDED
         config = dataclasses.replace(
             config, model=pin_transformer_impl(config.model, embedded_engine=embedded)
@@ -377,7 +380,7 @@ class RLLoop:
         )
         selected: dict[str, float | str] = {}
         self.sync_stats = {}
-        with clock(Phase.ROLLOUT):
+        with clock(Phase.ROLLOUT), self.heartbeat.activity(Activity.ROLLOUT):
             if self.selected(Phase.ROLLOUT):
                 lengths = (
                     self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
@@ -395,7 +398,7 @@ class RLLoop:
             else:
                 trajs, source = self.rollout(prompts, agent)
 
-        with clock(Phase.EXPERIENCE):
+        with clock(Phase.EXPERIENCE), self.heartbeat.activity(Activity.EXPERIENCE):
             ok = [t for t in trajs if t.ok]
             if cfg.rollout.mode != "async":
                 groups = group_index(ok)
@@ -414,7 +417,7 @@ class RLLoop:
             else:
                 batch = self.experience(batch, self.active[Phase.EXPERIENCE])
 
-        with clock(Phase.TRAIN):
+        with clock(Phase.TRAIN), self.heartbeat.activity(Activity.TRAIN):
             if self.selected(Phase.TRAIN) and lengths:
                 progress = TrainProgress()
                 train_metrics = self._select(

@@ -290,3 +290,25 @@ def test_gpu_configs_fit_their_world(name, world_size):
     overrides = ["rollout.engine_urls=[http://node03:30000]"] if "disagg" in name else []
     problems = run_problems(load_config(CONFIGS / name, overrides), world_size)
     assert len(problems) == 1 and "Qwen2.5-7B-Instruct' is neither 'demo'" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("runtime.collective_timeout_s=0", "runtime: collective_timeout_s (0.0) must be a finite"),
+        ("runtime.collective_timeout_s=-5", "collective_timeout_s (-5.0) must be"),
+        ("runtime.collective_timeout_s=.inf", "collective_timeout_s: must be a finite number"),
+        ("runtime.watchdog_timeout_s=0", "runtime: watchdog_timeout_s (0.0) must be"),
+        ("checkpoint.on_signal_grace_s=-1", "checkpoint: on_signal_grace_s (-1.0) must be"),
+    ],
+)
+def test_non_positive_timeouts_are_refused_by_name(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+
+
+def test_watchdog_can_be_disabled():
+    assert load_config(None, ["runtime.watchdog_timeout_s=null"]).runtime.watchdog_timeout_s is None
+    assert RunConfig().runtime.collective_timeout_s == 1800.0
+    assert RunConfig().checkpoint.on_signal is False
