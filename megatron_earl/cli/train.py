@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_earl import runtime
     from megatron_earl.cli.main import ERROR_FILE_ENV
+    from megatron_earl.orchestration.loop import EmptyStepsError
     from megatron_earl.orchestration.run import train
     from megatron_earl.selector.decide import NoFeasibleLayout
     from megatron_earl.selector.oom import PhaseOutOfMemory
@@ -97,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     try:
         summary = train(config)
-    except (NoFeasibleLayout, PhaseOutOfMemory) as err:
-        # Every rank raises the same error (decisions are deterministic): one message, no trace.
+    except (NoFeasibleLayout, PhaseOutOfMemory, EmptyStepsError) as err:
+        # Every rank raises the same error (decisions are deterministic; the empty-step count is
+        # all-reduced): one message, no trace.
+        kind = "rollout" if isinstance(err, EmptyStepsError) else "selector"
         if dist.get_rank() == 0:
-            print(f"selector error: {err}", file=sys.stderr, flush=True)
+            print(f"{kind} error: {err}", file=sys.stderr, flush=True)
             if os.environ.get(ERROR_FILE_ENV):  # set by ``megatron-earl train``
                 with open(os.environ[ERROR_FILE_ENV], "w") as f:
-                    f.write(f"selector error: {err}")
+                    f.write(f"{kind} error: {err}")
         return 3
     if dist.get_rank() == 0:
         summary["wall_s"] = round(time.time() - start, 1)

@@ -170,6 +170,10 @@ class RolloutConfig:
     reward_timeout_s: float = 60.0
     """Limit on one reward function call (local or remote); past it the trajectory is FAILED
     (reward_error)."""
+    max_empty_steps: int = 3
+    """Consecutive steps without enough usable trajectories (every one failed) that are skipped
+    with a warning naming the failure reasons; one more stops the run with an error naming them
+    (0: the first such step stops it)."""
     mode: str = "sync"
     """"sync": the EARL loop (every step waits for its rollouts, then trains); "async":
     trajectory-level asynchrony (engine=sglang): every rank keeps generating in the background,
@@ -196,6 +200,13 @@ class RolloutConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 problems.append(f"{name} ({value!r}) must be a finite number of seconds > 0")
+        if isinstance(self.max_empty_steps, bool) or not isinstance(self.max_empty_steps, int):
+            problems.append(f"max_empty_steps {self.max_empty_steps!r} must be an integer >= 0")
+        elif self.max_empty_steps < 0:
+            problems.append(
+                f"max_empty_steps ({self.max_empty_steps}) must be >= 0 (consecutive empty steps "
+                "skipped before the run stops; 0 stops at the first)"
+            )
         if self.mode not in ROLLOUT_MODES:
             problems.append(f"mode {self.mode!r} is not one of {ROLLOUT_MODES}")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):

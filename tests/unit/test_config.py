@@ -118,6 +118,7 @@ def test_unknown_keys_suggest_the_nearest_valid_key(override, fragment):
         ("train.clip_grad=-.inf", "train.clip_grad: must be a finite number, got -inf"),
         ("eval.temperature=.nan", "eval.temperature: must be a finite number, got nan"),
         ("rollout.sampling.temperature=.inf", "sampling.temperature: must be a finite number"),
+        ("rollout.max_empty_steps=-1", "rollout: max_empty_steps (-1) must be >= 0"),
     ],
 )
 def test_wrong_types_name_key_value_and_type(override, fragment):
