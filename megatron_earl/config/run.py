@@ -293,7 +293,8 @@ class EnvConfig:
     name: str = "arithmetic"
     """Registered environment name or a dotted path "pkg.module:Class"."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor."""
+    """Keyword arguments of the environment's constructor (checked at pre-flight by
+    constructing it once, ``orchestration.validate``)."""
 
     def __post_init__(self) -> None:
         _require([] if self.name else ["name must not be empty"], "env")

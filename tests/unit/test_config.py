@@ -254,6 +254,25 @@ def test_start_up_errors_are_collected():
     assert "model.vocab_size (100) < the demo tokenizer's vocabulary" in text
 
 
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (["env.kwargs.dificulty=3"], "TypeError: ArithmeticEnv.__init__() got an unexpected"),
+        (["env.kwargs.difficulty=hard"], "TypeError: '<=' not supported"),
+        (["env.kwargs.difficulty=9"], "ValueError: difficulty must be in [1, 8]"),
+    ],
+)
+def test_env_kwargs_are_checked_at_pre_flight(kwargs, fragment):
+    """The environment is constructed with env.kwargs before any process starts (issue 22)."""
+    cfg = load_config(None, kwargs)
+    with pytest.raises(ConfigError) as err:
+        validate_run(cfg, world_size=1)
+    assert "env.kwargs {" in str(err.value)
+    assert "constructing env.name='arithmetic' raised" in str(err.value)
+    assert fragment in str(err.value)
+    validate_run(load_config(None, ["env.kwargs.difficulty=3"]), world_size=1)
+
+
 def test_existing_checkpoint_path_is_accepted(tmp_path):
     cfg = load_config(None, [f"checkpoint.load={tmp_path}"])
     validate_run(cfg, world_size=1)
