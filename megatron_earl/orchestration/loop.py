@@ -467,7 +467,7 @@ class RLLoop:
 
     def _too_few(self, trajs: Sequence[Trajectory], ok: Sequence[Trajectory]) -> bool:
         """Whether the step has fewer usable (OK) trajectories over all ranks than its consuming
-        layouts have data-parallel ranks (each needs one sample: e.g. every trajectory failed).
+        layouts need (``_samples_needed``: e.g. every trajectory failed).
         Every rank calls (one all-reduce on the host world group), so all agree on a skip."""
         counts = torch.tensor([len(ok)], dtype=torch.int64)
         dist.all_reduce(counts, group=host_group())
@@ -475,11 +475,13 @@ class RLLoop:
         return self.usable < self._samples_needed()
 
     def _samples_needed(self) -> int:
-        """Samples the dispatch needs: the largest dp of the layouts the step consumes in."""
-        layouts = [self.active[Phase.TRAIN]]
+        """Samples the step needs at least: every DP rank of the train layout one per
+        mini-batch, every DP rank of the experience layout one (the layouts the phases last ran
+        in; a layout the selector moves to this step is not known yet)."""
+        needed = self.active[Phase.TRAIN].dp * self.config.batch.num_mini_batches
         if self.experience_work():
-            layouts.append(self.active[Phase.EXPERIENCE])
-        return max(layout.dp for layout in layouts)
+            needed = max(needed, self.active[Phase.EXPERIENCE].dp)
+        return needed
 
     def _skipped_step(self, trajs, clock: BusyClock, start: float, selected: dict) -> dict:
         """Skip a step without enough usable trajectories: no experience or train phase, the
@@ -492,8 +494,8 @@ class RLLoop:
         step = self.step
         what = (
             f"step {step}: {self.usable} usable trajectories of {causes.total} (the "
-            f"experience/train layouts need >= {self._samples_needed()}, one per data-parallel "
-            f"rank); failures: {causes.text}"
+            f"experience/train layouts need >= {self._samples_needed()}: one per data-parallel "
+            f"rank and mini-batch); failures: {causes.text}"
         )
         if self.empty_steps > limit:
             raise EmptyStepsError(

@@ -78,7 +78,7 @@ def test_empty_steps_are_skipped_then_stop_the_run_with_the_cause():
         assert steps == [(1.0, 0.0, False), (0.0, 1.0, True), (1.0, 1.0, False)]
         assert len(messages) == 2
         assert messages[0].startswith("step 0: 0 usable trajectories of 4")
-        assert "env_error x4" in messages[0]
+        assert "env_error x4" in messages[0] and "need >= 2: one per data-parallel" in messages[0]
         assert "dataset row 0 is missing" in messages[0] or "dataset row 1" in messages[0]
         assert "step skipped (weights unchanged), 1 of at most 1" in messages[0]
         assert messages[1].startswith("step 2: 0 usable trajectories of 4")
