@@ -62,3 +62,40 @@ def test_exceptions_reach_the_caller_and_async_callables_stay_on_the_loop():
     assert time.monotonic() - start < 5
     with pytest.raises(ValueError, match="max_threads >= 1, got 0"):
         UserThreads(0)
+
+
+def test_an_async_function_that_blocks_the_loop_is_named(monkeypatch):
+    """An ``async def`` that calls ``time.sleep`` cannot be moved off the loop, but the warning
+    names it (once per function), so the other trajectories' timeouts have a visible cause; an
+    async function that awaits its waiting is not named, and cancellation passes through."""
+    import megatron_earl.rollout.agent.user_threads as ut
+
+    monkeypatch.setattr(ut, "BLOCKING_WARN_S", 0.2)
+    monkeypatch.setattr(ut, "_warned", set())
+
+    class Env:
+        async def step(self, x):
+            await asyncio.sleep(0.01)
+            time.sleep(0.3)  # blocks the loop
+            return x
+
+        async def polite(self, x):
+            await asyncio.sleep(0.3)
+            return x
+
+    async def main():
+        env = Env()
+        assert await call_user(env.step, 1) == 1
+        assert await call_user(env.step, 2) == 2  # warned once
+        assert await call_user(env.polite, 3) == 3
+        task = asyncio.ensure_future(call_user(env.polite, 4))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with pytest.warns(ut.BlockingCallWarning) as record:
+        asyncio.run(main())
+    messages = [str(w.message) for w in record if issubclass(w.category, ut.BlockingCallWarning)]
+    assert len(messages) == 1
+    assert "Env.step (async) blocked the event loop for 0.3 s" in messages[0]

@@ -14,7 +14,10 @@ cannot grow the process without limit; once every thread is stuck, later synchro
 in the queue and fail at their own timeouts. The threads are daemons and the pool is never
 joined: a stuck call does not keep the process (or ``asyncio.run``'s shutdown) from ending.
 An ``async def`` method that blocks (calls ``time.sleep`` or blocking I/O without awaiting) still
-blocks the loop: that is a bug of the environment, not something a timeout can interrupt.
+blocks the loop: that is a bug of the environment, not something a timeout can interrupt. It is
+named instead: ``call_user`` times every stretch such a coroutine runs without yielding, and one
+longer than ``BLOCKING_WARN_S`` raises a ``BlockingCallWarning`` (once per function) naming the
+function, so the cause of the other trajectories' timeouts is visible.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import asyncio
 import inspect
 import queue
 import threading
+import time
+import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,11 +108,67 @@ def is_async(fn: Callable[..., Any]) -> bool:
     )
 
 
+BLOCKING_WARN_S = 1.0
+"""A coroutine of user code that runs this long without yielding is named (it blocked the loop)."""
+
+
+class BlockingCallWarning(RuntimeWarning):
+    """An ``async`` user function blocked the event loop (every other task waited)."""
+
+
+_warned: set[str] = set()
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{type(owner).__qualname__}.{fn.__name__}" if owner is not None else name
+
+
+@types.coroutine
+def _watched(coro, fn: Callable[..., Any]):
+    """Await ``coro``, timing each stretch it runs without yielding (``BLOCKING_WARN_S``).
+    Sends, throws (cancellation) and close pass through unchanged."""
+    it = coro.__await__()
+    value, error = None, None
+    while True:
+        start = time.monotonic()
+        try:
+            yielded = it.send(value) if error is None else it.throw(error)
+        except StopIteration as stop:
+            _check(fn, time.monotonic() - start)
+            return stop.value
+        finally:
+            value = error = None
+        _check(fn, time.monotonic() - start)
+        try:
+            value = yield yielded
+        except BaseException as e:  # CancelledError, GeneratorExit: the coroutine decides
+            error = e
+
+
+def _check(fn: Callable[..., Any], seconds: float) -> None:
+    if seconds < BLOCKING_WARN_S:
+        return
+    name = _name(fn)
+    if name in _warned:
+        return
+    _warned.add(name)
+    warnings.warn(
+        f"{name} (async) blocked the event loop for {seconds:.1f} s without awaiting: every "
+        "other trajectory of this process waited, and may have timed out; make it a plain def "
+        "(it then runs on a worker thread) or await its blocking work (asyncio.to_thread)",
+        BlockingCallWarning,
+        stacklevel=2,
+    )
+
+
 async def call_user(fn: Callable[..., Any], *args: Any, threads: UserThreads | None = None):
-    """``fn(*args)``: awaited when ``fn`` is async, else run on ``threads`` (default
-    ``USER_THREADS``) so it cannot block the event loop; an awaitable it returns is awaited."""
+    """``fn(*args)``: awaited when ``fn`` is async (a stretch that blocks the loop is named:
+    ``BlockingCallWarning``), else run on ``threads`` (default ``USER_THREADS``) so it cannot
+    block the event loop; an awaitable it returns is awaited."""
     if is_async(fn):
-        return await fn(*args)
+        return await _watched(fn(*args), fn)
     result = await (threads or USER_THREADS).run(fn, *args)
     if inspect.isawaitable(result):
         result = await result
