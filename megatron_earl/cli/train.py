@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_earl import runtime
+    from megatron_earl.orchestration.loop import EmptyStepsError
     from megatron_earl.orchestration.run import train
     from megatron_earl.orchestration.signals import StopSignal
     from megatron_earl.orchestration.watchdog import Heartbeat
@@ -111,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     try:
         summary = train(config, heartbeat, stop)
-    except (NoFeasibleLayout, PhaseOutOfMemory) as err:
-        # Every rank raises the same error (decisions are deterministic): one message, no trace.
+    except (NoFeasibleLayout, PhaseOutOfMemory, EmptyStepsError) as err:
+        # Every rank raises the same error (decisions are deterministic; the empty-step count is
+        # all-reduced): one message, no trace.
+        kind = "rollout" if isinstance(err, EmptyStepsError) else "selector"
         if dist.get_rank() == 0:
-            _report(f"selector error: {err}")
+            _report(f"{kind} error: {err}")
         return 3
     except Exception as err:
         # e.g. a collective that timed out (runtime.collective_timeout_s): say where it was

@@ -186,6 +186,10 @@ class RolloutConfig:
     reward_timeout_s: float = 60.0
     """Limit on one reward function call (local or remote); past it the trajectory is FAILED
     (reward_error)."""
+    max_empty_steps: int = 3
+    """Consecutive steps without enough usable trajectories (every one failed) that are skipped
+    with a warning naming the failure reasons; one more stops the run with an error naming them
+    (0: the first such step stops it)."""
     mode: str = "sync"
     """"sync": the EARL loop (every step waits for its rollouts, then trains); "async":
     trajectory-level asynchrony (engine=sglang): every rank keeps generating in the background,
@@ -209,6 +213,13 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
         problems += _seconds(self, ("env_timeout_s", "reward_timeout_s"))
+        if isinstance(self.max_empty_steps, bool) or not isinstance(self.max_empty_steps, int):
+            problems.append(f"max_empty_steps {self.max_empty_steps!r} must be an integer >= 0")
+        elif self.max_empty_steps < 0:
+            problems.append(
+                f"max_empty_steps ({self.max_empty_steps}) must be >= 0 (consecutive empty steps "
+                "skipped before the run stops; 0 stops at the first)"
+            )
         if self.mode not in ROLLOUT_MODES:
             problems.append(f"mode {self.mode!r} is not one of {ROLLOUT_MODES}")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
@@ -295,7 +306,8 @@ class EnvConfig:
     name: str = "arithmetic"
     """Registered environment name or a dotted path "pkg.module:Class"."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor."""
+    """Keyword arguments of the environment's constructor (checked at pre-flight by
+    constructing it once, ``orchestration.validate``)."""
 
     def __post_init__(self) -> None:
         _require([] if self.name else ["name must not be empty"], "env")

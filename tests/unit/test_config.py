@@ -118,6 +118,7 @@ def test_unknown_keys_suggest_the_nearest_valid_key(override, fragment):
         ("train.clip_grad=-.inf", "train.clip_grad: must be a finite number, got -inf"),
         ("eval.temperature=.nan", "eval.temperature: must be a finite number, got nan"),
         ("rollout.sampling.temperature=.inf", "sampling.temperature: must be a finite number"),
+        ("rollout.max_empty_steps=-1", "rollout: max_empty_steps (-1) must be >= 0"),
     ],
 )
 def test_wrong_types_name_key_value_and_type(override, fragment):
@@ -251,6 +252,25 @@ def test_start_up_errors_are_collected():
     assert "batch.samples_per_prompt (1) must be >= 2" in text
     assert "has dp=4 but a step has only 2 samples" in text
     assert "model.vocab_size (100) < the demo tokenizer's vocabulary" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (["env.kwargs.dificulty=3"], "TypeError: ArithmeticEnv.__init__() got an unexpected"),
+        (["env.kwargs.difficulty=hard"], "TypeError: '<=' not supported"),
+        (["env.kwargs.difficulty=9"], "ValueError: difficulty must be in [1, 8]"),
+    ],
+)
+def test_env_kwargs_are_checked_at_pre_flight(kwargs, fragment):
+    """The environment is constructed with env.kwargs before any process starts (issue 22)."""
+    cfg = load_config(None, kwargs)
+    with pytest.raises(ConfigError) as err:
+        validate_run(cfg, world_size=1)
+    assert "env.kwargs {" in str(err.value)
+    assert "constructing env.name='arithmetic' raised" in str(err.value)
+    assert fragment in str(err.value)
+    validate_run(load_config(None, ["env.kwargs.difficulty=3"]), world_size=1)
 
 
 def test_existing_checkpoint_path_is_accepted(tmp_path):

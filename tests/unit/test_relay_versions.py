@@ -86,7 +86,10 @@ def test_a_resumed_trainer_is_a_newer_generation_and_rolls_the_relay_back():
     store.begin(10, generation=2)  # resumed from the checkpoint of version 10
     assert store.committed_versions() == [9]  # 12 came from steps the resumed run redoes
     store.put(10, 0, b"r", digest(b"r"))
-    with pytest.raises(VersionError, match="begun for generation 2, the manifest says generation 1"):
+    with pytest.raises(
+        VersionError,
+        match="begun for generation 2, the manifest says generation 1",
+    ):
         store.commit(Manifest(10, (BucketInfo(digest(b"r"), 1, 1),), generation=1))
     resumed = Manifest(10, (BucketInfo(digest(b"r"), 1, 1),), generation=2)
     store.commit(resumed)
