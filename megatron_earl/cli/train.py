@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_earl import runtime
+    from megatron_earl.config.vocab import Phase
     from megatron_earl.orchestration.loop import EmptyStepsError
     from megatron_earl.orchestration.run import train
     from megatron_earl.orchestration.signals import StopSignal
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NoFeasibleLayout, PhaseOutOfMemory, EmptyStepsError) as err:
         # Every rank raises the same error (decisions are deterministic; the empty-step count is
         # all-reduced): one message, no trace.
-        kind = "rollout" if isinstance(err, EmptyStepsError) else "selector"
+        kind = Phase.ROLLOUT if isinstance(err, EmptyStepsError) else "selector"
         if dist.get_rank() == 0:
             _report(f"{kind} error: {err}")
         return 3
