@@ -17,8 +17,9 @@ model (the ``model:`` section of ``--config``, random weights of ``--seed``) wit
 - ``--hostile-clients`` clients, each cycling through ``PROBES`` (the probe classes of issue 22
   items 2, 8 and 9): malformed bodies, non-finite and out-of-range sampling values, a huge
   ``max_new_tokens``, a stop list of ints, an unknown field, ids outside the vocabulary, a wrong
-  key, an oversized body, more sequences than the queue takes, a client that disconnects
-  mid-generation and a slow sender that never finishes its body. A probe holds when it gets its
+  key, an oversized body, more sequences than the queue takes, clients that disconnect
+  mid-generation (16 long sequences, gone after 0.2 s) and mid-stream (after the first token
+  event), and a slow sender that never finishes its body. A probe holds when it gets its
   expected status (a disconnect expects none: the engine must free its rows, checked at the end).
 - one prober: ``/health`` every ``--health-interval-s`` (must be 200 within 5 s) and the server's
   RSS (psutil) every second.
@@ -181,15 +182,30 @@ async def _huge(s: aiohttp.ClientSession, url: str, setting: SoakSetting) -> int
 
 
 async def _disconnect(s: aiohttp.ClientSession, url: str, setting: SoakSetting) -> int:
-    """A long generation whose client hangs up after 0.2 s (its rows must be freed)."""
+    """16 long generations (two engine-fulls of 8 rows at least: hundreds of decode steps) whose
+    client hangs up after 0.2 s; their rows must be freed (checked by the drain at the end)."""
     params = {"max_new_tokens": setting.max_seq_len - 4, "temperature": 0}
-    body = {"input_ids": [1, 2, 3, 4], "sampling_params": params}
+    body = {"input_ids": [[1, 2, 3, i] for i in range(16)], "sampling_params": params}
     try:
         async with asyncio.timeout(0.2), s.post(f"{url}/generate", json=body) as resp:
             await resp.read()
             return resp.status
     except TimeoutError:
         return DISCONNECTED
+
+
+async def _stream_disconnect(s: aiohttp.ClientSession, url: str, setting: SoakSetting) -> int:
+    """A long streamed generation whose client hangs up after its first token event."""
+    params = {"max_new_tokens": setting.max_seq_len - 4, "temperature": 0}
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": params, "stream": True}
+    async with s.post(f"{url}/generate", json=body) as resp:
+        if resp.status != 200:
+            return resp.status
+        first = await resp.content.readline()
+        if not first.startswith(b"data: {"):
+            return -1
+        resp.close()  # the connection is dropped mid-stream
+    return DISCONNECTED
 
 
 async def _slow_sender(s: aiohttp.ClientSession, url: str, setting: SoakSetting) -> int:
@@ -223,6 +239,7 @@ PROBES = (
     Probe("body over --max-body-mb", 413, _huge),
     Probe("more sequences than the queue", 429, _too_many),
     Probe("client disconnects mid-generation", DISCONNECTED, _disconnect),
+    Probe("client disconnects mid-stream", DISCONNECTED, _stream_disconnect),
     Probe("slow sender", 408, _slow_sender),
 )
 
@@ -382,7 +399,7 @@ def format_report(setting: SoakSetting, r: SoakResult) -> str:
         f"{r.health_slowest_s:.3f} s; engine drained to 0 requests {drained} after the load",
         f"server RSS MiB: start {rss0:.0f}, middle {rss_mid:.0f}, end {rss_end:.0f}, peak "
         f"{peak:.0f} (growth start->end {rss_end - rss0:+.0f} MiB, "
-        f"{(rss_end - rss0) / rss0 * 100:+.1f}%)",
+        f"{(rss_end - rss0) / rss0 * 100:+.1f}%; middle->end {rss_end - rss_mid:+.0f} MiB)",
         "HELD" if r.held else "BROKE",
     ]
     return "\n".join(lines)
