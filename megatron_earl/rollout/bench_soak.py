@@ -25,11 +25,12 @@ model (the ``model:`` section of ``--config``, random weights of ``--seed``) wit
   RSS (psutil) every second.
 
 After the duration the server must drain (``/get_load`` back to 0 within 10 s: no request of a
-gone client keeps running). Printed: the setting, normal requests (done, failed by status, p50,
-p99, mean, req/s), probes (tried, held, statuses by probe), health checks (failed, slowest), RSS
-at start (after the warm-up), middle, end and peak, the machine's load average before and after,
-and HELD or BROKE. Exit code 1 when anything broke. Figures of a shared machine only show the
-method works; the lead reruns it on a quiet one.
+gone client keeps running), and its log (stderr) must hold no traceback or error line: a hostile
+client is the client's problem, not a server error. Printed: the setting, normal requests (done,
+failed by status, p50, p99, mean, req/s), probes (tried, held, statuses by probe), health checks
+(failed, slowest), errors serve logged, RSS at start (after the warm-up), middle, end and peak,
+the machine's load average before and after, and HELD or BROKE. Exit code 1 when anything
+broke. Figures of a shared machine only show the method works; the lead reruns it on a quiet one.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class SoakResult:
     health_slowest_s: float = 0.0
     rss_mib: list[tuple[float, float]] = field(default_factory=list)
     """(seconds since the load started, server RSS in MiB), about once a second."""
+    server_errors: list[str] = field(default_factory=list)
+    """Tracebacks and error lines ``serve`` logged (a hostile client is not a server error)."""
     drained_s: float | None = None
     """Seconds until ``/get_load`` was 0 after the load stopped (None: not within 10 s)."""
     wall_s: float = 0.0
@@ -136,6 +139,7 @@ class SoakResult:
             and self.probes_broke == 0
             and self.health_failed == 0
             and self.drained_s is not None
+            and not self.server_errors
         )
 
     def rss_at(self, fraction: float) -> float:
@@ -345,7 +349,8 @@ def run_soak(setting: SoakSetting, model_json: Path, port: int) -> SoakResult:
         "--max-seq-len", str(setting.max_seq_len),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(source)}
-    proc = subprocess.Popen(cmd, env=env, cwd=source, stdout=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, env=env, cwd=source, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(_wait_ready(url, proc))
@@ -356,10 +361,24 @@ def run_soak(setting: SoakSetting, model_json: Path, port: int) -> SoakResult:
         result.loadavg_before, result.loadavg_after = before, os.getloadavg()
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with code {proc.returncode} during the soak")
+        log.seek(0)
+        result.server_errors = _errors(log.read())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
     return result
+
+
+def _errors(stderr: str) -> list[str]:
+    """The error records of serve's log: each traceback's last line, and ERROR lines."""
+    lines = stderr.splitlines()
+    errors = [line for line in lines if line.startswith(("ERROR", "CRITICAL"))]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    for i, start in enumerate(starts):
+        block = lines[start : starts[i + 1] if i + 1 < len(starts) else len(lines)]
+        errors.append(next((x for x in reversed(block) if x and not x[0].isspace()), block[0]))
+    return errors
 
 
 def format_report(setting: SoakSetting, r: SoakResult) -> str:
@@ -397,6 +416,8 @@ def format_report(setting: SoakSetting, r: SoakResult) -> str:
     lines += [
         f"/health: {r.health_checks} checks, {r.health_failed} failed, slowest "
         f"{r.health_slowest_s:.3f} s; engine drained to 0 requests {drained} after the load",
+        f"serve logged {len(r.server_errors)} errors"
+        + (f", e.g. {Counter(r.server_errors).most_common(1)[0]}" if r.server_errors else ""),
         f"server RSS MiB: start {rss0:.0f}, middle {rss_mid:.0f}, end {rss_end:.0f}, peak "
         f"{peak:.0f} (growth start->end {rss_end - rss0:+.0f} MiB, "
         f"{(rss_end - rss0) / rss0 * 100:+.1f}%; middle->end {rss_end - rss_mid:+.0f} MiB)",

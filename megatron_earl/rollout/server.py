@@ -225,6 +225,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
         except web.HTTPException:
             raise
         except Exception as err:  # a bug answered for this request only; the server goes on
+            if isinstance(err, ConnectionError) and _client_gone(request):
+                raise  # a write after the client left: aiohttp drops the connection quietly
             logger.exception("%s failed", request.path)
             return error_response(500, f"{request.path} failed: {type(err).__name__}: {err}")
 
@@ -451,6 +453,13 @@ class Server(WeightEndpoints, MemoryEndpoints):
             finally:
                 self.updating = False
         return web.json_response({"success": True, "message": f"weight version {version}"})
+
+
+def _client_gone(request: web.Request) -> bool:
+    """The client's connection is closed or closing (a stream's next write fails when it comes
+    before ``handler_cancellation`` cancels the handler)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _apply_checked(full: dict[str, torch.Tensor], apply: Callable[[dict], None]) -> None:

@@ -34,4 +34,5 @@ def test_a_short_soak_holds(tmp_path):
     assert all(sum(result.probes[p.name].values()) >= 1 for p in PROBES), report
     assert result.health_checks >= 5 and result.health_failed == 0
     assert len(result.rss_mib) >= 3 and result.drained_s is not None
+    assert result.server_errors == [], report
     assert report.endswith("HELD")
