@@ -54,6 +54,7 @@ class DevicePolicy:
 
 
 _POLICY: DevicePolicy | None = None
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300.0)
 
 
 def emulating() -> bool:
@@ -146,10 +147,18 @@ def check_device_available(local_rank: int, count: int, kind: str) -> None:
         )
 
 
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of every process group of this process (``initialize(timeout_s)``): the
+    world's, and every group ``parallel.groups`` creates (Megatron's included)."""
+    return _COLLECTIVE_TIMEOUT
+
+
 def initialize(timeout_s: float = 300.0) -> None:
     """Check megatron-core, apply every patch (``patches.apply_all``: the CPU ones only when there
     is no CUDA), and join the process group (on a device policy also the host world group:
-    ``parallel.groups.init_host_world``).
+    ``parallel.groups.init_host_world``). ``timeout_s`` is the collective timeout of the world
+    and of every group created later (``collective_timeout``; a run's
+    ``runtime.collective_timeout_s``).
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a
     process started without it runs as a world of one. Every process of the job must call it.
@@ -162,7 +171,10 @@ def initialize(timeout_s: float = 300.0) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    global _POLICY
+    global _POLICY, _COLLECTIVE_TIMEOUT
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"collective timeout_s ({timeout_s!r}) must be a finite number > 0")
+    _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if emulating():
         from megatron_earl.testing import emulated_device
@@ -177,9 +189,7 @@ def initialize(timeout_s: float = 300.0) -> None:
         from megatron_earl.patches import cpu_redirect
 
         cpu_redirect.set_target(_POLICY.device)
-    dist.init_process_group(
-        backend=_POLICY.device_backend, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend=_POLICY.device_backend, timeout=_COLLECTIVE_TIMEOUT)
     from megatron_earl.parallel import groups
 
     groups.init_host_world()  # the world's gloo twin for host metadata (device policies only)

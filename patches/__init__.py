@@ -37,6 +37,7 @@ PATCHES: tuple[str, ...] = (
     "cpu_redirect",
     "parallel_state_groups",
     "checkpoint_results_queue",
+    "checkpoint_writers_die_with_rank",
     "output_layer_passthrough",
 )
 """Every patch module, in the order ``apply_all`` applies them."""

@@ -63,10 +63,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-wait_up() {  # url what
+wait_up() {  # url what [pid]: fails at once when the process has exited (e.g. port taken)
     for (( waited = 0; waited < 600; waited++ )); do
         if curl -sf -o /dev/null "$1/health"; then
             return 0
+        fi
+        if [[ -n "${3:-}" ]] && ! kill -0 "$3" 2>/dev/null; then
+            echo "sglang_local.sh: $2 $1 exited before it was healthy (log in $OUT/engines)" >&2
+            exit 1
         fi
         sleep 0.5
     done
@@ -110,7 +114,7 @@ if (( RELAYS > 0 )); then
     ROOT_URL="http://127.0.0.1:${RELAY_PORT}"
     "$PYTHON" -m megatron_earl.relay.server --port "$RELAY_PORT" > "$OUT/engines/relay_root.log" 2>&1 &
     PIDS+=($!)
-    wait_up "$ROOT_URL" relay
+    wait_up "$ROOT_URL" relay $!
     for (( j = 0; j < RELAYS; j++ )); do
         FED=()
         for (( i = j; i < ENGINES; i += RELAYS )); do FED+=("${URLS[$i]}"); done
@@ -118,7 +122,7 @@ if (( RELAYS > 0 )); then
         "$PYTHON" -m megatron_earl.relay.server --port "$port" --upstream "$ROOT_URL" \
             --engines "$(IFS=,; echo "${FED[*]}")" > "$OUT/engines/relay$j.log" 2>&1 &
         PIDS+=($!)
-        wait_up "http://127.0.0.1:${port}" relay
+        wait_up "http://127.0.0.1:${port}" relay $!
     done
     OVERRIDES+=("rollout.sglang.weight_update=relay" "rollout.sglang.relay_urls=[${ROOT_URL}]")
     echo "sglang_local.sh: root relay ${ROOT_URL}, ${RELAYS} relays feeding the engines"

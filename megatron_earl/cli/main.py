@@ -22,14 +22,27 @@
 
 Subcommands that start processes go through ``torchrun`` (the same launcher users run under
 slurm); the others call the component's own ``main(argv)``.
+
+Stopping (``stop_run``): SIGTERM, SIGINT or SIGHUP to this command is passed on to every worker
+as SIGTERM (torchrun runs in its own session, so a terminal's Ctrl-C reaches only this command);
+the workers stop at once, or, with ``checkpoint.on_signal``, at the end of the step after a
+checkpoint. Whatever is still running after the grace time (``checkpoint.on_signal_grace_s``
+with on_signal, else ``STOP_GRACE_S``), or at a second signal, is killed: torchrun and every
+process it started. torchrun dies with this command (``PR_SET_PDEATHSIG``), so even a SIGKILL
+here stops the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
+
+from megatron_earl.compat.processes import die_with_parent
 
 # subcommand -> module whose ``main(argv)`` implements it
 _MODULES = {
@@ -62,12 +75,19 @@ ERROR_FILE_ENV = "MEGATRON_EARL_ERROR_FILE"
 ``megatron-earl train`` repeats it as its last line, after torchrun's failure report."""
 
 
-def _torchrun(module: str, argv: list[str]) -> int:
+STOP_GRACE_S = 30.0
+"""Seconds the launcher waits, after passing a signal on, before it kills what is left (without
+``checkpoint.on_signal``: the workers exit at once)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that stop a run started by this command."""
+
+
+def _torchrun(module: str, argv: list[str], grace_s: float = STOP_GRACE_S) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         error_file = os.path.join(tmp, "error.txt")
-        rc = _torchrun_to(module, argv, {ERROR_FILE_ENV: error_file})
+        rc = _torchrun_to(module, argv, {ERROR_FILE_ENV: error_file}, grace_s)
         if rc and os.path.exists(error_file):
             with open(error_file) as f:
                 print(f"megatron-earl {module.rsplit('.', 1)[-1]}: {f.read()}", file=sys.stderr)
@@ -90,7 +110,9 @@ def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
     return int(value), argv[:i] + argv[i + 2 :]
 
 
-def _torchrun_to(module: str, argv: list[str], extra_env: dict[str, str]) -> int:
+def _torchrun_to(
+    module: str, argv: list[str], extra_env: dict[str, str], grace_s: float = STOP_GRACE_S
+) -> int:
     nproc, argv = _pop_nproc(argv)
     cmd = [
         sys.executable,
@@ -104,7 +126,85 @@ def _torchrun_to(module: str, argv: list[str], extra_env: dict[str, str]) -> int
     ]
     env = {**os.environ, **extra_env}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_terminate_with_parent)
+    return stop_run(proc, grace_s)
+
+
+def stop_run(proc: subprocess.Popen, grace_s: float) -> int:
+    """Wait for torchrun ``proc``; on a ``STOP_SIGNALS`` signal pass SIGTERM to its workers,
+    and kill everything left after ``grace_s`` or at a second signal (module docstring).
+    Returns torchrun's exit code, or 128 + the signal's number after a signal."""
+    import psutil
+
+    received: list[int] = []  # signal numbers, in order
+    first_at = 0.0  # monotonic time of the first
+    seen: dict[int, psutil.Process] = {}
+
+    def descendants() -> list[psutil.Process]:
+        try:
+            found = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        seen.update({p.pid: p for p in found})
+        return found
+
+    def on_signal(signum: int, frame) -> None:
+        nonlocal first_at
+        received.append(signum)
+        if len(received) > 1:
+            return  # the wait loop kills
+        first_at = time.monotonic()
+        print(
+            f"megatron-earl: {signal.Signals(signum).name}: stopping the run (a second signal "
+            f"kills it at once; killed in any case after {grace_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for child in descendants():
+            with _gone_ok():
+                if child.ppid() == proc.pid:  # a worker (not a worker's own child)
+                    child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    try:
+        while proc.poll() is None:
+            if len(received) > 1 or (received and time.monotonic() - first_at > grace_s):
+                break
+            if received:
+                descendants()  # remember them: orphans cannot be found from torchrun later
+            time.sleep(0.1)
+        if received:
+            _kill_all(proc, [*seen.values(), *descendants()])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else proc.returncode
+
+
+def _kill_all(proc: subprocess.Popen, processes: list) -> None:
+    """SIGKILL torchrun and every process it started that is still alive; reap torchrun."""
+    import psutil
+
+    for p in [proc, *processes]:
+        with _gone_ok():
+            p.kill()
+    proc.wait()
+    psutil.wait_procs(processes, timeout=10)
+
+
+class _gone_ok(contextlib.AbstractContextManager):
+    """Ignore a process that has exited meanwhile."""
+
+    def __exit__(self, kind, value, tb) -> bool:
+        import psutil
+
+        return kind is not None and issubclass(kind, psutil.NoSuchProcess | ProcessLookupError)
+
+
+def _terminate_with_parent() -> None:
+    """In torchrun (before exec): receive SIGTERM when this launcher dies, whatever killed it
+    (Linux ``PR_SET_PDEATHSIG``; torchrun then stops its workers)."""
+    die_with_parent(signal.SIGTERM)
 
 
 def _usage() -> str:
@@ -125,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    grace_s = STOP_GRACE_S
     if argv[0] == "train":
         # Validate the whole run before any process (or process group) is started.
         from megatron_earl.cli.train import checked_config
@@ -132,12 +233,14 @@ def _dispatch(argv: list[str]) -> int:
 
         nproc, plain = _pop_nproc(argv[1:])
         try:
-            checked_config(plain, nproc)
+            config = checked_config(plain, nproc)
         except ConfigError as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2
+        if config.checkpoint.on_signal:
+            grace_s = config.checkpoint.on_signal_grace_s
     if argv[0] in _TORCHRUN:
-        return _torchrun(_TORCHRUN[argv[0]], argv[1:])
+        return _torchrun(_TORCHRUN[argv[0]], argv[1:], grace_s)
     for words, module in _MODULES.items():
         if tuple(argv[: len(words)]) == words:
             return int(importlib.import_module(module).main(argv[len(words) :]) or 0)

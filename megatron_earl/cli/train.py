@@ -8,6 +8,12 @@ or ``megatron-earl train --nproc 2 --config ...`` (starts torchrun itself). The 
 its overrides applied and the whole run validated against the world size *before* any process
 group exists; then: resume (newest checkpoint of the run) or warm start (SFT), a held-out
 evaluation, the RL steps (metrics, progress, checkpoints), a final evaluation.
+
+Guards (docs/reliability.md): every process group gets ``runtime.collective_timeout_s``; a rank
+that fails prints the activity and step it was in; the hang watchdog
+(``runtime.watchdog_timeout_s``, ``orchestration.watchdog``) names a stopped or frozen rank and
+stops the job; with ``checkpoint.on_signal`` SIGTERM / SIGINT end the run after the current step
+and a checkpoint (``orchestration.signals``).
 """
 
 from __future__ import annotations
@@ -76,6 +82,10 @@ def check_run(config: RunConfig, world_size: int) -> None:
         raise ConfigError("\n  ".join(problems))
 
 
+WATCHDOG_EXIT = 4
+"""Exit code of a rank whose watchdog found a stuck peer."""
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_earl.config.loader import save_config
 
@@ -85,26 +95,40 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_earl import runtime
-    from megatron_earl.cli.main import ERROR_FILE_ENV
+    from megatron_earl.orchestration.loop import EmptyStepsError
     from megatron_earl.orchestration.run import train
+    from megatron_earl.orchestration.signals import StopSignal
+    from megatron_earl.orchestration.watchdog import Heartbeat
     from megatron_earl.selector.decide import NoFeasibleLayout
     from megatron_earl.selector.oom import PhaseOutOfMemory
 
-    runtime.initialize()
+    runtime.initialize(timeout_s=config.runtime.collective_timeout_s)
+    stop = StopSignal.install() if config.checkpoint.on_signal else None
     if dist.get_rank() == 0:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, config.run_dir / "config.yaml")
+    heartbeat = Heartbeat()
+    watchdog = _start_watchdog(config, heartbeat)
     start = time.time()
     try:
-        summary = train(config)
-    except (NoFeasibleLayout, PhaseOutOfMemory) as err:
-        # Every rank raises the same error (decisions are deterministic): one message, no trace.
+        summary = train(config, heartbeat, stop)
+    except (NoFeasibleLayout, PhaseOutOfMemory, EmptyStepsError) as err:
+        # Every rank raises the same error (decisions are deterministic; the empty-step count is
+        # all-reduced): one message, no trace.
+        kind = "rollout" if isinstance(err, EmptyStepsError) else "selector"
         if dist.get_rank() == 0:
-            print(f"selector error: {err}", file=sys.stderr, flush=True)
-            if os.environ.get(ERROR_FILE_ENV):  # set by ``megatron-earl train``
-                with open(os.environ[ERROR_FILE_ENV], "w") as f:
-                    f.write(f"selector error: {err}")
+            _report(f"{kind} error: {err}")
         return 3
+    except Exception as err:
+        # e.g. a collective that timed out (runtime.collective_timeout_s): say where it was
+        _report(
+            f"rank {dist.get_rank()} failed during {heartbeat.describe()}: "
+            f"{type(err).__name__}: {err}"
+        )
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     if dist.get_rank() == 0:
         summary["wall_s"] = round(time.time() - start, 1)
         if "before" in summary and "after" in summary:
@@ -121,6 +145,56 @@ def main(argv: list[str] | None = None) -> int:
     destroy_layouts()
     dist.destroy_process_group()
     return 0
+
+
+def _report(message: str) -> None:
+    """Print a run-ending error on stderr and leave it for ``megatron-earl train`` (which repeats
+    it as its last line, after torchrun's failure report)."""
+    from megatron_earl.cli.main import ERROR_FILE_ENV
+
+    print(message, file=sys.stderr, flush=True)
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(message)
+        os.replace(tmp, path)
+
+
+def _start_watchdog(config: RunConfig, heartbeat):
+    """This rank's hang watchdog (``orchestration.watchdog``; None when
+    ``runtime.watchdog_timeout_s`` is null). Every rank calls (agrees on the launch token)."""
+    import torch.distributed as dist
+
+    from megatron_earl.orchestration.watchdog import Watchdog, launch_token
+
+    if config.runtime.watchdog_timeout_s is None:
+        return None
+    return Watchdog(
+        config.run_dir / "heartbeat",
+        dist.get_rank(),
+        dist.get_world_size(),
+        timeout_s=config.runtime.watchdog_timeout_s,
+        heartbeat=heartbeat,
+        launch=launch_token(),
+        on_stuck=_stop_job,
+    ).start()
+
+
+def _stop_job(message: str, peer) -> None:
+    """The watchdog found a stuck rank: report it, kill it when it runs on this host (a stopped
+    process can still be killed; its checkpoint writers die with it), and end this rank, so that
+    torchrun stops the others. Runs on the watchdog's thread."""
+    import signal
+    import socket
+
+    _report(message)
+    if peer.pid is not None and peer.host == socket.gethostname():
+        try:
+            os.kill(peer.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(WATCHDOG_EXIT)
 
 
 if __name__ == "__main__":

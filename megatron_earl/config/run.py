@@ -21,6 +21,7 @@ world size and the model, the tokenizer) run at start-up in ``orchestration.vali
     checkpoint   CheckpointConfig                directory, interval, retention, load path
     logging      LoggingConfig                   JSONL, TensorBoard, progress bar
     selector     SelectorSettings                per-step layout selection (off by default)
+    runtime      RuntimeConfig                   collective timeouts, hang watchdog
 """
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ def _positive(obj: Any, names: tuple[str, ...], minimum: int = 1) -> list[str]:
         for name in names
         if getattr(obj, name) < minimum
     ]
+
+
+def _seconds(obj: Any, names: tuple[str, ...], optional: bool = False) -> list[str]:
+    """Problems of fields that must be a finite number of seconds > 0 (None too if
+    ``optional``)."""
+    problems = []
+    for name in names:
+        value = getattr(obj, name)
+        if optional and value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and 0 < value < float("inf")):
+            what = " (or null to disable)" if optional else ""
+            problems.append(f"{name} ({value!r}) must be a finite number of seconds > 0{what}")
+    return problems
 
 
 def _vocabulary(cls: type, value: Any, problems: list[str], what: str) -> Any:
@@ -170,6 +186,10 @@ class RolloutConfig:
     reward_timeout_s: float = 60.0
     """Limit on one reward function call (local or remote); past it the trajectory is FAILED
     (reward_error)."""
+    max_empty_steps: int = 3
+    """Consecutive steps without enough usable trajectories (every one failed) that are skipped
+    with a warning naming the failure reasons; one more stops the run with an error naming them
+    (0: the first such step stops it)."""
     mode: str = "sync"
     """"sync": the EARL loop (every step waits for its rollouts, then trains); "async":
     trajectory-level asynchrony (engine=sglang): every rank keeps generating in the background,
@@ -192,10 +212,14 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
-        for name in ("env_timeout_s", "reward_timeout_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
-                problems.append(f"{name} ({value!r}) must be a finite number of seconds > 0")
+        problems += _seconds(self, ("env_timeout_s", "reward_timeout_s"))
+        if isinstance(self.max_empty_steps, bool) or not isinstance(self.max_empty_steps, int):
+            problems.append(f"max_empty_steps {self.max_empty_steps!r} must be an integer >= 0")
+        elif self.max_empty_steps < 0:
+            problems.append(
+                f"max_empty_steps ({self.max_empty_steps}) must be >= 0 (consecutive empty steps "
+                "skipped before the run stops; 0 stops at the first)"
+            )
         if self.mode not in ROLLOUT_MODES:
             problems.append(f"mode {self.mode!r} is not one of {ROLLOUT_MODES}")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
@@ -282,7 +306,8 @@ class EnvConfig:
     name: str = "arithmetic"
     """Registered environment name or a dotted path "pkg.module:Class"."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor."""
+    """Keyword arguments of the environment's constructor (checked at pre-flight by
+    constructing it once, ``orchestration.validate``)."""
 
     def __post_init__(self) -> None:
         _require([] if self.name else ["name must not be empty"], "env")
@@ -400,9 +425,17 @@ class CheckpointConfig:
     loads in any layout), "dp_reshardable" (fully parallel, reshards over DP only) or None: the
     former with Apex/TE optimizers, the latter on the torch-Adam fallback (megatron-core 0.16.1
     cannot load fully_reshardable state into torch Adam: KeyError 'step')."""
+    on_signal: bool = False
+    """On SIGTERM / SIGINT (to a rank, or to ``megatron-earl train``, which passes it on), every
+    rank finishes the current step, saves a checkpoint and exits; False: the ranks stop at once
+    (the newest periodic checkpoint is the resume point)."""
+    on_signal_grace_s: float = 600.0
+    """With ``on_signal``: how long ``megatron-earl train`` waits for that final checkpoint
+    after a signal before it kills every process of the run (a second signal kills at once)."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("interval", "keep_last", "keep_every"), minimum=0)
+        problems += _seconds(self, ("on_signal_grace_s",))
         if self.dist_opt_format not in (None, *DIST_OPT_FORMATS):
             problems.append(
                 f"dist_opt_format {self.dist_opt_format!r} is not one of {DIST_OPT_FORMATS}"
@@ -486,6 +519,28 @@ class SelectorSettings:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """How the run's processes guard against hangs (docs/reliability.md)."""
+
+    collective_timeout_s: float = 1800.0
+    """Timeout of every collective, on every process group of the run (the world, every group
+    of every layout, their host twins): a rank waiting longer for a peer fails with the
+    collective's error instead of hanging (Megatron-Core's own default is 30 minutes for its
+    groups). Raise it when ranks can legitimately wait longer at one collective (a very long
+    rollout on some ranks while others wait)."""
+    watchdog_timeout_s: float | None = 300.0
+    """Every rank beats a heartbeat (a thread) and records its current activity (rollout,
+    experience, train, checkpoint ...); a rank whose heartbeat is older than this (a stopped or
+    frozen process) makes the others stop the job with an error naming its rank, host, pid,
+    activity and step. None: no watchdog."""
+
+    def __post_init__(self) -> None:
+        problems = _seconds(self, ("collective_timeout_s",))
+        problems += _seconds(self, ("watchdog_timeout_s",), optional=True)
+        _require(problems, "runtime")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one RL run needs; ``config.loader.load_config`` builds it from YAML."""
 
@@ -525,6 +580,8 @@ class RunConfig:
     """Metrics and progress."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
     """Per-step layout selection of the ``selector.phases`` (off by default)."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Collective timeouts and the hang watchdog."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("steps",)) + _positive(self, ("seed",), minimum=0)

@@ -1,7 +1,7 @@
 """The words the code uses everywhere, defined once: the phases of an RL step, the rollout
 engine kinds, when old log-probs are computed, the transformer-layer implementations, the weight
 update protocols and their distributed load formats, the memory tags of colocated engines and
-the pause modes. Use the
+the pause modes, the activities a rank's heartbeat reports. Use the
 members (``Phase.TRAIN``), never the bare strings: a typo then fails at import, not at step 300.
 
     from megatron_earl.config.vocab import Phase
@@ -70,6 +70,32 @@ class TransformerImpl(Vocabulary):
     """Megatron-Core's local spec with the project's SDPA core attention (runs anywhere)."""
     TRANSFORMER_ENGINE = "transformer_engine"
     """Megatron-Core's Transformer Engine spec (TE attention and linears; CUDA and TE required)."""
+
+
+class Activity(Vocabulary):
+    """What a rank of a run is doing, as its heartbeat reports it (``orchestration.watchdog``):
+    the phases of a step, and what a run does around the steps."""
+
+    STARTUP = "startup"
+    """Building the models, resuming from a checkpoint, saving the reference policy."""
+    SFT = "sft"
+    """The supervised warm start."""
+    EVAL = "eval"
+    """A held-out evaluation."""
+    ROLLOUT = "rollout"
+    """``Phase.ROLLOUT``: weight sync (reshard / push) and generation."""
+    EXPERIENCE = "experience"
+    """``Phase.EXPERIENCE``: dispatch and old/ref log-probs."""
+    TRAIN = "train"
+    """``Phase.TRAIN``: dispatch, backward, optimizer step."""
+    STEP = "step"
+    """In an RL step outside its three phases (step metrics, logging)."""
+    CHECKPOINT = "checkpoint"
+    """Writing a checkpoint."""
+    SHUTDOWN = "shutdown"
+    """After the last step: stopping the producer, the final evaluation and checkpoint."""
+    DONE = "done"
+    """The rank left the run (normally or with an error): nothing to watch."""
 
 
 PHASES: tuple[Phase, ...] = tuple(Phase)

@@ -10,6 +10,10 @@ as the exact sampled ids, and returns the next observation as text (rendered as 
 ``role``) or as token ids (appended verbatim), a reward (summed over steps into the outcome
 reward), ``done``, and an ``info`` dict that ends up in the trajectory.
 
+The methods may also be plain ``def`` (blocking work included): the agent loop runs those on a
+worker thread under ``env_timeout_s`` (``rollout.agent.user_threads``); an ``async def`` method
+must not block the event loop.
+
 Environments must be deterministic given the ``reset`` seed, and should provide
 ``demonstration(seed)``: the ideal conversation (prompt + assistant turns + observations) used
 to build SFT warm-start data (``rollout.agent.sft``). Registered by name in ``ENVS``; any

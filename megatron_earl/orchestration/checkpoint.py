@@ -33,7 +33,8 @@ any point leaves ``latest`` naming the previous complete checkpoint. Retention k
 ``__main__`` (a script without an ``if __name__ == "__main__":`` guard hangs) and costs seconds;
 ``save_checkpoint`` hands it an in-process queue instead for its synchronous save (the patch
 ``patches/checkpoint_results_queue.py``). Keep the guard in scripts anyway: Megatron still forks
-writers.
+writers. Those writers die with their rank, even when it is killed mid-save
+(``patches/checkpoint_writers_die_with_rank.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ from torch import nn
 from megatron_earl.config.run import CheckpointConfig
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.groups import host_group
-from megatron_earl.patches import checkpoint_results_queue, cpu_redirect
+from megatron_earl.patches import (
+    checkpoint_results_queue,
+    checkpoint_writers_die_with_rank,
+    cpu_redirect,
+)
 
 COMMON_KEY = "megatron_earl"
 LATEST = "latest"
@@ -364,7 +369,11 @@ def save_checkpoint(
     state["rng_state"] = _rng_object(_rng_state())
     state[COMMON_KEY] = info
     started = time.time()
-    with _allow_child_processes(), checkpoint_results_queue.in_process_results_queue():
+    with (
+        _allow_child_processes(),
+        checkpoint_results_queue.in_process_results_queue(),
+        checkpoint_writers_die_with_rank.writers_die_with_rank(),
+    ):
         serialization.save(state, str(tmp))  # ends with a barrier
     if rank == 0:
         meta = {

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from megatron_earl import runtime
 from megatron_earl.config.model import sequence_parallel_size
 from megatron_earl.config.run import RunConfig
-from megatron_earl.config.vocab import EngineKind, Phase
+from megatron_earl.config.vocab import Activity, EngineKind, Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
@@ -70,6 +71,7 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
+from megatron_earl.orchestration.watchdog import Heartbeat
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.oom_agreement import agreement_point
@@ -92,7 +94,9 @@ class RLLoop:
     """State of one run on this rank: the policy in every phase layout, the rollout backend,
     the step."""
 
-    def __init__(self, config: RunConfig, tokenizer) -> None:
+    def __init__(self, config: RunConfig, tokenizer, heartbeat: Heartbeat | None = None) -> None:
+        self.heartbeat = heartbeat or Heartbeat()
+        """Told which phase runs (``Activity``), for the hang watchdog."""
         embedded = config.rollout.engine == EngineKind.EMBEDDED
         config = dataclasses.replace(
             config, model=pin_transformer_impl(config.model, embedded_engine=embedded)
@@ -141,6 +145,10 @@ class RLLoop:
         """``rollout.mode: async``: this rank's background generation (built at the first step)."""
         self.taken: Taken | None = None
         """``rollout.mode: async``: what the last step took from the producer."""
+        self.empty_steps = 0
+        """Steps in a row skipped for want of usable trajectories (``rollout.max_empty_steps``)."""
+        self.usable = 0
+        """Usable (OK) trajectories of the last step over all ranks."""
 
     def warm_start(self, env=None) -> None:
         """``config.sft.steps`` SFT steps on the master copy (``orchestration.sft``) on
@@ -377,7 +385,7 @@ class RLLoop:
         )
         selected: dict[str, float | str] = {}
         self.sync_stats = {}
-        with clock(Phase.ROLLOUT):
+        with clock(Phase.ROLLOUT), self.heartbeat.activity(Activity.ROLLOUT):
             if self.selected(Phase.ROLLOUT):
                 lengths = (
                     self.last_lengths or [cfg.rollout.max_context] * cfg.batch.samples_per_step
@@ -395,8 +403,11 @@ class RLLoop:
             else:
                 trajs, source = self.rollout(prompts, agent)
 
-        with clock(Phase.EXPERIENCE):
-            ok = [t for t in trajs if t.ok]
+        ok = [t for t in trajs if t.ok]
+        if self._too_few(trajs, ok):
+            return self._skipped_step(trajs, clock, start, selected)
+        self.empty_steps = 0
+        with clock(Phase.EXPERIENCE), self.heartbeat.activity(Activity.EXPERIENCE):
             if cfg.rollout.mode != "async":
                 groups = group_index(ok)
             batch = (
@@ -414,7 +425,7 @@ class RLLoop:
             else:
                 batch = self.experience(batch, self.active[Phase.EXPERIENCE])
 
-        with clock(Phase.TRAIN):
+        with clock(Phase.TRAIN), self.heartbeat.activity(Activity.TRAIN):
             if self.selected(Phase.TRAIN) and lengths:
                 progress = TrainProgress()
                 train_metrics = self._select(
@@ -430,10 +441,16 @@ class RLLoop:
         self.step += 1
         if self.selection is not None:
             self.release_unused()
+        return self._step_metrics(trajs, batch, train_metrics, clock, start, selected)
+
+    def _step_metrics(self, trajs, batch, train_metrics, clock, start, selected):
+        """The metrics of a step (every rank calls: the rollout statistics are all-reduced)."""
+        cfg = self.config
         train_metrics = dict(train_metrics)
         train_mismatch = train_metrics.pop("logprob_mismatch", 0.0)
         metrics: dict[str, float | str] = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update(rollout_metrics(trajs, batch, cfg.rollout.max_turns, train_mismatch))
+        metrics["rollout/empty_steps"] = float(self.empty_steps)
         engine_stats = self.backend.rollout_stats()
         if self.taken is not None:
             engine_stats.update(async_metrics(self.producer, self.taken, cfg.rollout.max_staleness))
@@ -450,6 +467,52 @@ class RLLoop:
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
         return metrics
+
+    def _too_few(self, trajs: Sequence[Trajectory], ok: Sequence[Trajectory]) -> bool:
+        """Whether the step has fewer usable (OK) trajectories over all ranks than its consuming
+        layouts need (``_samples_needed``: e.g. every trajectory failed).
+        Every rank calls (one all-reduce on the host world group), so all agree on a skip."""
+        counts = torch.tensor([len(ok)], dtype=torch.int64)
+        dist.all_reduce(counts, group=host_group())
+        self.usable = int(counts[0])
+        return self.usable < self._samples_needed()
+
+    def _samples_needed(self) -> int:
+        """Samples the step needs at least: every DP rank of the train layout one per
+        mini-batch, every DP rank of the experience layout one (the layouts the phases last ran
+        in; a layout the selector moves to this step is not known yet)."""
+        needed = self.active[Phase.TRAIN].dp * self.config.batch.num_mini_batches
+        if self.experience_work():
+            needed = max(needed, self.active[Phase.EXPERIENCE].dp)
+        return needed
+
+    def _skipped_step(self, trajs, clock: BusyClock, start: float, selected: dict) -> dict:
+        """Skip a step without enough usable trajectories: no experience or train phase, the
+        weights unchanged, a warning naming the most common failure reasons over all ranks;
+        past ``rollout.max_empty_steps`` such steps in a row, raise ``EmptyStepsError`` naming
+        them. Every rank calls (the same decision everywhere: ``_too_few``)."""
+        self.empty_steps += 1
+        limit = self.config.rollout.max_empty_steps
+        causes = failure_causes(trajs)
+        step = self.step
+        what = (
+            f"step {step}: {self.usable} usable trajectories of {causes.total} (the "
+            f"experience/train layouts need >= {self._samples_needed()}: one per data-parallel "
+            f"rank and mini-batch); failures: {causes.text}"
+        )
+        if self.empty_steps > limit:
+            raise EmptyStepsError(
+                f"{what}; {self.empty_steps} such steps in a row exceed rollout.max_empty_steps="
+                f"{limit}: stopping the run (fix the cause, or raise the limit)"
+            )
+        warnings.warn(
+            f"{what}; step skipped (weights unchanged), {self.empty_steps} of at most {limit} "
+            "in a row (rollout.max_empty_steps)",
+            EmptyStepWarning,
+            stacklevel=2,
+        )
+        self.step += 1
+        return self._step_metrics(trajs, schema_batch(), {}, clock, start, selected)
 
     def _async_rollout(self) -> tuple[list[Trajectory], int, dict[str, int]]:
         """``rollout.mode: async``: start this rank's producer (first step), push the weights
@@ -547,6 +610,51 @@ class RLLoop:
             "eval/reward": float(stats[2]) / n,
             "eval/trajectories": float(stats[0]),
         }
+
+
+class EmptyStepsError(RuntimeError):
+    """More steps in a row than ``rollout.max_empty_steps`` had no usable trajectories; the
+    message names the most common failure reasons (the same on every rank)."""
+
+
+class EmptyStepWarning(UserWarning):
+    """A step was skipped: too few usable trajectories (the message names the failures)."""
+
+
+@dataclass(frozen=True)
+class FailureCauses:
+    total: int
+    """Trajectories of the step over all ranks."""
+    text: str
+    """The most common failure reasons with counts and an example error each."""
+
+
+MAX_CAUSES = 3
+"""Failure reasons named in an empty step's warning or error."""
+
+
+def failure_causes(trajs: Sequence[Trajectory]) -> FailureCauses:
+    """The step's failure reasons over all ranks, most common first, each with its count and
+    one example error (first rank's first). Every rank calls (an object all-gather on the host
+    world group)."""
+    local: dict[str, list] = {}
+    for t in trajs:
+        if not t.ok:
+            entry = local.setdefault(t.end_reason.value, [0, t.error or ""])
+            entry[0] += 1
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (len(trajs), local), group=host_group())
+    total, merged = 0, {}
+    for n, per_rank in gathered:
+        total += n
+        for reason, (count, example) in per_rank.items():
+            entry = merged.setdefault(reason, [0, example])
+            entry[0] += count
+    ranked = sorted(merged.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    parts = [f"{r} x{c} (e.g. {e[:200]!r})" for r, (c, e) in ranked[:MAX_CAUSES]]
+    if len(ranked) > MAX_CAUSES:
+        parts.append(f"{len(ranked) - MAX_CAUSES} other reasons")
+    return FailureCauses(total, ", ".join(parts) or "none (no trajectory failed)")
 
 
 def every_stage(layout: ParallelLayout, phase: str, fields: tuple[str, ...]) -> Destination:

@@ -27,12 +27,14 @@ import torch.distributed as dist
 
 from megatron_earl import runtime
 from megatron_earl.config.run import CheckpointConfig, RunConfig
-from megatron_earl.config.vocab import Phase
+from megatron_earl.config.vocab import Activity, Phase
 from megatron_earl.convert.families import family_for_model
 from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.orchestration.metrics import MetricsLogger
 from megatron_earl.orchestration.progress import ProgressBar
+from megatron_earl.orchestration.signals import StopSignal
+from megatron_earl.orchestration.watchdog import Heartbeat
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.tokenizer import build_tokenizer
@@ -50,13 +52,21 @@ def _resume_source(config: RunConfig) -> str | None:
     return None
 
 
-def train(config: RunConfig) -> dict[str, Any]:
-    """Run ``config`` to ``config.steps``; returns the before/after evaluation summary."""
+def train(
+    config: RunConfig, heartbeat: Heartbeat | None = None, stop: StopSignal | None = None
+) -> dict[str, Any]:
+    """Run ``config`` to ``config.steps``; returns the before/after evaluation summary.
+
+    ``heartbeat``: told what the run is doing (the watchdog reports it; ``orchestration.
+    watchdog``). ``stop`` (``checkpoint.on_signal``): at every step boundary the ranks agree
+    whether a signal came; if so they save a checkpoint and return at once (no final
+    evaluation), with ``summary["stopped_by_signal"]``."""
+    heartbeat = heartbeat or Heartbeat()
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"device: {runtime.describe_policy()}", flush=True)
     tokenizer = build_tokenizer(config.tokenizer)
-    loop = RLLoop(config, tokenizer)
+    loop = RLLoop(config, tokenizer, heartbeat)
     use_layout(loop.layouts[Phase.TRAIN])
     policy = loop.policy
     saving = checkpoint_config(config)
@@ -89,7 +99,8 @@ def train(config: RunConfig) -> dict[str, Any]:
             kind = load_initial_weights(policy.ddp_chunks, config.checkpoint.load)
             summary["initial_weights"] = f"{kind}:{config.checkpoint.load}"
         if config.sft.steps:
-            loop.warm_start()
+            with heartbeat.activity(Activity.SFT):
+                loop.warm_start()
         if loop.reference is not None:
             loop.freeze_reference()
             _save_reference(loop, config)
@@ -118,21 +129,37 @@ def train(config: RunConfig) -> dict[str, Any]:
                 print(line, flush=True)
     with logger:
         while loop.step < config.steps:
+            heartbeat.step = loop.step + 1
+            heartbeat.set(Activity.STEP)
             metrics = loop.run_step()
             if config.eval.interval and loop.step % config.eval.interval == 0:
                 metrics.update(_evaluate(loop, config))
             record = logger.log(loop.step, metrics)
             bar.update(loop.step, record)
-            if saving.interval and loop.step % saving.interval == 0:
+            saved = bool(saving.interval) and loop.step % saving.interval == 0
+            if saved:
                 _save(loop, saving, config, summary)
+            if stop is not None and stop.agreed():
+                if not saved:
+                    _save(loop, saving, config, summary)
+                summary["stopped_by_signal"] = stop.stopped_by
+                if rank0:
+                    print(
+                        f"stopped by {stop.stopped_by} after step {loop.step}: checkpoint "
+                        f"saved in {config.checkpoint_dir}",
+                        flush=True,
+                    )
+                break
         bar.close()
+    heartbeat.set(Activity.SHUTDOWN)
     loop.stop_async()
-    if config.eval.num_prompts:
-        summary["after"] = _evaluate(loop, config)
-        if rank0:
-            print(f"eval after RL: {summary['after']}", flush=True)
-    if saving.interval == 0 or loop.step % saving.interval:
-        _save(loop, saving, config, summary)
+    if "stopped_by_signal" not in summary:
+        if config.eval.num_prompts:
+            summary["after"] = _evaluate(loop, config)
+            if rank0:
+                print(f"eval after RL: {summary['after']}", flush=True)
+        if saving.interval == 0 or loop.step % saving.interval:
+            _save(loop, saving, config, summary)
     loop.backend.close()
     summary["steps"] = loop.step
     return summary
@@ -173,26 +200,25 @@ def _load_reference(loop: RLLoop, config: RunConfig) -> None:
 
 def _evaluate(loop: RLLoop, config: RunConfig) -> dict[str, float]:
     e = config.eval
-    return loop.evaluate(e.num_prompts, e.seed_offset, e.samples_per_prompt, e.temperature)
+    with loop.heartbeat.activity(Activity.EVAL):
+        return loop.evaluate(e.num_prompts, e.seed_offset, e.samples_per_prompt, e.temperature)
 
 
 def _save(loop: RLLoop, saving: CheckpointConfig, config: RunConfig, summary: dict) -> None:
     use_layout(loop.policy.train_layout)
-    ckpt.save_checkpoint(
-        saving,
-        loop.step,
-        loop.policy.ddp_chunks,
-        loop.policy.optimizer,
-        weight_version=loop.policy.version,
-        data_state={
-            "step": loop.step,
-            "summary": summary,
-            **(
-                {"selector": loop.selection.state(), "last_lengths": loop.last_lengths}
-                if loop.selection is not None
-                else {}
-            ),
-        },
-        model_config=config.model,
-        family=family_for_model(config.model).name,
+    selector = (
+        {"selector": loop.selection.state(), "last_lengths": loop.last_lengths}
+        if loop.selection is not None
+        else {}
     )
+    with loop.heartbeat.activity(Activity.CHECKPOINT):
+        ckpt.save_checkpoint(
+            saving,
+            loop.step,
+            loop.policy.ddp_chunks,
+            loop.policy.optimizer,
+            weight_version=loop.policy.version,
+            data_state={"step": loop.step, "summary": summary, **selector},
+            model_config=config.model,
+            family=family_for_model(config.model).name,
+        )

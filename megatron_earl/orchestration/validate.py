@@ -16,7 +16,8 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
   valid layout is suggested;
 - every data-parallel rank of the experience and train layouts needs at least one sample;
 - ``checkpoint.load`` and a local ``tokenizer`` directory must exist;
-- the environment must be registered (or a dotted path that imports);
+- the environment must be registered (or a dotted path that imports) and construct with
+  ``env.kwargs`` (an unknown keyword or a wrong type is named here);
 - the advantage estimator must be registered and accept ``train.advantage_kwargs``;
 - the policy loss (``train.loss.loss_type``) must be registered;
 - the demo tokenizer's vocabulary must fit ``model.vocab_size``;
@@ -175,10 +176,21 @@ def _tokenizer_problems(config: RunConfig) -> list[str]:
 
 
 def _env_problems(config: RunConfig) -> list[str]:
+    """The environment must resolve and construct with ``env.kwargs`` (constructed once here,
+    so an unknown or mistyped keyword is a config error, not every trajectory's failure after
+    the processes started; constructors are expected to be cheap)."""
     try:
-        ENVS.resolve(config.env.name)
+        factory = ENVS.resolve(config.env.name)
     except (KeyError, ImportError) as err:
         return [f"env.name: {err.args[0] if err.args else err}"]
+    kwargs = dict(config.env.kwargs)
+    try:
+        factory(**kwargs)
+    except Exception as err:
+        return [
+            f"env.kwargs {kwargs}: constructing env.name={config.env.name!r} raised "
+            f"{type(err).__name__}: {err}"
+        ]
     return []
 
 

@@ -27,7 +27,10 @@ Key: ``(sorted ranks, role, options)``, role "device" / "host" (separate host gr
 host keys carry no options. Groups of different purposes but equal ranks (e.g. Megatron's tp and mp
 groups when pp = 1) share one group too: every rank issues collectives on them in the same program
 order, so sharing is safe; on NCCL it serialises what separate communicators could overlap (see
-docs/layouts.md). The timeout is not part of the key: the first request's timeout wins.
+docs/layouts.md). Timeouts: every group gets the process's collective timeout
+(``runtime.collective_timeout()``, the run's ``runtime.collective_timeout_s``), whatever the
+request asks (Megatron asks for its ``distributed_timeout_minutes``, 30 by default), so that a
+stuck peer fails every collective after one configured time; it is not part of the key.
 
 Order: torch requires every rank of the world to call ``new_group`` for every group, in the same
 order, members or not. ``GroupCache.get`` records non-member results
@@ -155,7 +158,9 @@ class GroupCache:
         group_desc: str | None = None,
     ) -> Any:
         """The group of ``ranks`` (``GroupMember.NON_GROUP_MEMBER`` on ranks outside it). A new
-        device group gets its host twin right away (when the roles are separate).
+        device group gets its host twin right away (when the roles are separate). ``timeout`` is
+        accepted (Megatron passes one) and ignored: every group gets the process's collective
+        timeout (module docstring).
 
         Every rank of the world calls it, in the same order (see the class docstring).
         """
@@ -164,12 +169,12 @@ class GroupCache:
         if group is not None:
             return group
         if key[1] == Role.HOST.value:
-            return self._new(key, runtime.policy().host_backend, None, timeout, group_desc)
-        group = self._new(key, backend, pg_options, timeout, group_desc)
+            return self._new(key, runtime.policy().host_backend, None, group_desc)
+        group = self._new(key, backend, pg_options, group_desc)
         twin = (key[0], Role.HOST.value, None)
         if key[1] == Role.DEVICE.value and twin not in self._groups:
             desc = f"{group_desc}_HOST" if group_desc else None
-            self._new(twin, runtime.policy().host_backend, None, timeout, desc)
+            self._new(twin, runtime.policy().host_backend, None, desc)
         return group
 
     def init_host_world(self) -> None:
@@ -183,7 +188,10 @@ class GroupCache:
         key = (tuple(range(dist.get_world_size())), Role.HOST.value, None)
         self._groups.pop(key, None)
         self._host_world = dist.new_group(
-            ranks=list(key[0]), backend=runtime.policy().host_backend, group_desc="HOST_WORLD"
+            ranks=list(key[0]),
+            timeout=runtime.collective_timeout(),
+            backend=runtime.policy().host_backend,
+            group_desc="HOST_WORLD",
         )
         self.stats.created += 1
         self._groups[key] = self._host_world
@@ -273,12 +281,11 @@ class GroupCache:
         key: GroupKey,
         backend: str | None,
         pg_options: Any,
-        timeout: datetime.timedelta | None,
         group_desc: str | None,
     ) -> Any:
         group = dist.new_group(
             ranks=list(key[0]),
-            timeout=timeout,
+            timeout=runtime.collective_timeout(),
             backend=backend,
             pg_options=pg_options,
             group_desc=group_desc,

@@ -43,6 +43,9 @@ class RelayPublisher:
         self.timeout_s = timeout_s
         self.failovers = 0
         """Publishes that moved to another root after a failure."""
+        self.generation = time.time_ns() // 1_000_000
+        """This publisher's generation (``versions``): its start in ms since the epoch, so a
+        trainer resumed later publishes in a newer one."""
 
     def _headers(self) -> dict[str, str]:
         key = os.environ.get(API_KEY_ENV)
@@ -77,7 +80,8 @@ class RelayPublisher:
 
     async def _publish_to(self, session, root, version, source, encoded) -> list[BucketInfo]:
         """begin, every bucket (encoding the next while the last uploads), commit."""
-        await _ok(session.post(f"{root}/versions/{version}/begin"))
+        params = {"generation": str(self.generation)}
+        await _ok(session.post(f"{root}/versions/{version}/begin", params=params))
         infos: list[BucketInfo] = []
         upload: asyncio.Task | None = None
         while True:
@@ -104,7 +108,7 @@ class RelayPublisher:
             )
         if upload is not None:
             await upload
-        manifest = Manifest(version, tuple(infos))
+        manifest = Manifest(version, tuple(infos), self.generation)
         await _ok(session.post(f"{root}/versions/{version}/commit", json=manifest.to_dict()))
         return infos
 

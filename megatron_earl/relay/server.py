@@ -8,12 +8,14 @@ A relay holds weight versions (``versions.VersionStore``: immutable, complete or
 passes them on without the trainer:
 
 - **Receiving.** The trainer (``publisher.RelayPublisher``) publishes each version once to a
-  root relay: ``POST /versions/{v}/begin``, ``PUT /versions/{v}/buckets/{i}`` (the bucket's
+  root relay: ``POST /versions/{v}/begin?generation=G`` (``versions``: a resumed trainer is a
+  newer generation and may publish a lower number), ``PUT /versions/{v}/buckets/{i}`` (the bucket's
   bytes, ``X-Sha256`` its checksum: a body that does not hash to it is refused with 422 and
   stored nowhere), ``POST /versions/{v}/commit`` (the manifest: every bucket's checksum, size
   and tensor count; a missing or differing bucket is a 409 and nothing is served).
 - **Fan-out.** A relay started with ``--upstream A[,B...]`` pulls every new version from
-  whichever upstream has the newest (``GET /versions/latest?after=V&wait_s=T``, a long poll),
+  whichever upstream has the newest (``GET /versions/latest?after_generation=G&after=V&wait_s=T``,
+  a long poll),
   bucket by bucket, checks each against the manifest's checksum (the trainer's), re-pulls a
   bucket that does not match from another upstream (``checksum_refused``, ``repulls``) and
   commits only a complete version. Relays chain or form a tree this way; an upstream that
@@ -191,6 +193,7 @@ class RelayServer:
         return web.json_response(
             {
                 "newest_version": None if latest is None else latest.version,
+                "newest_generation": None if latest is None else latest.generation,
                 "committed": self.store.committed_versions(),
                 "staged": self.store.staged_versions(),
                 "upstreams": list(self.settings.upstreams),
@@ -203,7 +206,7 @@ class RelayServer:
         )
 
     async def begin(self, request: web.Request) -> web.Response:
-        self.store.begin(_int(request, "v"))
+        self.store.begin(_int(request, "v"), int(request.query.get("generation", 0)))
         return web.json_response({"ok": True})
 
     async def put_bucket(self, request: web.Request) -> web.Response:
@@ -220,24 +223,27 @@ class RelayServer:
             raise ValueError(
                 f"manifest version {manifest.version} != path version {request.match_info['v']}"
             )
-        was = self.store.newest_version()
+        was = self.store.latest()
         self.store.commit(manifest)
-        if self.store.newest_version() != was:
+        if self.store.latest() != was:
             self.counters.published += 1
             self._announce()
         return web.json_response({"ok": True, "version": manifest.version})
 
     async def latest(self, request: web.Request) -> web.Response:
-        """The newest manifest, after waiting up to ``wait_s`` for one newer than ``after``;
-        204 when there is none."""
-        after = int(request.query.get("after", -1))
+        """The newest manifest, after waiting up to ``wait_s`` for one newer than
+        (``after_generation``, ``after``); 204 when there is none."""
+        after = (
+            int(request.query.get("after_generation", -1)),
+            int(request.query.get("after", -1)),
+        )
         wait_s = min(float(request.query.get("wait_s", 0)), 60.0)
         deadline = time.monotonic() + wait_s
         while True:
-            newest = self.store.newest_version()
-            if newest is not None and newest > after:
-                self.store.lease(newest, time.monotonic() + self.settings.lease_s)
-                return web.json_response(self.store.latest().to_dict())
+            latest = self.store.latest()
+            if latest is not None and latest.key > after:
+                self.store.lease(latest.version, time.monotonic() + self.settings.lease_s)
+                return web.json_response(latest.to_dict())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return web.Response(status=204)
@@ -305,8 +311,8 @@ class RelayServer:
     async def _newest_upstream(self) -> tuple[Manifest | None, str]:
         """Long-poll every upstream at once; the first answer with a newer version wins (the
         others are cancelled). (None, "") when none had a newer one within the wait."""
-        after = self.store.newest_version()
-        after = -1 if after is None else after
+        latest = self.store.latest()
+        after = (-1, -1) if latest is None else latest.key
         polls = {
             asyncio.create_task(self._poll(url, after)): url for url in self.settings.upstreams
         }
@@ -316,7 +322,7 @@ class RelayServer:
                 for task in done:
                     url = polls.pop(task)
                     manifest = task.result()
-                    if manifest is not None and manifest.version > after:
+                    if manifest is not None and manifest.key > after:
                         return manifest, url
             return None, ""
         finally:
@@ -324,12 +330,16 @@ class RelayServer:
                 task.cancel()
             await asyncio.gather(*polls, return_exceptions=True)
 
-    async def _poll(self, url: str, after: int) -> Manifest | None:
+    async def _poll(self, url: str, after: tuple[int, int]) -> Manifest | None:
         wait_s = self.settings.poll_wait_s
         try:
             async with self._session.get(
                 f"{url}/versions/latest",
-                params={"after": str(after), "wait_s": str(wait_s)},
+                params={
+                    "after_generation": str(after[0]),
+                    "after": str(after[1]),
+                    "wait_s": str(wait_s),
+                },
                 timeout=aiohttp.ClientTimeout(total=wait_s + 10),
             ) as resp:
                 if resp.status == 204:
@@ -348,7 +358,7 @@ class RelayServer:
         fails or does not verify is fetched again from the next upstream), then commit."""
         v = manifest.version
         order = [source, *(u for u in self.settings.upstreams if u != source)]
-        self.store.begin(v)
+        self.store.begin(v, manifest.generation)
         for index, info in enumerate(manifest.buckets):
             for attempt in range(2 * len(order)):
                 url = order[attempt % len(order)]

@@ -13,8 +13,14 @@ A version is *staged* while its buckets arrive and *committed* once every bucket
 lists is there with the manifest's checksum: only committed versions are served. A publisher or
 upstream that dies mid-version leaves a staging entry that is never served (the next ``begin``
 of that version starts it afresh; ``abandon`` drops it). Committing a version again with the same
-manifest is a no-op; with another manifest it is refused (versions are immutable). Versions are
-ordered by number: only a version newer than the newest committed one may begin.
+manifest is a no-op; with another manifest it is refused (versions are immutable).
+
+Versions are ordered by (generation, number). A generation is one trainer process's life
+(``Manifest.generation``, set by the publisher at its start): a trainer resumed from a checkpoint
+publishes its policy version again, which may be lower than what its crashed predecessor
+published. Within a generation only a newer number may begin; a newer generation may begin any
+number, and the versions of older generations with a number at or above it are dropped at once
+(they came from steps the resumed run will redo).
 
 Collection (``collect``): every committed version older than the newest is dropped unless it is
 pinned (an applier is loading it into an engine) or leased (a child relay is downloading it).
@@ -64,6 +70,12 @@ class Manifest:
 
     version: int
     buckets: tuple[BucketInfo, ...]
+    generation: int = 0
+    """The publishing trainer's generation (module docstring)."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.generation, self.version)
 
     def __post_init__(self) -> None:
         if self.version < 0:
@@ -76,12 +88,17 @@ class Manifest:
         return sum(b.nbytes for b in self.buckets)
 
     def to_dict(self) -> dict:
-        return {"version": self.version, "buckets": [b.to_dict() for b in self.buckets]}
+        return {
+            "version": self.version,
+            "generation": self.generation,
+            "buckets": [b.to_dict() for b in self.buckets],
+        }
 
     @classmethod
     def from_dict(cls, raw: dict) -> Manifest:
         try:
-            return cls(int(raw["version"]), tuple(BucketInfo.from_dict(b) for b in raw["buckets"]))
+            buckets = tuple(BucketInfo.from_dict(b) for b in raw["buckets"])
+            return cls(int(raw["version"]), buckets, int(raw.get("generation", 0)))
         except (KeyError, TypeError, ValueError) as err:
             raise VersionError(
                 f"malformed manifest {str(raw)[:200]!r}: {err}; expected "
@@ -100,22 +117,30 @@ class VersionStore:
 
     def __init__(self) -> None:
         self._staging: dict[int, _Staging] = {}
+        self._staging_generation: dict[int, int] = {}
         self._committed: dict[int, tuple[Manifest, list[bytes]]] = {}
         self._pins: Counter[int] = Counter()
         self._leases: dict[int, float] = {}
 
     # -- receiving ---------------------------------------------------------------------------
-    def begin(self, version: int) -> None:
-        """Start receiving ``version`` (again, if an earlier attempt did not complete)."""
-        newest = self.newest_version()
-        if version in self._committed:
+    def begin(self, version: int, generation: int = 0) -> None:
+        """Start receiving ``version`` of ``generation`` (again, if an earlier attempt did not
+        complete)."""
+        latest = self.latest()
+        held = self._committed.get(version)
+        if held is not None and held[0].generation == generation:
             return  # a republish: commit() checks it is the same
-        if newest is not None and version < newest:
+        if latest is not None and (generation, version) < latest.key:
             raise VersionError(
-                f"version {version} is older than the newest committed version {newest}; "
-                "versions only move forward"
+                f"version {version} of generation {generation} is older than the newest "
+                f"committed version {latest.version} of generation {latest.generation}; "
+                "versions only move forward (a resumed trainer starts a newer generation)"
             )
+        if latest is not None and generation > latest.generation:
+            for v in [v for v, (m, _) in self._committed.items() if v >= version]:
+                del self._committed[v]  # the crashed run's future: the resumed run redoes it
         self._staging[version] = _Staging()
+        self._staging_generation[version] = generation
 
     def put(self, version: int, index: int, data: bytes, sha256: str) -> None:
         """Stage bucket ``index`` of ``version``; ``ChecksumError`` (nothing stored) when
@@ -147,6 +172,11 @@ class VersionStore:
         staging = self._staging.get(v)
         if staging is None:
             raise VersionError(f"version {v} was not begun")
+        if self._staging_generation.get(v, 0) != manifest.generation:
+            raise VersionError(
+                f"version {v} was begun for generation {self._staging_generation.get(v, 0)}, "
+                f"the manifest says generation {manifest.generation}"
+            )
         missing = [i for i in range(len(manifest.buckets)) if i not in staging.buckets]
         extra = sorted(i for i in staging.buckets if i >= len(manifest.buckets))
         wrong = [
@@ -161,22 +191,24 @@ class VersionStore:
                 f"{extra}, differing from the manifest {wrong}"
             )
         self._committed[v] = (manifest, [staging.buckets[i] for i in range(len(manifest.buckets))])
-        del self._staging[v]
+        self.abandon(v)
         for older in [s for s in self._staging if s < v]:
-            del self._staging[older]  # an unfinished older version will never be served
+            self.abandon(older)  # an unfinished older version will never be served
         return manifest
 
     def abandon(self, version: int) -> None:
         """Drop the staged (uncommitted) buckets of ``version``."""
         self._staging.pop(version, None)
+        self._staging_generation.pop(version, None)
 
     # -- serving -----------------------------------------------------------------------------
     def newest_version(self) -> int | None:
-        return max(self._committed, default=None)
+        latest = self.latest()
+        return None if latest is None else latest.version
 
     def latest(self) -> Manifest | None:
-        newest = self.newest_version()
-        return None if newest is None else self._committed[newest][0]
+        """The newest committed manifest by (generation, version)."""
+        return max((m for m, _ in self._committed.values()), key=lambda m: m.key, default=None)
 
     def manifest(self, version: int) -> Manifest:
         return self._held(version)[0]

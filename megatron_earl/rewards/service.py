@@ -9,8 +9,12 @@ sync or async, given as registered names or dotted paths):
     POST /reward  {"fn": "exact", "input": <RewardInput.to_dict()>}  -> {"reward": 1.0}
     GET  /health                                                    -> {"ok": true, "fns": [...]}
 
-Errors: unknown fn or bad body -> 400 (not retried); the function raising or returning a
-non-finite/non-number -> 500 (retried). ``launch_reward_service`` starts the process and waits
+Errors: unknown fn, bad body or a badly shaped input (not an object, a ``RewardInput`` field of
+the wrong type: ``input_problem``) -> 400 (deterministic: not retried); the function raising
+(``SystemExit`` included: the service goes on) or returning a non-finite/non-number -> 500
+(retried). Synchronous functions run on a bounded pool of worker threads (``--threads``,
+``rollout.agent.user_threads``), so a slow one does not block the other clients; a call that
+never returns holds its thread. ``launch_reward_service`` starts the process and waits
 for its ready line. The client ``RemoteReward`` is a ``RewardFn`` with a per-request timeout and
 retries with exponential backoff on connection errors, timeouts and 5xx answers.
 """
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import math
 import socket
 import subprocess
@@ -33,6 +36,7 @@ from aiohttp import web
 
 from megatron_earl.envs.tool_env import last_number
 from megatron_earl.rewards.base import RewardInput, WeightedReward
+from megatron_earl.rollout.agent.user_threads import MAX_USER_THREADS, UserThreads, call_user
 from megatron_earl.tools.registry import Registry
 
 REWARD_FNS: Registry[Callable[[dict[str, Any]], float]] = Registry("reward function")
@@ -50,8 +54,43 @@ def exact_match(inp: dict[str, Any]) -> float:
     return float(value is not None and value == float(target))
 
 
-def build_app(fns: dict[str, Callable[[dict[str, Any]], Any]]) -> web.Application:
-    """The aiohttp application serving ``fns`` by name."""
+INPUT_TYPES: dict[str, tuple[type, ...]] = {
+    "uid": (str,),
+    "seed": (int,),
+    "task": (dict,),
+    "turns": (list,),
+    "outcome": (int, float),
+    "end_reason": (str,),
+    "extra": (dict,),
+}
+"""JSON types of the ``RewardInput`` fields an input may carry (every one optional)."""
+
+
+def input_problem(inp: Any) -> str | None:
+    """Why ``inp`` is not a ``RewardInput``-shaped object (None when it is): a JSON object whose
+    present fields have their types, ``turns`` a list of strings, ``outcome`` finite. A badly
+    shaped input is the client's deterministic error (400), not the function's (500)."""
+    if not isinstance(inp, dict):
+        return f"'input' must be an object (RewardInput fields), got {type(inp).__name__}"
+    for name, types in INPUT_TYPES.items():
+        if name not in inp:
+            continue
+        value = inp[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            want = " or ".join(t.__name__ for t in types)
+            return f"input.{name} must be {want}, got {value!r:.80}"
+    if not all(isinstance(t, str) for t in inp.get("turns", [])):
+        return "input.turns must be a list of strings (one per model turn)"
+    if not math.isfinite(inp.get("outcome", 0.0)):
+        return f"input.outcome must be finite, got {inp['outcome']}"
+    return None
+
+
+def build_app(
+    fns: dict[str, Callable[[dict[str, Any]], Any]], threads: UserThreads | None = None
+) -> web.Application:
+    """The aiohttp application serving ``fns`` by name; synchronous functions run on
+    ``threads`` (default the process's ``USER_THREADS``), never on the event loop."""
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "fns": sorted(fns)})
@@ -69,14 +108,14 @@ def build_app(fns: dict[str, Callable[[dict[str, Any]], Any]]) -> web.Applicatio
                 },
                 status=400,
             )
+        problem = input_problem(inp)
+        if problem is not None:
+            return web.json_response({"error": f"bad request: {problem}"}, status=400)
         try:
-            value = fn(inp)
-            if inspect.isawaitable(value):
-                value = await value
-            value = float(value)
+            value = float(await call_user(fn, inp, threads=threads))
             if not math.isfinite(value):
                 raise ValueError(f"non-finite reward {value}")
-        except Exception as e:
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # the service goes on
             return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
         return web.json_response({"reward": value})
 
@@ -220,8 +259,9 @@ def launch_reward_service(
     raise RewardServiceError(f"reward service not ready within {timeout_s}s: {cmd}")
 
 
-async def serve(fns: dict[str, str], host: str, port: int) -> None:
-    app = build_app({name: REWARD_FNS.resolve(spec) for name, spec in fns.items()})
+async def serve(fns: dict[str, str], host: str, port: int, threads: int = MAX_USER_THREADS) -> None:
+    resolved = {name: REWARD_FNS.resolve(spec) for name, spec in fns.items()}
+    app = build_app(resolved, UserThreads(threads, name="earl-reward"))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.create_server((host, port))  # bound here so port 0 yields the real port
@@ -240,9 +280,18 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="NAME=SPEC: a registered reward fn or a dotted path",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=MAX_USER_THREADS,
+        help="worker threads for synchronous reward functions (a call past the client's "
+        "timeout keeps its thread until it returns)",
+    )
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     fns = dict(f.split("=", 1) for f in args.fn) or {"exact_match": "exact_match"}
-    asyncio.run(serve(fns, args.host, args.port))
+    asyncio.run(serve(fns, args.host, args.port, args.threads))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from megatron_earl.compat.processes import die_with_parent
 from megatron_earl.config.model import ModelConfig
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 PARENT_ENV = "MEGATRON_EARL_SERVE_PARENT"
 """Set in a follower's environment: the pid of its rank 0 (the serve process)."""
-_PR_SET_PDEATHSIG = 1
 
 
 class Followers:
@@ -264,13 +264,7 @@ class TPGroup:
 
 def _die_with_parent(parent: int) -> None:
     """SIGKILL this process when rank 0 dies (Linux), and exit when its pipe closes (anywhere)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # rank 0 died before the prctl
-        os._exit(1)
+    die_with_parent(signal.SIGKILL, parent)  # exits if rank 0 died before the prctl
 
     def watch() -> None:
         while os.read(0, 1 << 12):  # the raw fd: no buffered-reader lock at shutdown

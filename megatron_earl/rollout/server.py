@@ -37,7 +37,8 @@ Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with
 every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
 guards the weight/control endpoints instead. Bodies over ``--max-body-mb`` (weight updates:
 ``--max-weight-body-mb``) get 413. Bad input gets a 4xx with ``{"error": {"message": ...}}``; a
-generate request during a weight update gets 503.
+generate request that arrives while a weight update is being applied waits for it to end (as
+SGLang holds it) and is served with the new weights.
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
         """How long a weight-update group waits for its other ranks to join."""
         self.updating = False
         self._update_lock = asyncio.Lock()
+        self._update_done = asyncio.Event()
+        """Set when no weight update is running (generate requests wait for it)."""
+        self._update_done.set()
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "serve-tokenizer")
         """Parses ``/generate`` bodies (tokenizes their text), one at a time, off the loop."""
         self._control_tasks: set[asyncio.Task] = set()
@@ -262,8 +266,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
             eos_token_ids=self.served.eos_token_ids,
         )  # tokenizing long text: in one thread, off the event loop (/health keeps answering)
         plan = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, parse)
-        if self.updating:  # checked after the parse: an update may have begun meanwhile
-            return error_response(503, "a weight update is in progress; retry shortly")
+        while self.updating:  # after the parse: an update may have begun meanwhile. SGLang
+            await self._update_done.wait()  # holds the request (its model-update lock)
         if (released := self.released_response()) is not None:
             return released
         for req in plan.requests:
@@ -442,6 +446,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
         async with self._update_lock:
             self.check_weights_resident("the weight update")
             self.updating = True
+            self._update_done.clear()
             try:
                 if before is not None:
                     await before()
@@ -452,6 +457,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
                 await self.engine.load_state_dict(full, version)
             finally:
                 self.updating = False
+                self._update_done.set()
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
 

@@ -499,3 +499,68 @@ def test_base_exceptions_and_deaf_envs_fail_only_their_trajectory():
     assert time.monotonic() - start < 30
     with pytest.raises(ValueError, match="reward_timeout_s must be > 0 and finite"):
         AgentLoopConfig(reward_timeout_s=float("inf"))
+
+
+class SyncEnv(Environment):
+    """A synchronous environment (plain ``def`` methods): one turn, reward 1; ``step`` sleeps
+    ``sleep_s`` on the calling thread when the seed is 0."""
+
+    def __init__(self, sleep_s: float = 30.0) -> None:
+        self.sleep_s, self.seed = sleep_s, 0
+
+    def reset(self, seed: int) -> ResetResult:
+        self.seed = seed
+        return ResetResult([{"role": "user", "content": f"say hi {seed}"}], {"seed": seed})
+
+    def step(self, action: Action) -> StepResult:
+        if self.seed == 0:
+            time.sleep(self.sleep_s)
+        return StepResult(None, reward=1.0, done=True)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_blocking_sync_env_or_reward_does_not_stall_the_other_trajectories():
+    """Issue 22 item 6: synchronous env methods and reward functions run on worker threads under
+    their timeouts. One env's ``step`` sleeps 30 s on its thread: only that trajectory fails
+    (env_timeout at env_timeout_s=1); the other sync-env trajectories and an async env's finish
+    in well under the timeout. Then a sync reward function that sleeps for seed 5 only: that
+    trajectory fails (reward_error), the others are scored. Before, a sync method's sleep ran
+    on the event loop (every trajectory waited for it) and its plain return value failed the
+    trajectory as not awaitable."""
+    turns = ["hi <tool_call>"]  # any one turn: SyncEnv's step ends the episode
+    config = AgentLoopConfig(env_timeout_s=1.0, reward_timeout_s=1.0, max_turns=2)
+    start = time.monotonic()
+    tasks = [RolloutTask(SyncEnv, s) for s in range(4)]
+    arith = demo_assistant_turns(ArithmeticEnv(), 3)
+    batch = run(AgentLoop(turns_engine(turns), TOK, config), tasks)
+    elapsed = time.monotonic() - start
+    got = [(t.status.value, t.end_reason.value) for t in batch.trajectories]
+    assert got == [("failed", "env_timeout")] + [("ok", "done")] * 3
+    assert "step ran past env_timeout_s=1" in batch.trajectories[0].error
+    assert all(t.wall_s < 0.5 for t in batch.trajectories[1:]), [
+        t.wall_s for t in batch.trajectories
+    ]
+    assert elapsed < 5
+    (t,) = run(
+        AgentLoop(turns_engine(arith), TOK, config), [RolloutTask("arithmetic", 3)]
+    ).trajectories
+    assert t.ok and t.reward == 1.0  # async envs unchanged
+
+    class SyncReward:
+        name = "slow_for_seed_5"
+
+        def __call__(self, inp) -> float:
+            if inp.seed == 5:
+                time.sleep(30)
+            return 0.5
+
+    loop = AgentLoop(turns_engine(turns), TOK, config, [WeightedReward(SyncReward(), 1.0)])
+    start = time.monotonic()
+    batch = run(loop, [RolloutTask(lambda: SyncEnv(0.0), s) for s in (4, 5, 6)])
+    got = [(t.status.value, t.end_reason.value, t.reward) for t in batch.trajectories]
+    assert got == [("ok", "done", 1.5), ("failed", "reward_error", 0.0), ("ok", "done", 1.5)]
+    assert "ran past reward_timeout_s=1" in batch.trajectories[1].error
+    assert max(batch.trajectories[i].wall_s for i in (0, 2)) < 0.5
+    assert time.monotonic() - start < 5

@@ -10,6 +10,8 @@ pulls from R1 or R0 and feeds e2), the trainer's ``relay`` transport publishing 
 - A killed relay stops only its own engines' updates (R2 goes on through R0; the async publish
   does not wait); restarted, it pulls the newest version and its engines get it. A dead engine
   makes a synchronous publish fail naming it; restarted, its relay loads the newest version.
+- A resumed trainer (a newer publisher generation) publishes a lower version: the relays take it
+  and every engine serves it.
 """
 
 from __future__ import annotations
@@ -146,9 +148,16 @@ def _settings(tree, **kw) -> SGLangConfig:
     return SGLangConfig(weight_update="relay", **{**base, "relay_timeout_s": 60, **kw})
 
 
-def _publish(tree, full, version: int, engines=("e0", "e1", "e2"), asynchronous=False, **kw):
+def _transport(tree, asynchronous=False, **kw):
     transport = build_transport(_settings(tree, **kw), MODEL, tree["tmp"])
     transport.asynchronous = asynchronous
+    return transport
+
+
+def _publish(tree, full, version: int, engines=("e0", "e1", "e2"), transport=None, **kw):
+    """One publish by ``transport`` (default: a new synchronous one, whose push waits for the
+    engines)."""
+    transport = transport or _transport(tree, **kw)
 
     async def run():
         clients = [SGLangClient(tree["url"][e]) for e in engines]
@@ -228,12 +237,13 @@ def test_a_bucket_that_fails_its_checksum_is_refused_and_pulled_again(tree):
 
 def test_a_version_is_complete_or_absent(tree):
     root = tree["relays"]["R0"].url
-    before = _info(root)["newest_version"]
+    info = _info(root)
+    before, gen = info["newest_version"], info["newest_generation"]
     v = before + 1
 
     async def run():
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"{root}/versions/{v}/begin") as resp:
+            async with s.post(f"{root}/versions/{v}/begin", params={"generation": gen}) as resp:
                 assert resp.status == 200
             data = b"\x00" * 64
             bad = {"X-Sha256": digest(b"other")}
@@ -242,7 +252,7 @@ def test_a_version_is_complete_or_absent(tree):
             good = {"X-Sha256": digest(data)}
             async with s.put(f"{root}/versions/{v}/buckets/0", data=data, headers=good) as resp:
                 assert resp.status == 200
-            manifest = {"version": v, "buckets": [
+            manifest = {"version": v, "generation": gen, "buckets": [
                 {"sha256": digest(data), "nbytes": 64, "tensors": 1},
                 {"sha256": digest(b"never sent"), "nbytes": 10, "tensors": 1},
             ]}  # fmt: skip
@@ -250,7 +260,8 @@ def test_a_version_is_complete_or_absent(tree):
                 assert (
                     resp.status == 409 and "missing [1]" in (await resp.json())["error"]["message"]
                 )
-            async with s.get(f"{root}/versions/latest", params={"after": str(before)}) as resp:
+            after = {"after": str(before), "after_generation": str(gen)}
+            async with s.get(f"{root}/versions/latest", params=after) as resp:
                 assert resp.status == 204
 
     asyncio.run(run())
@@ -259,9 +270,11 @@ def test_a_version_is_complete_or_absent(tree):
 
 def test_a_dead_relay_or_engine_stops_only_its_own(tree):
     relays, url = tree["relays"], tree["url"]
+    run = _transport(tree, asynchronous=True)  # an asynchronous run's transport:
+    _publish(tree, weights(13), 9, transport=run)  # its first push waits for the engines
     relays["R1"].kill()
     start = time.perf_counter()
-    stats = _publish(tree, weights(13), 10, asynchronous=True)
+    stats = _publish(tree, weights(13), 10, transport=run)  # the next ones do not
     assert time.perf_counter() - start < 30 and stats.num_buckets > 1
     _wait_version(url["e2"], 10)  # R2 pulls from R0 when R1 is gone
     assert asyncio.run(_version(url["e0"])) != 10  # e0, e1: their relay is dead
@@ -284,3 +297,18 @@ def test_a_dead_relay_or_engine_stops_only_its_own(tree):
     assert ids == asyncio.run(_outputs(url["e0"]))[0]
     info = _info(relays["R2"].url)["engines"][url["e2"]]
     assert info["failures"] >= 1 and info["version"] == 11
+
+
+def test_a_resumed_trainer_republishes_a_lower_version_and_every_engine_takes_it(tree):
+    """A trainer resumed from an older checkpoint publishes its policy version again (lower than
+    its crashed predecessor's newest): a newer generation, which the relays take (dropping the
+    crashed run's newer versions) and load into every engine."""
+    root = tree["relays"]["R0"].url
+    crashed = _info(root)["newest_version"]
+    _publish(tree, W, crashed - 3)  # a new transport: a new publisher generation
+    ref = asyncio.run(_outputs(tree["url"]["ref"]))
+    for e in ("e0", "e1", "e2"):
+        assert asyncio.run(_version(tree["url"][e])) == crashed - 3
+        assert asyncio.run(_outputs(tree["url"][e]))[0] == ref[0]
+    info = _info(root)
+    assert info["newest_version"] == crashed - 3 and crashed not in info["committed"]

@@ -11,6 +11,7 @@ import itertools
 import os
 import time
 
+import aiohttp
 import pytest
 
 from megatron_earl.envs import ArithmeticEnv
@@ -47,6 +48,16 @@ def whoami(inp: dict) -> float:
     return float(os.getpid())
 
 
+def sleepy(inp: dict) -> float:
+    """A synchronous function that blocks its thread for 3 s."""
+    time.sleep(3)
+    return 1.0
+
+
+def exits(inp: dict) -> float:
+    raise SystemExit(2)
+
+
 @pytest.fixture(scope="module")
 def service():
     fns = {
@@ -55,6 +66,8 @@ def service():
         "slow": f"{HERE}:slow",
         "nan": f"{HERE}:nan_reward",
         "pid": f"{HERE}:whoami",
+        "sleepy": f"{HERE}:sleepy",
+        "exits": f"{HERE}:exits",
     }
     with launch_reward_service(fns) as svc:
         yield svc
@@ -153,3 +166,58 @@ def test_run_config_wires_the_service_and_checks_it_at_start_up(service):
     dead = load_config(overrides=["reward.service_url=http://127.0.0.1:9", "reward.fns=[exact]"])
     with pytest.raises(RewardServiceError, match="reward service not reachable at start-up"):
         asyncio.run(check_reward_service(dead.reward))
+
+
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"fn": "exact", "input": "11"}, "'input' must be an object (RewardInput fields), got str"),
+        ({"fn": "exact", "input": {"task": "11"}}, "input.task must be dict, got '11'"),
+        ({"fn": "exact", "input": {"turns": [1, 2]}}, "input.turns must be a list of strings"),
+        ({"fn": "exact", "input": {"turns": "11"}}, "input.turns must be list"),
+        ({"fn": "exact", "input": {"seed": True}}, "input.seed must be int, got True"),
+        ({"fn": "exact", "input": {"outcome": "high"}}, "input.outcome must be int or float"),
+        ([1, 2], "body must be {'fn': one of"),
+        ({"fn": ["exact"], "input": {}}, "body must be {'fn': one of"),
+    ],
+)
+def test_badly_shaped_input_is_a_400_not_a_500(service, body, fragment):
+    """Issue 22 item 9: these answered 500 (the function failing on them), which the client
+    retries although the error is the request's; now 400, and the service keeps serving."""
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{service.url}/reward", json=body) as resp:
+                answer = (resp.status, await resp.json())
+            async with session.get(f"{service.url}/health") as resp:
+                return answer, resp.status
+
+    (status, answer), health = asyncio.run(go())
+    assert status == 400, answer
+    assert fragment in answer["error"]
+    assert health == 200
+
+
+def test_a_slow_sync_function_does_not_block_other_clients(service):
+    """Issue 22 item 9: a synchronous function that sleeps 3 s ran on the service's event loop,
+    so every other client waited for it; now it runs on a worker thread and a concurrent call of
+    another function is answered at once. SystemExit in a function is a 500; the service goes
+    on."""
+
+    async def timed(fn: str, answer: str = "11"):
+        start = time.monotonic()
+        value = await RemoteReward(service.url, fn, timeout_s=10, retries=0)(_input(answer))
+        return value, time.monotonic() - start
+
+    async def go():
+        slow_call = asyncio.ensure_future(timed("sleepy"))
+        await asyncio.sleep(0.3)  # the sleepy call is running on the service
+        fast = await timed("exact")
+        return fast, await slow_call
+
+    (fast_value, fast_s), (slow_value, slow_s) = asyncio.run(go())
+    assert (fast_value, slow_value) == (1.0, 1.0)
+    assert fast_s < 1.0 and slow_s >= 2.5
+    with pytest.raises(RewardServiceError, match="HTTP 500: SystemExit"):
+        asyncio.run(RemoteReward(service.url, "exits", retries=0)(_input("11")))
+    assert asyncio.run(timed("exact"))[0] == 1.0

@@ -220,6 +220,9 @@ def test_trained_policy_exports_to_hf_with_identical_greedy_tokens(full_run, tmp
         (["train.lr=fast"], "train.lr"),
         (["layouts.train=tp4"], "layouts"),
         (["checkpoint.load=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        # issue 22 item 9: env.kwargs were only used after the processes started
+        (["env.kwargs.dificulty=3"], "unexpected keyword argument 'dificulty'"),
+        (["env.kwargs.difficulty=hard"], "env.kwargs {'difficulty': 'hard'}: constructing"),
     ],
 )
 def test_bad_config_fails_before_any_process_group(tmp_path, overrides, fragment):

@@ -118,6 +118,7 @@ def test_unknown_keys_suggest_the_nearest_valid_key(override, fragment):
         ("train.clip_grad=-.inf", "train.clip_grad: must be a finite number, got -inf"),
         ("eval.temperature=.nan", "eval.temperature: must be a finite number, got nan"),
         ("rollout.sampling.temperature=.inf", "sampling.temperature: must be a finite number"),
+        ("rollout.max_empty_steps=-1", "rollout: max_empty_steps (-1) must be >= 0"),
     ],
 )
 def test_wrong_types_name_key_value_and_type(override, fragment):
@@ -253,6 +254,25 @@ def test_start_up_errors_are_collected():
     assert "model.vocab_size (100) < the demo tokenizer's vocabulary" in text
 
 
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (["env.kwargs.dificulty=3"], "TypeError: ArithmeticEnv.__init__() got an unexpected"),
+        (["env.kwargs.difficulty=hard"], "TypeError: '<=' not supported"),
+        (["env.kwargs.difficulty=9"], "ValueError: difficulty must be in [1, 8]"),
+    ],
+)
+def test_env_kwargs_are_checked_at_pre_flight(kwargs, fragment):
+    """The environment is constructed with env.kwargs before any process starts (issue 22)."""
+    cfg = load_config(None, kwargs)
+    with pytest.raises(ConfigError) as err:
+        validate_run(cfg, world_size=1)
+    assert "env.kwargs {" in str(err.value)
+    assert "constructing env.name='arithmetic' raised" in str(err.value)
+    assert fragment in str(err.value)
+    validate_run(load_config(None, ["env.kwargs.difficulty=3"]), world_size=1)
+
+
 def test_existing_checkpoint_path_is_accepted(tmp_path):
     cfg = load_config(None, [f"checkpoint.load={tmp_path}"])
     validate_run(cfg, world_size=1)
@@ -290,3 +310,25 @@ def test_gpu_configs_fit_their_world(name, world_size):
     overrides = ["rollout.engine_urls=[http://node03:30000]"] if "disagg" in name else []
     problems = run_problems(load_config(CONFIGS / name, overrides), world_size)
     assert len(problems) == 1 and "Qwen2.5-7B-Instruct' is neither 'demo'" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("runtime.collective_timeout_s=0", "runtime: collective_timeout_s (0.0) must be a finite"),
+        ("runtime.collective_timeout_s=-5", "collective_timeout_s (-5.0) must be"),
+        ("runtime.collective_timeout_s=.inf", "collective_timeout_s: must be a finite number"),
+        ("runtime.watchdog_timeout_s=0", "runtime: watchdog_timeout_s (0.0) must be"),
+        ("checkpoint.on_signal_grace_s=-1", "checkpoint: on_signal_grace_s (-1.0) must be"),
+    ],
+)
+def test_non_positive_timeouts_are_refused_by_name(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+
+
+def test_watchdog_can_be_disabled():
+    assert load_config(None, ["runtime.watchdog_timeout_s=null"]).runtime.watchdog_timeout_s is None
+    assert RunConfig().runtime.collective_timeout_s == 1800.0
+    assert RunConfig().checkpoint.on_signal is False

@@ -22,6 +22,7 @@ VOCABULARY_MODULES = {"config/vocab.py", "config/loader.py"}
 NOT_A_VOCABULARY_WORD = {
     ("cli/main.py", "train"): "the `megatron-earl train` subcommand",
     ("orchestration/bench_async.py", "train"): "the `megatron-earl train` subcommand it runs",
+    ("orchestration/fault_suite.py", "train"): "the `megatron-earl train` subcommand it runs",
     ("compat/optional.py", "sglang"): "the name of the sglang Python package",
     ("config/run.py", "rollout"): "the name of the RunConfig section `rollout` in its errors",
     ("config/run.py", "train"): "the name of the RunConfig section `train` in its errors",

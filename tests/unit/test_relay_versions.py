@@ -75,6 +75,32 @@ def test_versions_are_immutable_and_only_move_forward():
         store.put(6, 0, b"six", digest(b"six"))
 
 
+def test_a_resumed_trainer_is_a_newer_generation_and_rolls_the_relay_back():
+    store = VersionStore()
+    for v in (9, 12):
+        store.begin(v, generation=1)
+        store.put(v, 0, bytes([v]), digest(bytes([v])))
+        store.commit(Manifest(v, (BucketInfo(digest(bytes([v])), 1, 1),), generation=1))
+    with pytest.raises(VersionError, match="version 10 of generation 1 is older"):
+        store.begin(10, generation=1)
+    store.begin(10, generation=2)  # resumed from the checkpoint of version 10
+    assert store.committed_versions() == [9]  # 12 came from steps the resumed run redoes
+    store.put(10, 0, b"r", digest(b"r"))
+    with pytest.raises(
+        VersionError,
+        match="begun for generation 2, the manifest says generation 1",
+    ):
+        store.commit(Manifest(10, (BucketInfo(digest(b"r"), 1, 1),), generation=1))
+    resumed = Manifest(10, (BucketInfo(digest(b"r"), 1, 1),), generation=2)
+    store.commit(resumed)
+    assert store.latest() == resumed and store.newest_version() == 10
+    assert Manifest.from_dict(resumed.to_dict()) == resumed
+    assert (
+        Manifest.from_dict({"version": 3, "buckets": [resumed.buckets[0].to_dict()]}).generation
+        == 0
+    )
+
+
 def test_an_unfinished_older_version_is_dropped_when_a_newer_one_commits():
     store = VersionStore()
     store.begin(1)

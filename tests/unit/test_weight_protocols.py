@@ -34,13 +34,19 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attent
 
 def test_settings_validate_and_every_kind_has_a_transport():
     assert SGLangConfig().weight_update == "tensor"  # today's behaviour stays the default
-    assert set(TRANSPORTS) == {"tensor", "disk", "distributed"}
+    assert set(TRANSPORTS) == {"tensor", "disk", "distributed", "relay"}
     with pytest.raises(SGLangConfigError) as info:
         SGLangConfig(weight_update="nfs", group_backend="mpi", distributed_load_format="x")
     for needle in ("'nfs'", "'mpi'", "'x'"):
         assert needle in str(info.value)
     with pytest.raises(ConfigError, match=r"rollout\.sglang: bucket_bytes"):
         load_config(None, ["rollout.sglang.bucket_bytes=0"])
+    with pytest.raises(SGLangConfigError, match="weight_update 'relay' needs relay_urls"):
+        SGLangConfig(weight_update="relay")
+    with pytest.raises(SGLangConfigError, match="relay_urls entry 'relay0:31000' must start"):
+        SGLangConfig(weight_update="relay", relay_urls=("relay0:31000",))
+    with pytest.raises(SGLangConfigError, match=r"health_interval_s \(0\) must be > 0"):
+        SGLangConfig(health_interval_s=0)
 
 
 def test_metadata_checks_name_the_first_mismatch():

@@ -15,7 +15,9 @@ given only the budget left; an observation that would not fit leaves the context
 Asynchrony: each trajectory is its own task; a per-engine semaphore bounds the generate calls
 in flight (``max_concurrency_per_engine``) and is held only while generating, so a slow
 environment or tool never holds an engine slot nor blocks another trajectory's turn.
-Environments must not block the event loop (use ``asyncio.to_thread`` for blocking work).
+Synchronous environment methods and reward functions (plain ``def``) run on a bounded pool of
+worker threads (``user_threads``), so one that blocks never stalls the other trajectories; an
+``async def`` method must not block the event loop itself (no ``time.sleep``, no blocking I/O).
 Failures are contained per trajectory: an environment that raises (``SystemExit`` and
 ``KeyboardInterrupt`` included), runs past ``env_timeout_s`` (even one that swallows the
 cancellation: ``bounded``) or returns garbage, an engine error or abort, a reward that fails or
@@ -37,6 +39,7 @@ from megatron_earl.envs.base import ENVS, Action, Environment, ResetResult, chec
 from megatron_earl.rewards.base import RewardInput, WeightedReward, format_reward
 from megatron_earl.rollout.agent.metrics import RolloutMetrics
 from megatron_earl.rollout.agent.trajectory import EndReason, Trajectory, TurnRecord
+from megatron_earl.rollout.agent.user_threads import call_user
 from megatron_earl.rollout.engine import (
     Engine,
     FinishType,
@@ -249,7 +252,7 @@ class AgentLoop:
                 raise _EnvFailure(
                     EndReason.ENV_ERROR, f"creating the environment raised {type(e).__name__}: {e}"
                 ) from e
-            reset = await self._call_env(env.reset(seed), "reset")
+            reset = await self._call_env("reset", env.reset, seed)
             if not isinstance(reset, ResetResult):
                 raise _EnvFailure(
                     EndReason.ENV_GARBAGE,
@@ -265,7 +268,7 @@ class AgentLoop:
         finally:
             if env is not None:
                 try:
-                    await bounded(env.close(), self.config.env_timeout_s)
+                    await bounded(call_user(env.close), self.config.env_timeout_s)
                 except USER_ERRORS as e:  # a failing close does not change the episode
                     traj.info["close_error"] = f"{type(e).__name__}: {e}"
             traj.wall_s = time.monotonic() - start
@@ -285,9 +288,11 @@ class AgentLoop:
             EndReason.ENV_GARBAGE, f"prompt is neither chat messages nor token ids in [0, {vocab})"
         )
 
-    async def _call_env(self, coro, what: str):
+    async def _call_env(self, what: str, method, *args):
+        """``method(*args)`` of the environment (a synchronous one on a worker thread:
+        ``call_user``) under ``env_timeout_s``; any failure is an ``_EnvFailure``."""
         try:
-            return await bounded(coro, self.config.env_timeout_s)
+            return await bounded(call_user(method, *args), self.config.env_timeout_s)
         except asyncio.TimeoutError as e:
             raise _EnvFailure(
                 EndReason.ENV_TIMEOUT,
@@ -334,7 +339,8 @@ class AgentLoop:
                 full = len(context) >= cfg.max_context_tokens
                 traj.end_reason = EndReason.CONTEXT_LIMIT if full else EndReason.TURN_LENGTH
                 break
-            step = await self._call_env(env.step(Action(turn_texts[-1], tuple(ids))), "step")
+            action = Action(turn_texts[-1], tuple(ids))
+            step = await self._call_env("step", env.step, action)
             garbage = check_step_result(step, tok.vocab_size)
             if garbage is not None:
                 raise _EnvFailure(EndReason.ENV_GARBAGE, garbage)
@@ -430,7 +436,9 @@ class AgentLoop:
             )
             for wr in self.reward_fns:
                 try:
-                    value = float(await bounded(wr.fn(inp), self.config.reward_timeout_s))
+                    value = float(
+                        await bounded(call_user(wr.fn, inp), self.config.reward_timeout_s)
+                    )
                 except asyncio.TimeoutError:
                     traj.fail(
                         EndReason.REWARD_ERROR,
