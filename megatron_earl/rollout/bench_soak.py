@@ -121,6 +121,8 @@ class SoakResult:
     """(seconds since the load started, server RSS in MiB), about once a second."""
     server_errors: list[str] = field(default_factory=list)
     """Tracebacks and error lines ``serve`` logged (a hostile client is not a server error)."""
+    first_traceback: str = ""
+    """The first traceback ``serve`` logged, in full (printed with the report)."""
     drained_s: float | None = None
     """Seconds until ``/get_load`` was 0 after the load stopped (None: not within 10 s)."""
     wall_s: float = 0.0
@@ -362,7 +364,7 @@ def run_soak(setting: SoakSetting, model_json: Path, port: int) -> SoakResult:
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with code {proc.returncode} during the soak")
         log.seek(0)
-        result.server_errors = _errors(log.read())
+        result.server_errors, result.first_traceback = _errors(log.read())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -370,15 +372,22 @@ def run_soak(setting: SoakSetting, model_json: Path, port: int) -> SoakResult:
     return result
 
 
-def _errors(stderr: str) -> list[str]:
-    """The error records of serve's log: each traceback's last line, and ERROR lines."""
+def _errors(stderr: str) -> tuple[list[str], str]:
+    """The error records of serve's log (ERROR lines; each traceback as its message line and its
+    exception line) and the first traceback in full (empty without one)."""
     lines = stderr.splitlines()
     errors = [line for line in lines if line.startswith(("ERROR", "CRITICAL"))]
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-    for i, start in enumerate(starts):
-        block = lines[start : starts[i + 1] if i + 1 < len(starts) else len(lines)]
-        errors.append(next((x for x in reversed(block) if x and not x[0].isspace()), block[0]))
-    return errors
+    first = ""
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback"):
+            continue
+        end = i + 1
+        while end < len(lines) and lines[end][:1].isspace():
+            end += 1
+        raised = lines[end] if end < len(lines) else "?"
+        errors.append(f"{lines[i - 1] if i else ''} -> {raised}")
+        first = first or "\n".join(lines[max(i - 1, 0) : end + 1])
+    return errors, first
 
 
 def format_report(setting: SoakSetting, r: SoakResult) -> str:
@@ -421,6 +430,7 @@ def format_report(setting: SoakSetting, r: SoakResult) -> str:
         f"server RSS MiB: start {rss0:.0f}, middle {rss_mid:.0f}, end {rss_end:.0f}, peak "
         f"{peak:.0f} (growth start->end {rss_end - rss0:+.0f} MiB, "
         f"{(rss_end - rss0) / rss0 * 100:+.1f}%; middle->end {rss_end - rss_mid:+.0f} MiB)",
+        *([f"first traceback of serve:\n{r.first_traceback}"] if r.first_traceback else []),
         "HELD" if r.held else "BROKE",
     ]
     return "\n".join(lines)

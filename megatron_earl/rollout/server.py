@@ -230,7 +230,10 @@ class Server(WeightEndpoints, MemoryEndpoints):
             raise
         except Exception as err:  # a bug answered for this request only; the server goes on
             if isinstance(err, ConnectionError) and _client_gone(request):
-                raise  # a write after the client left: aiohttp drops the connection quietly
+                # A write after the client left (its sequences are cancelled already). Nobody
+                # reads this answer: aiohttp's write of it fails quietly (raising would make
+                # aiohttp log the error as a server bug).
+                return web.Response(status=499, reason="Client Closed Request")
             logger.exception("%s failed", request.path)
             return error_response(500, f"{request.path} failed: {type(err).__name__}: {err}")
 

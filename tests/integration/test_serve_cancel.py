@@ -228,7 +228,7 @@ def _stream_client_gone() -> dict:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(f"{record.levelname} {record.getMessage()}")
 
-    logging.getLogger("megatron_earl.serve").addHandler(Keep(logging.ERROR))
+    logging.getLogger().addHandler(Keep(logging.ERROR))  # serve's and aiohttp's loggers
     out: dict = {}
     body = {
         "input_ids": [5, 17, 99],
