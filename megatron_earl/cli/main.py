@@ -7,6 +7,7 @@
     megatron-earl bench engine                      # embedded engine vs HF generate, tokens/s
     megatron-earl bench peer [--pairs 3]            # the same GRPO workload: ours vs TRL
     megatron-earl bench serve [--sources A,B]       # serve under 32 concurrent clients: p50/p99
+    megatron-earl bench soak [--duration-s 60]      # serve under normal + hostile clients
     megatron-earl bench async-sim [--json]          # simulated sync vs async, 64-1024 GPUs
     megatron-earl bench async [--pace-ms 30]        # paced engines: real sync vs async runs
     megatron-earl bench relay [--engines 2,4,8]     # trainer stall per publish: relays vs direct
@@ -49,6 +50,7 @@ _MODULES = {
     ("bench", "reshard"): "megatron_earl.redistribute.bench",
     ("bench", "engine"): "megatron_earl.rollout.bench",
     ("bench", "serve"): "megatron_earl.rollout.bench_serve",
+    ("bench", "soak"): "megatron_earl.rollout.bench_soak",
     ("serve",): "megatron_earl.rollout.server",
     ("relay",): "megatron_earl.relay.server",
     ("plot",): "megatron_earl.orchestration.plot",

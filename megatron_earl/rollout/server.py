@@ -229,6 +229,11 @@ class Server(WeightEndpoints, MemoryEndpoints):
         except web.HTTPException:
             raise
         except Exception as err:  # a bug answered for this request only; the server goes on
+            if isinstance(err, ConnectionError) and _client_gone(request):
+                # A write after the client left (its sequences are cancelled already). Nobody
+                # reads this answer: aiohttp's write of it fails quietly (raising would make
+                # aiohttp log the error as a server bug).
+                return web.Response(status=499, reason="Client Closed Request")
             logger.exception("%s failed", request.path)
             return error_response(500, f"{request.path} failed: {type(err).__name__}: {err}")
 
@@ -457,6 +462,13 @@ class Server(WeightEndpoints, MemoryEndpoints):
                 self.updating = False
                 self._update_done.set()
         return web.json_response({"success": True, "message": f"weight version {version}"})
+
+
+def _client_gone(request: web.Request) -> bool:
+    """The client's connection is closed or closing (a stream's next write fails when it comes
+    before ``handler_cancellation`` cancels the handler)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _apply_checked(full: dict[str, torch.Tensor], apply: Callable[[dict], None]) -> None:
