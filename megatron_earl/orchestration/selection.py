@@ -118,7 +118,8 @@ def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str,
 
 def selector_problems(config: RunConfig, world_size: int) -> list[str]:
     """Why the selector cannot run ``config`` at all: its budget holds no layout even for the
-    shortest batch (one-token sequences: the weights, train state and fixed buffers).
+    shortest batch (one-token sequences: the weights, train state and fixed buffers), or none for
+    one sequence of ``rollout.max_context`` tokens (the longest a trajectory may grow to).
     Pure; the launchers call it before any process starts. Empty when the selector is off."""
     if not config.selector.enabled:
         return []
@@ -148,6 +149,27 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
                 f"{config.selector.safety_margin:.0%}) even for the shortest batch; the smallest "
                 f"is {smallest}, which needs {peaks[smallest] / MiB:.2f} MiB per rank (weights, "
                 f"train state and the buffers of {len(shortest)} one-token sequences)"
+            )
+    if problems:
+        return problems
+    # a trajectory may grow to rollout.max_context: one such sequence must fit some layout
+    # (necessary, not sufficient: the selector still decides per step on the real lengths)
+    longest = [config.rollout.max_context] + [1] * (config.batch.samples_per_step - 1)
+    for phase, selector in selectors.items():
+        try:
+            selector.decide(phase, longest)
+        except NoFeasibleLayout:
+            peaks = {
+                str(c): selector.predicted_peak(phase, c, longest) for c in selector.candidates
+            }
+            smallest = min(peaks, key=peaks.get)
+            problems.append(
+                f"rollout.max_context ({config.rollout.max_context} tokens) does not fit "
+                f"selector.budget_mb ({config.selector.budget_mb:g} MiB, safety margin "
+                f"{config.selector.safety_margin:.0%}): no {phase} layout of {list(peaks)} holds "
+                f"one sequence of that length; the smallest is {smallest}, which needs "
+                f"{peaks[smallest] / MiB:.2f} MiB per rank. Lower rollout.max_context, raise the "
+                "budget, or give the selector layouts with more cp/tp"
             )
     return problems
 

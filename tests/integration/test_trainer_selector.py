@@ -151,11 +151,26 @@ def test_budget_below_every_layout_fails_at_start_up(tmp_path):
     assert not (tmp_path / "demo_cpu_switching").exists()
 
 
+def test_max_context_beyond_the_budget_fails_at_start_up(tmp_path):
+    """Issue 22: a context the memory cannot hold was ended by the kernel's OOM killer with no
+    message. One sequence of rollout.max_context must fit some layout: checked before any
+    process starts, naming the key, the budget and the smallest layout's need."""
+    budget = ["selector.budget_mb=2.5", "selector.safety_margin=0.0"]
+    result = _train([*TINY, *budget, f"output_dir={tmp_path}"], timeout=120)
+    assert result.returncode == 2
+    assert "rollout.max_context (512 tokens) does not fit selector.budget_mb (2.5 MiB" in (
+        result.stderr
+    )
+    assert "which needs" in result.stderr and "init_process_group" not in result.stderr
+    assert not (tmp_path / "demo_cpu_switching").exists()
+
+
 def test_every_layout_out_of_budget_ends_the_run_with_one_message(tmp_path):
-    # 2.5 MiB passes the start-up check (one-token sequences fit) but no layout holds the real
+    # 5 MiB passes the start-up checks (one-token sequences fit; so does one sequence of
+    # rollout.max_context, 4.7 MiB by the uncalibrated model) but no layout holds the real
     # batch's train phase: the run stops before that phase with the selector's message naming
     # the smallest layout and the memory it needs, no traceback.
-    budget = ["steps=1", "selector.budget_mb=2.5", "selector.safety_margin=0.0"]
+    budget = ["steps=1", "selector.budget_mb=5", "selector.safety_margin=0.0"]
     result = _train([*TINY, *budget, f"output_dir={tmp_path}", "name=oom"], timeout=240)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
