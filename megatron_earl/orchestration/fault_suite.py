@@ -243,10 +243,13 @@ def _steps_done(metrics: Path) -> int:
     return sum(1 for line in metrics.read_text().splitlines() if line.strip())
 
 
-def run_suite(work: Path, down_s: float, health_s: float, faults=FAULTS) -> dict:
-    """The whole suite (module docstring); returns the report dict."""
+def run_suite(
+    work: Path, down_s: float, health_s: float, faults=FAULTS, every: int = EVERY
+) -> dict:
+    """The whole suite (module docstring); returns the report dict. ``every``: steps between
+    faults at least (more: the run outlasts slow restarts on a loaded machine)."""
     work.mkdir(parents=True, exist_ok=True)
-    steps = EVERY * len(faults) + 1
+    steps = every * len(faults) + 1
     overrides = [*RUN, f"steps={steps}", f"rollout.sglang.health_interval_s={health_s}"]
     model = load_config(CONFIG, [*overrides, "rollout.sglang.weight_update=tensor"]).model
     model_json = work / "model.json"
@@ -271,7 +274,7 @@ def run_suite(work: Path, down_s: float, health_s: float, faults=FAULTS) -> dict
         start = time.monotonic()
         try:
             for i, fault in enumerate(faults):
-                k = 1 + EVERY * i
+                k = 1 + every * i
                 while _steps_done(metrics) < k:
                     if trainer.poll() is not None:
                         raise RuntimeError(f"trainer exited ({trainer.returncode}) before step {k}")
