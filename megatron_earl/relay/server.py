@@ -79,19 +79,28 @@ class RelaySettings:
     """One relay's settings (``megatron-earl relay --help``)."""
 
     upstreams: tuple[str, ...] = ()
+    """Relays to pull new versions from (none: a root, the trainer publishes here)."""
     engines: tuple[str, ...] = ()
+    """Engines this relay loads (SGLang's HTTP API); each engine is fed by one relay."""
     pause_mode: str = PauseMode.RETRACT
+    """``pause_generation`` mode around a load into an engine."""
     engine_tp: int = 1
+    """TP ranks of each engine (tensor payloads per bucket)."""
     lease_s: float = 60.0
+    """A version a child fetched from within this long is not collected."""
     poll_wait_s: float = 10.0
     """Longest wait of one long poll on an upstream."""
     engine_check_s: float = 2.0
     """How often an applier reads its engine's version when no new version arrived (a restarted
     engine is noticed within this)."""
     retry_s: float = 0.2
+    """First backoff after a failed pull or load; doubles per failure."""
     retry_max_s: float = 5.0
+    """Longest backoff."""
     max_bucket_bytes: int = 2 << 30
+    """Largest bucket body accepted."""
     api_key: str | None = None
+    """``$EARL_RELAY_API_KEY``: required on every endpoint but ``/health`` when set."""
 
     def __post_init__(self) -> None:
         problems = []
