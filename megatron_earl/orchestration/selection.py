@@ -134,44 +134,45 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
         selectors = build_selectors(config, world_size, runtime.policy().device.type == "cuda")
     except ValueError as err:
         return [f"selector: {err}"]
+    budget_mb, margin = config.selector.budget_mb, config.selector.safety_margin
     shortest = [1] * config.batch.samples_per_step
-    for phase, selector in selectors.items():
-        try:
-            selector.decide(phase, shortest)
-        except NoFeasibleLayout:
-            peaks = {
-                str(c): selector.predicted_peak(phase, c, shortest) for c in selector.candidates
-            }
-            smallest = min(peaks, key=peaks.get)
-            problems.append(
-                f"selector.budget_mb ({config.selector.budget_mb:g} MiB) is too small: no "
-                f"{phase} layout of {list(peaks)} fits it (safety margin "
-                f"{config.selector.safety_margin:.0%}) even for the shortest batch; the smallest "
-                f"is {smallest}, which needs {peaks[smallest] / MiB:.2f} MiB per rank (weights, "
-                f"train state and the buffers of {len(shortest)} one-token sequences)"
-            )
+    for phase, layouts, smallest, mib in _infeasible(selectors, shortest):
+        problems.append(
+            f"selector.budget_mb ({budget_mb:g} MiB) is too small: no {phase} layout of "
+            f"{layouts} fits it (safety margin {margin:.0%}) even for the shortest batch; the "
+            f"smallest is {smallest}, which needs {mib:.2f} MiB per rank (weights, train state "
+            f"and the buffers of {len(shortest)} one-token sequences)"
+        )
     if problems:
         return problems
     # a trajectory may grow to rollout.max_context: one such sequence must fit some layout
     # (necessary, not sufficient: the selector still decides per step on the real lengths)
     longest = [config.rollout.max_context] + [1] * (config.batch.samples_per_step - 1)
+    for phase, layouts, smallest, mib in _infeasible(selectors, longest):
+        problems.append(
+            f"rollout.max_context ({config.rollout.max_context} tokens) does not fit "
+            f"selector.budget_mb ({budget_mb:g} MiB, safety margin {margin:.0%}): "
+            f"no {phase} layout of {layouts} holds one sequence of that length; the smallest "
+            f"is {smallest}, which needs {mib:.2f} MiB per rank. Lower rollout.max_context, "
+            "raise the budget, or give the selector layouts with more cp/tp"
+        )
+    return problems
+
+
+def _infeasible(selectors: dict, lengths: list[int]) -> list[tuple[str, list[str], str, float]]:
+    """(phase, candidate layouts, the smallest one, its predicted peak in MiB) of every phase
+    whose selector finds no layout for a batch of ``lengths``. Pure."""
+    out = []
     for phase, selector in selectors.items():
         try:
-            selector.decide(phase, longest)
+            selector.decide(phase, lengths)
         except NoFeasibleLayout:
             peaks = {
-                str(c): selector.predicted_peak(phase, c, longest) for c in selector.candidates
+                str(c): selector.predicted_peak(phase, c, lengths) for c in selector.candidates
             }
             smallest = min(peaks, key=peaks.get)
-            problems.append(
-                f"rollout.max_context ({config.rollout.max_context} tokens) does not fit "
-                f"selector.budget_mb ({config.selector.budget_mb:g} MiB, safety margin "
-                f"{config.selector.safety_margin:.0%}): no {phase} layout of {list(peaks)} holds "
-                f"one sequence of that length; the smallest is {smallest}, which needs "
-                f"{peaks[smallest] / MiB:.2f} MiB per rank. Lower rollout.max_context, raise the "
-                "budget, or give the selector layouts with more cp/tp"
-            )
-    return problems
+            out.append((phase, list(peaks), smallest, peaks[smallest] / MiB))
+    return out
 
 
 def gathered_lengths(local: Sequence[int]) -> list[int]:
