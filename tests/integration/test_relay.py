@@ -17,6 +17,7 @@ pulls from R1 or R0 and feeds e2), the trainer's ``relay`` transport publishing 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -33,12 +34,13 @@ from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.relay.versions import digest
-from megatron_earl.rollout.engine import EngineError, GenerateRequest
+from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.rollout.weight_sync import hf_named_tensors
 from megatron_earl.rollout.weight_transports import build_transport
 from megatron_earl.testing.distributed import free_port
+from tests.integration.engine_calls import outputs, reported_version
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -170,28 +172,15 @@ def _publish(tree, full, version: int, engines=("e0", "e1", "e2"), transport=Non
 
 
 async def _outputs(url: str):
-    client = SGLangClient(url)
-    try:
-        result = await client.generate(GenerateRequest(PROMPT, GREEDY))
-    finally:
-        await client.close()
-    return result.output_ids, result.output_logprobs
-
-
-async def _version(url: str) -> int:
-    client = SGLangClient(url)
-    try:
-        await client.get_model_info()
-        return client.weight_version
-    except EngineError:
-        return -2
-    finally:
-        await client.close()
+    return await outputs(url, PROMPT, GREEDY)
 
 
 def _wait_version(url: str, version: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
-    while asyncio.run(_version(url)) != version:
+    while True:
+        with contextlib.suppress(EngineError):  # restarting engines do not answer for a while
+            if asyncio.run(reported_version(url)) == version:
+                return
         assert time.monotonic() < deadline, f"{url} never reported version {version}"
         time.sleep(0.2)
 
@@ -211,7 +200,7 @@ def test_one_publish_reaches_every_engine_and_equals_a_direct_load(tree):
     assert nbytes <= stats.bytes_sent < 1.1 * nbytes  # one copy (plus safetensors headers)
     ref = asyncio.run(_outputs(tree["url"]["ref"]))
     for e in ("e0", "e1", "e2"):
-        assert asyncio.run(_version(tree["url"][e])) == 1
+        assert asyncio.run(reported_version(tree["url"][e])) == 1
         ids, logprobs = asyncio.run(_outputs(tree["url"][e]))
         assert ids == ref[0]
         assert logprobs == pytest.approx(ref[1], abs=1e-6)
@@ -277,7 +266,7 @@ def test_a_dead_relay_or_engine_stops_only_its_own(tree):
     stats = _publish(tree, weights(13), 10, transport=run)  # the next ones do not
     assert time.perf_counter() - start < 30 and stats.num_buckets > 1
     _wait_version(url["e2"], 10)  # R2 pulls from R0 when R1 is gone
-    assert asyncio.run(_version(url["e0"])) != 10  # e0, e1: their relay is dead
+    assert asyncio.run(reported_version(url["e0"])) != 10  # e0, e1: their relay is dead
     relays["R1"] = tree["relay"](
         "R1b", tree["ports"]["R1"], [relays["R0"].url], [url["e0"], url["e1"]]
     )
@@ -287,7 +276,7 @@ def test_a_dead_relay_or_engine_stops_only_its_own(tree):
     tree["procs"]["e2"].kill()
     with pytest.raises(EngineError, match=url["e2"]):
         _publish(tree, weights(14), 11, relay_timeout_s=3)
-    assert asyncio.run(_version(url["e0"])) == 11  # the others got it
+    assert asyncio.run(reported_version(url["e0"])) == 11  # the others got it
     port = int(url["e2"].rsplit(":", 1)[1])
     launch = dataclasses.replace(tree["procs"]["e2"].config, port=port)
     tree["procs"]["e2"] = ServerProcess(launch, log_path=str(tree["tmp"] / "e2b.log"), env=ENV)
@@ -308,7 +297,7 @@ def test_a_resumed_trainer_republishes_a_lower_version_and_every_engine_takes_it
     _publish(tree, W, crashed - 3)  # a new transport: a new publisher generation
     ref = asyncio.run(_outputs(tree["url"]["ref"]))
     for e in ("e0", "e1", "e2"):
-        assert asyncio.run(_version(tree["url"][e])) == crashed - 3
+        assert asyncio.run(reported_version(tree["url"][e])) == crashed - 3
         assert asyncio.run(_outputs(tree["url"][e]))[0] == ref[0]
     info = _info(root)
     assert info["newest_version"] == crashed - 3 and crashed not in info["committed"]

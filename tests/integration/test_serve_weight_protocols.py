@@ -35,6 +35,7 @@ from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
 from megatron_earl.rollout.weight_transports import build_transport
 from megatron_earl.testing.distributed import free_port
+from tests.integration.engine_calls import outputs, reported_version
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -86,21 +87,7 @@ def env(tmp_path_factory):
 
 
 async def _outputs(url: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    client = SGLangClient(url)
-    try:
-        result = await client.generate(GenerateRequest(PROMPT, GREEDY))
-    finally:
-        await client.close()
-    return result.output_ids, result.output_logprobs
-
-
-async def _version(url: str) -> int:
-    client = SGLangClient(url)
-    try:
-        await client.get_model_info()
-    finally:
-        await client.close()
-    return client.weight_version
+    return await outputs(url, PROMPT, GREEDY)
 
 
 async def _push_with(transport, env, full, version: int, model=MODEL, close: bool = False):
@@ -168,7 +155,7 @@ def test_pushed_weights_serve_like_weights_loaded_directly(env, settings):
     assert not _same_as_reference(env)
     stats = asyncio.run(_push_with(transport, env, W, version, close=True))
     assert _same_as_reference(env)
-    assert asyncio.run(_version(env["target"])) == version
+    assert asyncio.run(reported_version(env["target"])) == version
     hf_bytes = sum(t.numel() * t.element_size() for _, t in hf_named_tensors(W, MODEL))
     assert stats.bytes_sent == hf_bytes
     if settings.weight_update != "disk":
@@ -195,7 +182,7 @@ def test_mismatched_pushes_are_refused_before_anything_changes(env):
         assert needle in str(info.value) and "HTTP 400" in str(info.value)
         # the trainer's pending broadcast ended with the refusal, not at the group's timeout
         assert time.monotonic() - start < 30
-        assert asyncio.run(_version(env["target"])) == 7
+        assert asyncio.run(reported_version(env["target"])) == 7
         assert _same_as_reference(env)
 
     async def raw_unknown_name() -> tuple[int, str]:
@@ -256,12 +243,12 @@ def test_disk_updates_only_inside_allowed_directories(env):
     ]:
         got, text = asyncio.run(post(str(path)))
         assert got == status and needle in text, (path, got, text)
-        assert asyncio.run(_version(env["target"])) == 20
+        assert asyncio.run(reported_version(env["target"])) == 20
         assert _same_as_reference(env)
     # The older form, a full Megatron state file, loads from an allowed directory.
     torch.save(weights(2), allowed / "other.pt")
     got, text = asyncio.run(post(str(allowed / "other.pt")))
-    assert got == 200 and asyncio.run(_version(env["target"])) == 21
+    assert got == 200 and asyncio.run(reported_version(env["target"])) == 21
     assert not _same_as_reference(env)
     torch.save(W, allowed / "w.pt")
     assert asyncio.run(post(str(allowed / "w.pt")))[0] == 200
@@ -312,7 +299,7 @@ def test_a_hostile_sglang_payload_is_refused_and_nothing_runs(env, tmp_path):
         status, text = asyncio.run(send(payload, load_format))
         assert status == 400 and "refers to posix.system" in text and "refused" in text, text
     assert not marker.exists()
-    assert asyncio.run(_version(env["target"])) == 9
+    assert asyncio.run(reported_version(env["target"])) == 9
     assert _same_as_reference(env)
 
 
@@ -357,7 +344,7 @@ def test_disk_updates_read_no_file_outside_the_directory(env):
         status, message = asyncio.run(asyncio.wait_for(post(path), 30))
         assert status == 403 and needle in message, (path, status, message)
         answers[path.name] = message.replace(path.name, "")
-        assert asyncio.run(_version(env["target"])) == 30
+        assert asyncio.run(reported_version(env["target"])) == 30
     assert answers["absolute"].replace(str(shard), "") == answers["absent"].replace(
         "/nonexistent/x.safetensors", ""
     )
@@ -392,9 +379,9 @@ def test_bad_group_init_and_versions_get_400_and_keep_a_working_group(env):
             body = {"serialized_named_tensors": [payload], "weight_version": version}
             status, text = asyncio.run(post("/update_weights_from_tensor", body))
             assert status == 400 and "weight_version" in text, (version, status, text)
-        assert asyncio.run(_version(env["target"])) == 40
+        assert asyncio.run(reported_version(env["target"])) == 40
         asyncio.run(_push_with(transport, env, W, 41))  # the same group still works
-        assert asyncio.run(_version(env["target"])) == 41
+        assert asyncio.run(reported_version(env["target"])) == 41
         assert _same_as_reference(env)
     finally:
         if transport.group is not None:
