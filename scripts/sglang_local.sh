@@ -17,7 +17,9 @@
 # OMP_NUM_THREADS (as scripts/train_local.sh), RELAYS (0: the trainer pushes to every engine,
 # default; N > 0: the relay weight service, docs/relay.md -- a root relay the trainer publishes
 # to and N relays pulling from it, relay j feeding engines j, j + N, ...; ports after the
-# router's).
+# router's), REPACK (none: default; drain or repack: rollout.repack, docs/relay.md -- needs
+# RELAYS > 0, turns the router off since the trainer routes each trajectory itself, and starts
+# the relays with --release-holders NPROC).
 # The engines start with random weights: the trainer pushes its own before the first rollout.
 set -euo pipefail
 
@@ -28,10 +30,22 @@ ENGINES=${ENGINES:-2}
 ROUTER=${ROUTER:-1}
 ROUTER_POLICY=${ROUTER_POLICY:-cache_aware}
 RELAYS=${RELAYS:-0}
+REPACK=${REPACK:-none}
 ENGINE_PORT=${ENGINE_PORT:-31000}
 ENGINE_BATCH=${ENGINE_BATCH:-64}
 PACE_DECODE_MS=${PACE_DECODE_MS:-0}
 OUT=${OUT:-runs/sglang_local}
+case "$REPACK" in
+    none) HOLDERS=0 ;;
+    drain|repack)
+        if (( RELAYS < 1 )); then
+            echo "sglang_local.sh: REPACK=$REPACK needs RELAYS >= 1 (engines loaded by relays)" >&2
+            exit 2
+        fi
+        ROUTER=0
+        HOLDERS=${NPROC:-2} ;;
+    *) echo "sglang_local.sh: REPACK '$REPACK' is not one of none, drain, repack" >&2; exit 2 ;;
+esac
 if [[ ! -f "$CONFIG" ]]; then
     echo "sglang_local.sh: config file '$CONFIG' does not exist" >&2
     exit 2
@@ -120,11 +134,21 @@ if (( RELAYS > 0 )); then
         for (( i = j; i < ENGINES; i += RELAYS )); do FED+=("${URLS[$i]}"); done
         port=$(( RELAY_PORT + 1 + j ))
         "$PYTHON" -m megatron_earl.relay.server --port "$port" --upstream "$ROOT_URL" \
-            --engines "$(IFS=,; echo "${FED[*]}")" > "$OUT/engines/relay$j.log" 2>&1 &
+            --engines "$(IFS=,; echo "${FED[*]}")" --release-holders "$HOLDERS" \
+            > "$OUT/engines/relay$j.log" 2>&1 &
         PIDS+=($!)
         wait_up "http://127.0.0.1:${port}" relay $!
     done
     OVERRIDES+=("rollout.sglang.weight_update=relay" "rollout.sglang.relay_urls=[${ROOT_URL}]")
+    if [[ "$REPACK" != none ]]; then
+        FEEDS=()  # the relay of each engine, in engine order
+        for (( i = 0; i < ENGINES; i++ )); do
+            FEEDS+=("http://127.0.0.1:$(( RELAY_PORT + 1 + i % RELAYS ))")
+        done
+        OVERRIDES+=("rollout.repack.policy=$REPACK"
+                    "rollout.sglang.engine_relays=[$(IFS=,; echo "${FEEDS[*]}")]")
+        echo "sglang_local.sh: rollout.repack.policy=$REPACK (no router; relays load on release)"
+    fi
     echo "sglang_local.sh: root relay ${ROOT_URL}, ${RELAYS} relays feeding the engines"
 fi
 

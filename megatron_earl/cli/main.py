@@ -12,6 +12,7 @@
     megatron-earl bench async [--pace-ms 30]        # paced engines: real sync vs async runs
     megatron-earl bench relay [--engines 2,4,8]     # trainer stall per publish: relays vs direct
     megatron-earl bench faults                      # async run with relays under injected faults
+    megatron-earl bench repack [--plot F.png]       # paced: repack vs drain vs none, utilisation
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl relay --port 31000 [--upstream URL] [--engines URL,...]   # weight relay
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
@@ -62,6 +63,7 @@ _MODULES = {
     ("bench", "async"): "megatron_earl.orchestration.bench_async",
     ("bench", "relay"): "megatron_earl.relay.bench",
     ("bench", "faults"): "megatron_earl.orchestration.fault_suite",
+    ("bench", "repack"): "megatron_earl.orchestration.bench_repack",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",

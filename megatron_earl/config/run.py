@@ -34,6 +34,7 @@ from typing import Any
 from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
+from megatron_earl.config.repack import RepackConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase
@@ -161,6 +162,36 @@ ROLLOUT_MODES = ("sync", "async")
 PARTIAL_ROLLOUTS = ("continue", "restart")
 
 
+def _repack_problems(r: RolloutConfig) -> list[str]:
+    """What ``rollout.repack`` (drain or repack) needs: asynchronous rollout on the engines
+    themselves, each fed by a relay that loads it on release."""
+    what = f"repack.policy {r.repack.policy!r}"
+    problems = []
+    if r.mode != "async":
+        problems.append(f"{what} needs mode 'async', got {r.mode!r}")
+    if r.partial_rollout != "continue":
+        problems.append(
+            f"{what} needs partial_rollout 'continue' (no trajectory straddles a version under "
+            f"it, nothing to restart), got {r.partial_rollout!r}"
+        )
+    if r.sglang.router_url is not None:
+        problems.append(
+            f"{what} routes each trajectory to an engine itself: drop sglang.router_url "
+            f"({r.sglang.router_url}), the router hides which engine holds a trajectory"
+        )
+    if str(r.sglang.weight_update) != "relay":
+        problems.append(
+            f"{what} needs sglang.weight_update 'relay' (engines loaded one by one when "
+            f"released), got {str(r.sglang.weight_update)!r}"
+        )
+    if len(r.sglang.engine_relays) != len(r.engine_urls):
+        problems.append(
+            f"{what} needs sglang.engine_relays, the relay of each engine_urls entry: "
+            f"{len(r.sglang.engine_relays)} relays for {len(r.engine_urls)} engines"
+        )
+    return problems
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Multi-turn rollout limits, engine and sampling."""
@@ -209,6 +240,10 @@ class RolloutConfig:
     """async: groups started but not yet consumed, over all ranks, at most (None: bounded by the
     staleness rule alone, (max_staleness + 1) x batch.prompts_per_step); must be >=
     batch.prompts_per_step."""
+    repack: RepackConfig = field(default_factory=RepackConfig)
+    """async: where trajectories run across weight versions -- none, drain (one version per
+    trajectory) or repack (drain, and the long tail consolidated onto few engines);
+    ``config.repack``, docs/relay.md."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
@@ -235,6 +270,8 @@ class RolloutConfig:
             )
         if self.max_buffered_groups is not None and self.max_buffered_groups < 1:
             problems.append(f"max_buffered_groups ({self.max_buffered_groups}) must be >= 1")
+        if self.repack.enabled:
+            problems += _repack_problems(self)
         object.__setattr__(self, "engine", _vocabulary(EngineKind, self.engine, problems, "engine"))
         if self.engine_urls and self.engine != EngineKind.SGLANG:
             problems.append(f"engine_urls {list(self.engine_urls)} need engine=sglang")

@@ -80,6 +80,10 @@ class SGLangConfig:
     relay_urls: tuple[str, ...] = ()
     """relay: the root relays the trainer publishes to (``megatron-earl relay``), first healthy
     first; the relays that feed the engines pull from them (``--upstream``)."""
+    engine_relays: tuple[str, ...] = ()
+    """relay with ``rollout.repack``: the relay that feeds each ``rollout.engine_urls`` entry
+    (same order; started with ``--release-holders`` = the trainer's process count), which the
+    trainer's producers tell when an engine holds none of their trajectories."""
     relay_timeout_s: float = 600.0
     """relay: how long a publish may take, and (synchronous loop) how long the trainer waits
     for every engine to report the published version."""
@@ -147,6 +151,14 @@ class SGLangConfig:
         for url in self.relay_urls:
             if not str(url).startswith(("http://", "https://")):
                 problems.append(f"relay_urls entry {url!r} must start with http:// or https://")
+        object.__setattr__(self, "engine_relays", tuple(self.engine_relays))
+        for url in self.engine_relays:
+            if not str(url).startswith(("http://", "https://")):
+                problems.append(f"engine_relays entry {url!r} must start with http:// or https://")
+        if self.engine_relays and self.weight_update != WeightUpdate.RELAY:
+            problems.append(
+                f"engine_relays need weight_update 'relay', got {str(self.weight_update)!r}"
+            )
         if self.weight_update == WeightUpdate.RELAY and not self.relay_urls:
             problems.append(
                 "weight_update 'relay' needs relay_urls (the root relays, `megatron-earl relay`)"

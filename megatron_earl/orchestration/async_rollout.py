@@ -54,6 +54,7 @@ from megatron_earl.envs.base import ENVS
 from megatron_earl.rollout.agent.loop import AgentLoop
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import GenerateRequest, GenerateResult
+from megatron_earl.rollout.repack import Placement
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class AsyncProducer:
         *,
         group_size: int,
         partial_rollout: str = "continue",
+        placement: Callable[[object], Placement] | None = None,
     ) -> None:
         self.plan = plan
         self.env_spec = env_spec
@@ -198,6 +200,7 @@ class AsyncProducer:
         self.restarts = 0
         self.wasted_tokens = 0
         self.straddled_turns = 0
+        self.mixed_version_trajectories = 0
         self.tokens_of: Counter = Counter()
         self._ready: list[FinishedGroup] = []
         self._cond = threading.Condition()
@@ -211,6 +214,9 @@ class AsyncProducer:
         self._wake: asyncio.Event | None = None
         self.engine: object | None = None
         """The engine the producer drives (the pool; its failover counters are reported)."""
+        self._make_placement = placement
+        self.placement: Placement | None = None
+        """``rollout.repack``: where each trajectory runs (``rollout.repack``)."""
 
     # ------------------------------------------------------------------ trainer thread
 
@@ -341,6 +347,9 @@ class AsyncProducer:
         self._resumed.set()
         engine = self._make_engine()
         self.engine = engine
+        if self._make_placement is not None:
+            self.placement = self._make_placement(engine)
+            self.placement.start()
         self._agent = self._agent_loop(_VersionTagger(engine, self))
         self._factory = ENVS.factory(self.env_spec)
         started.set()
@@ -361,6 +370,8 @@ class AsyncProducer:
             for task in [*self._groups]:
                 task.cancel()
             await asyncio.gather(*self._groups, return_exceptions=True)
+            if self.placement is not None:
+                await self.placement.close()
             await self._close_engine(engine)
 
     def _may_start(self) -> bool:
@@ -395,18 +406,25 @@ class AsyncProducer:
         uid = f"{gid}/{i}"
         while True:
             await self._resumed.wait()
+            if self.placement is not None:
+                await self.placement.begin(uid)
             attempt = asyncio.create_task(
                 self._agent.run_trajectory(self._factory, g, gid, i, sampling_seed=seed)
             )
             self._attempts.add(attempt)
             try:
-                return await attempt
+                trajectory = await attempt
+                if len(set(trajectory.weight_versions)) > 1:
+                    self.mixed_version_trajectories += 1
+                return trajectory
             except asyncio.CancelledError:
                 if self._stopping or not attempt.cancelled():
                     raise
                 self.restarts += 1
                 self.wasted_tokens += self.tokens_of.pop(uid, 0)
             finally:
+                if self.placement is not None:
+                    self.placement.end(uid)
                 self._attempts.discard(attempt)
                 if attempt.done() and not attempt.cancelled():
                     self.tokens_of.pop(uid, None)
@@ -423,6 +441,8 @@ class AsyncProducer:
     async def _end_update(self, version: int, step: int) -> None:
         self.version, self.pushed_step = version, step
         self.version_step[version] = step
+        if self.placement is not None:
+            self.placement.set_newest(version)
         self._updating = False
         self._resumed.set()
         self._wake.set()
@@ -437,8 +457,9 @@ def async_metrics(producer: AsyncProducer, taken: Taken, max_staleness: int) -> 
     """This rank's counters for the step (summed over ranks by the loop: the same keys on every
     rank): cumulative produced/consumed/discarded groups, buffered and in-flight groups, the
     step's discards, restarts and wasted tokens, straddled turns, the engine pool's failovers
-    and requests moved off a stalled engine (cumulative), and trajectories and generated tokens
-    per lag 0..max_staleness."""
+    and requests moved off a stalled engine (cumulative), ``rollout.repack``'s counters
+    (``Placement.stats``, cumulative), and trajectories and generated tokens per lag
+    0..max_staleness."""
     out = {
         "async_started_groups": float(producer.started),
         "async_produced_groups": float(producer.produced),
@@ -450,9 +471,12 @@ def async_metrics(producer: AsyncProducer, taken: Taken, max_staleness: int) -> 
         "async_restarts": float(producer.restarts),
         "async_wasted_tokens": float(producer.wasted_tokens),
         "async_straddled_turns": float(producer.straddled_turns),
+        "async_mixed_version_trajectories": float(producer.mixed_version_trajectories),
         "async_engine_failovers": float(getattr(producer.engine, "failovers", 0)),
         "async_moved_from_stalled": float(getattr(producer.engine, "moved_from_stalled", 0)),
     }
+    if producer.placement is not None:
+        out.update(producer.placement.stats())
     lags = Counter(taken.lags)
     for lag in range(max_staleness + 1):
         out[f"staleness_traj_lag{lag}"] = float(lags.get(lag, 0))

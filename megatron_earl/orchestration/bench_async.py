@@ -53,7 +53,7 @@ CONFIG = ROOT / "configs" / "bench_async_longtail.yaml"
 KEY = "bench-async-key"
 
 
-def _server_infos(urls: list[str]) -> list[dict]:
+def server_infos(urls: list[str]) -> list[dict]:
     async def get() -> list[dict]:
         clients = [SGLangClient(u, ClientConfig(api_key=KEY)) for u in urls]
         try:
@@ -64,7 +64,7 @@ def _server_infos(urls: list[str]) -> list[dict]:
     return asyncio.run(get())
 
 
-def _pacing(before: list[dict], after: list[dict]) -> dict[str, float]:
+def pacing_between(before: list[dict], after: list[dict]) -> dict[str, float]:
     """Decode steps, overruns and prefills of the engines between two ``/server_info`` reads."""
     out = {"decode_steps": 0.0, "overruns": 0.0, "prefill_steps": 0.0, "prefill_ms_total": 0.0}
     for a, b in zip(before, after, strict=True):
@@ -81,7 +81,9 @@ def _pacing(before: list[dict], after: list[dict]) -> dict[str, float]:
     return out
 
 
-def _run(name: str, urls: list[str], out: Path, overrides: list[str], nproc: int) -> list[dict]:
+def train_run(
+    name: str, urls: list[str], out: Path, overrides: list[str], nproc: int
+) -> list[dict]:
     """One training run; its metrics records."""
     cmd = [
         sys.executable,
@@ -235,10 +237,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k in args.staleness
         ]
         for name, overrides, k in modes:
-            before = _server_infos(urls)
+            before = server_infos(urls)
             start = time.perf_counter()
-            records = _run(name, urls, out, [f"steps={args.steps}", *overrides], args.nproc)
-            pacing = _pacing(before, _server_infos(urls))
+            records = train_run(name, urls, out, [f"steps={args.steps}", *overrides], args.nproc)
+            pacing = pacing_between(before, server_infos(urls))
             runs[name] = {
                 "k": k,
                 "measured": steady(records, args.skip),

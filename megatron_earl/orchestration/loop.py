@@ -79,6 +79,7 @@ from megatron_earl.parallel.state import use_layout
 from megatron_earl.rewards.service import check_reward_service, remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
+from megatron_earl.rollout.repack import Placement
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
@@ -554,6 +555,19 @@ class RLLoop:
         async def close(pool) -> None:
             await pool.close()
 
+        placement = None
+        if cfg.rollout.repack.enabled:
+            rank = dist.get_rank()
+
+            def placement(pool) -> Placement:
+                return Placement(
+                    pool,
+                    cfg.rollout.sglang.engine_relays,
+                    cfg.rollout.repack,
+                    holder=f"rank{rank}",
+                    timeline=cfg.run_dir / f"repack_rank{rank}.jsonl",
+                )
+
         return AsyncProducer(
             plan,
             cfg.env.spec(),
@@ -562,6 +576,7 @@ class RLLoop:
             close,
             group_size=cfg.batch.samples_per_prompt,
             partial_rollout=cfg.rollout.partial_rollout,
+            placement=placement,
         )
 
     def stop_async(self) -> None:

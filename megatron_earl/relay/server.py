@@ -29,6 +29,13 @@ passes them on without the trainer:
   by one relay: an applier's first call to its engine is ``continue_generation`` (a no-op when
   the engine runs), since a relay killed between its pause and its continue leaves the engine
   paused until a relay for it starts again.
+- **Loading on release** (``--release-holders N``, for ``rollout.repack``: each trajectory on
+  one weight version). An engine is then loaded with a newer version only once ``N`` holders
+  (the trainer ranks' producers) released it since its last load (``POST /engines/release``,
+  ``{"engine": URL, "holder": NAME}``): a holder releases an engine when none of its
+  trajectories is on it, and detaches it when it stops (``"detach": true``: its release then
+  stands for later versions until it attaches again). A first load, and a restarted engine's,
+  need no release.
 - **Collection.** A version older than the newest is dropped once no applier is loading it and
   no child relay has fetched a bucket of it within ``--lease-s``.
 
@@ -101,6 +108,10 @@ class RelaySettings:
     """Largest bucket body accepted."""
     api_key: str | None = None
     """``$EARL_RELAY_API_KEY``: required on every endpoint but ``/health`` when set."""
+    release_holders: int = 0
+    """0: load an engine as soon as a newer version is here. N > 0: load it only once N
+    distinct holders released it since its last load (``POST /engines/release``; a first load
+    and a restarted engine's need none)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -116,6 +127,11 @@ class RelaySettings:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.engine_tp < 1:
             problems.append(f"engine_tp must be >= 1, got {self.engine_tp}")
+        if self.release_holders < 0:
+            problems.append(
+                f"release_holders must be >= 0 (0: load without release), got "
+                f"{self.release_holders}"
+            )
         if problems:
             raise ValueError("relay: " + "; ".join(problems))
 
@@ -132,9 +148,19 @@ class EngineState:
     failures: int = 0
     last_error: str = ""
     last_apply_s: float = 0.0
+    loaded: int | None = None
+    """Version this relay last loaded into it (another reported version: a restart)."""
+    released_by: set[str] = field(default_factory=set)
+    """Holders that released it since its last load (``--release-holders``)."""
+    detached: set[str] = field(default_factory=set)
+    """Holders that stopped (their release stands for every later version until they attach
+    again)."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["released_by"] = sorted(self.released_by)
+        out["detached"] = sorted(self.detached)
+        return out
 
 
 @dataclass
@@ -157,6 +183,7 @@ class RelayServer:
         self.counters = Counters()
         self.engines = {url: EngineState(url) for url in settings.engines}
         self._new_version = asyncio.Event()
+        self._released = {url: asyncio.Event() for url in settings.engines}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
 
@@ -172,6 +199,7 @@ class RelayServer:
         app.router.add_post("/versions/{v}/commit", self.commit)
         app.router.add_get("/versions/latest", self.latest)
         app.router.add_get("/versions/{v}/buckets/{i}", self.get_bucket)
+        app.router.add_post("/engines/release", self.release)
         app.on_startup.append(self._start_tasks)
         app.on_cleanup.append(self._stop_tasks)
         return app
@@ -206,6 +234,7 @@ class RelayServer:
                 "committed": self.store.committed_versions(),
                 "staged": self.store.staged_versions(),
                 "upstreams": list(self.settings.upstreams),
+                "release_holders": self.settings.release_holders,
                 "engines": {url: s.to_dict() for url, s in self.engines.items()},
                 "counters": {
                     **{k: v for k, v in dataclasses.asdict(self.counters).items() if k != "extra"},
@@ -268,6 +297,32 @@ class RelayServer:
             body=data,
             content_type="application/octet-stream",
             headers={SHA_HEADER: self.store.manifest(v).buckets[i].sha256},
+        )
+
+    async def release(self, request: web.Request) -> web.Response:
+        """A holder has no trajectory on an engine: it may be loaded (``--release-holders``).
+        ``"detach": true``: the holder stopped, its release stands until it sends
+        ``"attach": true`` (which releases nothing)."""
+        body = await request.json()
+        url, holder = str(body.get("engine", "")).rstrip("/"), body.get("holder")
+        if url not in self.engines:
+            return _error(404, f"engine {url!r} is not fed by this relay: {list(self.engines)}")
+        if not isinstance(holder, str) or not holder:
+            raise ValueError(f"holder must be a non-empty string, got {holder!r}")
+        state = self.engines[url]
+        if body.get("attach"):
+            state.detached.discard(holder)
+        else:
+            state.released_by.add(holder)
+            if body.get("detach"):
+                state.detached.add(holder)
+        self._released[url].set()
+        return web.json_response(
+            {
+                "released": len(state.released_by),
+                "holders": self.settings.release_holders,
+                "version": state.version,
+            }
         )
 
     def _announce(self) -> None:
@@ -411,18 +466,18 @@ class RelayServer:
         key = os.environ.get("SGLANG_ADMIN_API_KEY") or os.environ.get("SGLANG_API_KEY") or None
         client = SGLangClient(url, ClientConfig(api_key=key, max_retries=1, connect_timeout_s=3))
         failures = 0
-        released = False
+        resumed = False
         try:
             while True:
                 event = self._new_version
                 try:
                     await client.get_model_info()
                     state.version, state.healthy = client.weight_version, True
-                    if not released:  # a relay killed mid-apply left it paused: continue it
+                    if not resumed:  # a relay killed mid-apply left it paused: continue it
                         await client.resume()
-                        released = True
+                        resumed = True
                     newest = self.store.newest_version()
-                    if newest is not None and state.version != newest:
+                    if newest is not None and state.version != newest and self._may_load(state):
                         await self._apply(client, state, newest)
                         failures = 0
                         continue  # a newer version may have come in meanwhile
@@ -435,10 +490,24 @@ class RelayServer:
                     log.warning("relay: engine %s: %s", url, err)
                     await asyncio.sleep(self._backoff(failures))
                     continue
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), self.settings.engine_check_s)
+                released = self._released[url]
+                waits = [asyncio.ensure_future(e.wait()) for e in (event, released)]
+                await asyncio.wait(
+                    waits, timeout=self.settings.engine_check_s, return_when="FIRST_COMPLETED"
+                )
+                for w in waits:
+                    w.cancel()
+                released.clear()
         finally:
             await client.close()
+
+    def _may_load(self, state: EngineState) -> bool:
+        """``--release-holders``: every holder released the engine since its last load (or this
+        relay never loaded the version it serves: a first load or a restart)."""
+        holders = self.settings.release_holders
+        if holders == 0 or state.loaded is None or state.version != state.loaded:
+            return True
+        return len(state.released_by | state.detached) >= holders
 
     async def _apply(self, client: SGLangClient, state: EngineState, version: int) -> None:
         start = time.perf_counter()
@@ -462,6 +531,8 @@ class RelayServer:
                 f"loading version {version}"
             )
         state.version, state.applies = version, state.applies + 1
+        state.loaded = version
+        state.released_by.clear()
         state.last_apply_s = time.perf_counter() - start
 
     def _backoff(self, failures: int) -> float:
@@ -498,6 +569,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-wait-s", type=float, default=10.0)
     p.add_argument("--engine-check-s", type=float, default=2.0)
     p.add_argument("--max-bucket-mb", type=int, default=2048)
+    p.add_argument(
+        "--release-holders",
+        type=int,
+        default=0,
+        help="load an engine only after this many holders released it (rollout.repack: the "
+        "trainer's process count); 0: load at once",
+    )
     return p.parse_args(argv)
 
 
@@ -514,6 +592,7 @@ def settings_from_args(args: argparse.Namespace) -> RelaySettings:
         poll_wait_s=args.poll_wait_s,
         engine_check_s=args.engine_check_s,
         max_bucket_bytes=args.max_bucket_mb << 20,
+        release_holders=args.release_holders,
         api_key=os.environ.get(API_KEY_ENV) or None,
     )
 

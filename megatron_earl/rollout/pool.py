@@ -176,6 +176,16 @@ class EnginePool:
         """Forget a finished trajectory's engine."""
         self._sessions.pop(session, None)
 
+    def pin(self, session: str, index: int) -> None:
+        """Send ``session``'s next requests to engine ``index`` (while it is healthy)."""
+        if not 0 <= index < len(self.engines):
+            raise ValueError(f"engine index {index} not in [0, {len(self.engines)})")
+        self._sessions[session] = index
+
+    def engine_of(self, session: str) -> int | None:
+        """The engine ``session``'s requests go to (None: not routed yet)."""
+        return self._sessions.get(session)
+
     def start_health_checks(self) -> None:
         """Poll health every ``health_interval_s`` in the background (inside the event loop)."""
 

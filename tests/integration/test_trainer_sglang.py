@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from megatron_earl.config.loader import load_config
+from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rollout.router import RouterConfig, RouterProcess
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
@@ -305,3 +306,50 @@ def test_async_restart_with_staleness_1_loses_and_repeats_no_group(servers, tmp_
     _check_accounting(records, groups_per_step=4, max_staleness=1)
     assert records[-1]["rollout/async_started_groups"] > 3 * 4  # admitted a step ahead
     assert any(r["rollout/staleness_traj_lag1"] > 0 for r in records[1:])
+
+
+def test_async_repack_runs_every_trajectory_on_one_version(servers, tmp_path):
+    """rollout.repack.policy=repack with max_staleness 1: both engines fed by one relay that
+    loads an engine only once both ranks released it. Every trajectory's turns come from one
+    weight version, the counts add up at every step, and each rank recorded its placement
+    timeline."""
+    env = {"OMP_NUM_THREADS": "1", "SGLANG_API_KEY": KEY}
+    root = RelayProcess(RelayLaunch(free_port()), log_path=str(tmp_path / "R0.log"), env=env)
+    relays = [root]
+    try:
+        root.wait_healthy(timeout_s=60, path="/health")
+        engines = tuple(p.url for p in servers)
+        feed = RelayProcess(
+            RelayLaunch(
+                free_port(),
+                upstreams=(root.url,),
+                engines=engines,
+                extra_args=("--release-holders", "2", "--engine-check-s", "0.3"),
+            ),
+            log_path=str(tmp_path / "F.log"),
+            env=env,
+        )
+        relays.append(feed)
+        feed.wait_healthy(timeout_s=60, path="/health")
+        records = _train(
+            servers,
+            tmp_path,
+            "repack",
+            "rollout.mode=async",
+            "rollout.max_staleness=1",
+            "rollout.sglang.weight_update=relay",
+            f"rollout.sglang.relay_urls=[{root.url}]",
+            f"rollout.sglang.engine_relays=[{feed.url},{feed.url}]",
+            "rollout.repack.policy=repack",
+            steps=2,
+        )
+    finally:
+        for r in reversed(relays):
+            r.stop(stop_timeout_s=10)
+    _check_accounting(records, groups_per_step=4, max_staleness=1)
+    assert all(r["rollout/async_mixed_version_trajectories"] == 0 for r in records)
+    assert records[-1]["rollout/repack_releases"] > 0
+    check_documented(records, {"sglang", "async", "repack"})
+    for rank in (0, 1):
+        lines = (tmp_path / "repack" / f"repack_rank{rank}.jsonl").read_text().splitlines()
+        assert any('"engines"' in line for line in lines)

@@ -75,7 +75,7 @@ def test_pacing_counters_between_two_reads():
 
     before = [info(10, 1, 4, 10.0), info(0, 0, 0, 0.0)]
     after = [info(30, 1, 8, 15.0), info(5, 2, 2, 10.0)]
-    got = bench._pacing(before, after)
+    got = bench.pacing_between(before, after)
     assert got["decode_steps"] == 25 and got["overruns"] == 2 and got["prefill_steps"] == 6
     assert got["mean_prefill_ms"] == pytest.approx((8 * 15 - 40 + 20) / 6)
 

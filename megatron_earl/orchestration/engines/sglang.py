@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.run import RunConfig
-from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase
+from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase, WeightUpdate
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.orchestration.engines.base import (
     Rollout,
@@ -51,6 +51,7 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.redistribute.geometry import ShardPiece
 from megatron_earl.redistribute.weight_exec import reshard_weights
+from megatron_earl.relay.publisher import wait_for_engines
 from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
@@ -285,6 +286,8 @@ class SGLangBackend(RolloutBackend):
         self.stats = {"engine_retries": 0.0, "engine_failovers": 0.0}
 
         async def run() -> list[Trajectory]:
+            if self._engines_may_lag():
+                await self._wait_for_engines()
             pool = self.generation_pool()
             clients = pool.engines
             try:
@@ -302,6 +305,21 @@ class SGLangBackend(RolloutBackend):
         if self.config.rollout.sglang.colocated:
             self.stats["memory_release_s"] = self._release_memory()
         return Rollout(trajectories, rank)
+
+    def _engines_may_lag(self) -> bool:
+        """Asynchronous rollout with relays: a push returns before the engines load it."""
+        sglang = self.config.rollout.sglang
+        return self.config.rollout.mode == "async" and sglang.weight_update == WeightUpdate.RELAY
+
+    async def _wait_for_engines(self) -> None:
+        """Before an evaluation: every engine serves the pushed version (under
+        ``rollout.repack`` the relays load an engine once the producers released it)."""
+        clients = self._control_clients()
+        timeout_s = self.config.rollout.sglang.relay_timeout_s
+        try:
+            await wait_for_engines(clients, self.version, timeout_s)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
 
     def rollout_stats(self) -> dict[str, float]:
         """This rank's retried requests (connection errors, timeouts, 502/503/504, a router's

@@ -1,0 +1,333 @@
+"""One weight version per trajectory on the engines, and Laminar's long-tail repack
+(``rollout.repack``: ``drain`` or ``repack``, ``config.repack``).
+
+    placement = Placement(pool, relay_of_engine, RepackConfig(policy="repack"), holder="rank0")
+    placement.start()                       # inside the producer's event loop
+    placement.set_newest(version)           # the trainer published ``version``
+    await placement.begin(uid)              # waits for an engine on the newest version, pins uid
+    ...                                     # the agent loop's turns go to the pinned engine
+    placement.end(uid)
+    await placement.close()                 # releases every engine (nothing of ours is left)
+
+Each rank's asynchronous producer (``orchestration.async_rollout``) owns one placement over the
+engines themselves (no router: the producer must know where each trajectory is). The rule:
+
+- **New trajectories** start only on a healthy engine that serves the newest published version
+  (the one holding fewest of this rank's trajectories; ties: lowest index). While none does,
+  ``begin`` waits. A trajectory is pinned to its engine (``EnginePool`` session stickiness),
+  so all its turns run on the weights it started with.
+- **Draining.** An engine behind the newest version takes no new trajectory. When it holds none
+  of this rank's trajectories and none of its requests, the placement releases it to the relay
+  that feeds it (``POST /engines/release``); the relay (``--release-holders`` = the trainer's
+  process count) loads the newest version once every rank released it. Then it serves new
+  trajectories again.
+- **Repack** (``policy: repack``): every ``interval_s`` the placement plans (``plan_repack``,
+  pure) moves among draining engines of one version: an engine holding at most ``below`` of
+  this rank's trajectories hands them to the lowest-index engine of that version that holds
+  this rank's trajectories (if it then holds at most ``max_per_engine``). Every rank picks the
+  same target, so the ranks' tails end up on the same engine. A moved trajectory's request in
+  flight finishes where it runs; its next turn is prefilled on the target from its tokens (the
+  same weights: the engines are on the same version). Each move is logged and counted.
+
+Faults keep their meaning: a failed or stalled engine's requests move to another engine
+(``EnginePool``), whatever its version; the turn is tagged with the older version, so
+staleness is never under-counted. ``timeline`` (JSON lines, one per ``interval_s``) records
+every engine's version, this rank's trajectories and requests on it, and the repack and
+release events: the engine-utilisation plot of ``megatron-earl bench repack``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from megatron_earl.config.repack import RepackConfig
+from megatron_earl.relay.server import API_KEY_ENV
+from megatron_earl.rollout.pool import EnginePool
+
+log = logging.getLogger("megatron_earl.repack")
+
+RELEASE_AGAIN_S = 2.0
+"""A release not followed by a load within this long is sent again (a restarted relay forgot
+it)."""
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What one rank's placement knows of an engine when it plans."""
+
+    version: int
+    """Weight version it serves (-1: not known yet)."""
+    healthy: bool
+    trajectories: int
+    """This rank's trajectories pinned to it."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move every trajectory of this rank on ``source`` to ``target`` (same version)."""
+
+    source: int
+    target: int
+    trajectories: int
+    version: int
+
+
+def plan_repack(
+    engines: Sequence[EngineView], newest: int, below: int, max_per_engine: int
+) -> list[Move]:
+    """Moves that empty draining engines (behind ``newest``) holding at most ``below``
+    trajectories into the lowest-index draining engine of the same version that holds
+    trajectories, while it then holds at most ``max_per_engine``."""
+    counts = [e.trajectories for e in engines]
+    by_version: dict[int, list[int]] = {}
+    for i, e in enumerate(engines):
+        if e.healthy and 0 <= e.version != newest and counts[i] > 0:
+            by_version.setdefault(e.version, []).append(i)
+    moves = []
+    for version in sorted(by_version):
+        target, *sources = by_version[version]
+        for source in sources:
+            n = counts[source]
+            if n <= below and counts[target] + n <= max_per_engine:
+                moves.append(Move(source, target, n, version))
+                counts[target] += n
+                counts[source] = 0
+    return moves
+
+
+class Placement:
+    """This rank's trajectories across engines and weight versions (module docstring)."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        relays: Sequence[str],
+        config: RepackConfig,
+        holder: str,
+        timeline: Path | None = None,
+    ) -> None:
+        if len(relays) != len(pool.engines):
+            raise ValueError(
+                f"repack: {len(relays)} engine relays for {len(pool.engines)} engines; "
+                "rollout.sglang.engine_relays lists the relay of each engine"
+            )
+        self.pool = pool
+        self.relays = [r.rstrip("/") for r in relays]
+        self.config = config
+        self.holder = holder
+        self.newest = -1
+        self.open: set[str] = set()
+        """This rank's trajectories begun and not ended."""
+        self.repacks = 0
+        """Moves made (one source engine emptied into a target)."""
+        self.repacked_trajectories = 0
+        self.releases = 0
+        self.waits = 0
+        """Trajectories that waited in ``begin`` for an engine on the newest version."""
+        self.wait_s = 0.0
+        self._released: dict[int, tuple[int, float]] = {}
+        self._changed = asyncio.Event()
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._timeline = timeline.open("a") if timeline is not None else None
+
+    # -- what the producer calls ------------------------------------------------------------
+    def start(self) -> None:
+        key = os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._session = aiohttp.ClientSession(
+            headers=headers, timeout=aiohttp.ClientTimeout(total=10, sock_connect=3)
+        )
+        self._task = asyncio.create_task(self._run(), name="repack")
+
+    def set_newest(self, version: int) -> None:
+        if version > self.newest:
+            self.newest = version
+            self._kick.set()  # read the engines' versions now, not at the next tick
+
+    async def begin(self, uid: str) -> int:
+        """Pin trajectory ``uid`` to an engine on the newest version (waits for one)."""
+        start = None
+        while True:
+            index = self._choose()
+            if index is not None:
+                break
+            if start is None:
+                start, self.waits = time.perf_counter(), self.waits + 1
+            changed = self._changed
+            await changed.wait()
+        if start is not None:
+            self.wait_s += time.perf_counter() - start
+        self.open.add(uid)
+        self.pool.pin(uid, index)
+        return index
+
+    def end(self, uid: str) -> None:
+        self.open.discard(uid)
+        self.pool.end_session(uid)
+        self._notify()
+
+    async def close(self) -> None:
+        """Stop planning and detach from every engine: this rank holds nothing any more, and
+        later versions (the final evaluation's) must not wait for it."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.open.clear()
+        if self._session is not None:
+            await asyncio.gather(
+                *(self._release(i, detach=True) for i in range(len(self.relays))),
+                return_exceptions=True,
+            )
+            await self._session.close()
+        if self._timeline is not None:
+            self._timeline.close()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "repack_moves": float(self.repacks),
+            "repack_trajectories": float(self.repacked_trajectories),
+            "repack_releases": float(self.releases),
+            "repack_waits": float(self.waits),
+            "repack_wait_s": self.wait_s,
+        }
+
+    # -- state ------------------------------------------------------------------------------
+    def counts(self) -> list[int]:
+        """This rank's open trajectories per engine."""
+        out = [0] * len(self.pool.engines)
+        for uid in self.open:
+            index = self.pool.engine_of(uid)
+            if index is not None:
+                out[index] += 1
+        return out
+
+    def versions(self) -> list[int]:
+        return [e.weight_version for e in self.pool.engines]
+
+    def _choose(self) -> int | None:
+        if self.newest < 0:
+            return None
+        counts, versions = self.counts(), self.versions()
+        serving = [i for i, ok in enumerate(self.pool.healthy) if ok and versions[i] == self.newest]
+        return min(serving, key=lambda i: (counts[i], i), default=None)
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # -- the periodic task ------------------------------------------------------------------
+    async def _run(self) -> None:
+        # a holder that stopped earlier (a resumed run) holds its engines again
+        await asyncio.gather(
+            *(self._release(i, attach=True) for i in range(len(self.relays))),
+            return_exceptions=True,
+        )
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self.config.interval_s)
+            self._kick.clear()
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # a relay or engine fault: try again next tick
+                log.warning("repack (%s): %s", self.holder, err)
+
+    async def _tick(self) -> None:
+        if self.newest < 0:
+            return
+        behind = [i for i, v in enumerate(self.versions()) if v != self.newest]
+        if behind:  # their relays may have loaded them since
+            await asyncio.gather(
+                *(_read_version(self.pool.engines[i]) for i in behind), return_exceptions=True
+            )
+        versions = self.versions()
+        for i in list(self._released):
+            if versions[i] == self.newest:
+                del self._released[i]
+        if self.config.policy == "repack":
+            self._repack(versions)
+        counts = self.counts()
+        now = time.monotonic()
+        for i, version in enumerate(versions):
+            if version == self.newest or counts[i] or self.pool.loads[i]:
+                continue
+            sent = self._released.get(i)
+            if sent is None or sent[0] != self.newest or now - sent[1] > RELEASE_AGAIN_S:
+                self._released[i] = (self.newest, now)
+                await self._release(i)
+        self._record(versions, counts)
+        self._notify()
+
+    def _repack(self, versions: list[int]) -> None:
+        counts = self.counts()
+        views = [EngineView(v, ok, n) for v, ok, n in zip(versions, self.pool.healthy, counts)]
+        moves = plan_repack(views, self.newest, self.config.below, self.config.max_per_engine)
+        for move in moves:
+            for uid in [u for u in self.open if self.pool.engine_of(u) == move.source]:
+                self.pool.pin(uid, move.target)
+            self.repacks += 1
+            self.repacked_trajectories += move.trajectories
+            log.info(
+                "repack (%s): %d trajectories of version %d from engine %d to engine %d",
+                self.holder,
+                move.trajectories,
+                move.version,
+                move.source,
+                move.target,
+            )
+            self._event("repack", **move.__dict__)
+
+    async def _release(self, index: int, detach: bool = False, attach: bool = False) -> None:
+        url = self.relays[index]
+        body = {"engine": self.pool.engines[index].base_url, "holder": self.holder}
+        if detach or attach:
+            body["detach" if detach else "attach"] = True
+        assert self._session is not None
+        async with self._session.post(f"{url}/engines/release", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(
+                    f"relay {url} refused {body}: HTTP {resp.status} {(await resp.text())[:300]}"
+                )
+        if attach:
+            return
+        self.releases += 1
+        event = "detach" if detach else "release"
+        self._event(event, engine=index, version=self.versions()[index], newest=self.newest)
+
+    def _record(self, versions: list[int], counts: list[int]) -> None:
+        if self._timeline is None:
+            return
+        engines = [
+            [v, n, load] for v, n, load in zip(versions, counts, self.pool.loads, strict=True)
+        ]
+        self._write({"newest": self.newest, "engines": engines})
+
+    def _event(self, event: str, **fields) -> None:
+        if self._timeline is not None:
+            self._write({"event": event, **fields})
+
+    def _write(self, record: dict) -> None:
+        assert self._timeline is not None
+        self._timeline.write(
+            json.dumps({"t": round(time.time(), 3), "holder": self.holder, **record}) + "\n"
+        )
+        self._timeline.flush()
+
+
+async def _read_version(client) -> None:
+    """Refresh ``client.weight_version`` (bounded: a stalled engine must not hold the tick)."""
+    await asyncio.wait_for(client.get_model_info(), 2.0)
