@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -144,3 +145,24 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
     state.version = 2  # the engine restarted (it reports a version the relay never loaded)
     state.released_by.clear()
     assert server._may_load(state)
+
+
+def test_utilisation_sums_the_ranks_latest_samples_per_bin(tmp_path):
+    from megatron_earl.orchestration.bench_repack import utilisation
+
+    def write(rank: int, rows: list[tuple[float, list[int]]]) -> None:
+        with (tmp_path / f"repack_rank{rank}.jsonl").open("w") as f:
+            for t, loads in rows:
+                engines = [[3, 0, n] for n in loads]
+                f.write(json.dumps({"t": t, "holder": f"rank{rank}", "engines": engines}) + "\n")
+            f.write(json.dumps({"t": 0.1, "holder": f"rank{rank}", "event": "repack"}) + "\n")
+
+    write(0, [(100.0, [4, 1]), (100.3, [2, 0]), (100.6, [0, 0])])
+    write(1, [(100.1, [1, 1]), (100.55, [3, 0])])
+    u = utilisation(tmp_path, engines=2, bin_s=0.25)
+    assert u["t"] == [0.0, 0.25, 0.5]
+    # bin 0: rank0 [4,1] + rank1 [1,1]; bin 1: rank0 [2,0] + rank1 still [1,1];
+    # bin 2: rank0 [0,0] + rank1 [3,0]
+    assert u["batch"] == [[5, 2], [3, 1], [3, 0]]
+    assert u["mean_batch"] == pytest.approx(14 / 6)
+    assert u["tail_fraction"] == pytest.approx(2 / 6)  # the 1 and the 0
