@@ -27,7 +27,8 @@ protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distr
 ``/destroy_weights_update_group``) and ``/update_weights_from_disk`` (an HF safetensors directory
 or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``).
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``),
+``/get_weights_by_name`` (the first values of a served tensor, to read back what was loaded).
 ``--pace-decode-ms X`` (measurement only) makes every decode step last at least X ms (the
 engine sleeps the rest after the real forward), so a benchmark on a shared CPU sees a fixed
 per-token decode time; ``/server_info`` then says ``"paced": true`` and reports the decode steps
@@ -180,6 +181,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("*", "/get_weights_by_name", self.get_weights_by_name),
             ("POST", "/pause_generation", self.pause),
             ("POST", "/continue_generation", self.resume),
             ("POST", "/abort_request", self.abort),
