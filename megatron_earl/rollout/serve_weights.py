@@ -330,7 +330,7 @@ class WeightEndpoints:
         SGLang's ``LlamaForCausalLM.get_weights_by_name`` answers it (the first
         ``truncate_size`` rows of a matrix, the first entries of a vector). A tied
         ``lm_head.weight`` reads the embedding, as in SGLang."""
-        from megatron_earl.models.hf_mapping import hf_tensor
+        from megatron_earl.models.hf_mapping import hf_target, hf_tensor, read_name
 
         body = await self._json(request, GET_WEIGHTS_FIELDS, "get_weights_by_name")
         name, size = body.get("name"), body.get("truncate_size", 100)
@@ -340,13 +340,14 @@ class WeightEndpoints:
             raise BadRequest(f"truncate_size must be an integer >= 0, got {size!r}")
         self.check_weights_resident("get_weights_by_name")
         model = self.engine.model_config
-        if name not in self._expected() and not (name == "lm_head.weight" and model.tie_embeddings):
+        if read_name(name, model) not in self._expected():
             valid = sorted(self._expected())
             raise BadRequest(
                 f"get_weights_by_name: {name!r} is not a parameter of the served model "
                 f"({len(valid)} parameters, e.g. {valid[:3]})"
             )
-        tensor = hf_tensor(await self.engine.state_dict(), name, model)
+        key = hf_target(read_name(name, model), model).key
+        tensor = hf_tensor(await self.engine.state_dict(frozenset({key})), name, model)
         return web.json_response(tensor[:size].to(torch.float32).tolist())
 
     # ------------------------------------------------------------------ distributed
