@@ -58,6 +58,7 @@ CLASSES = {
         "DestroyWeightsUpdateGroupReqInput",
         "ReleaseMemoryOccupationReqInput",
         "ResumeMemoryOccupationReqInput",
+        "GetWeightsByNameReqInput",
     ),
     "sampling": ("SamplingParams",),
     "api": (

@@ -120,6 +120,25 @@ def apply_hf_tensor(
     return target.key
 
 
+def read_name(hf_name: str, model: ModelConfig) -> str:
+    """The HF name whose tensor SGLang answers for ``hf_name`` (a tied ``lm_head.weight``: the
+    embedding's)."""
+    tied_head = hf_name == mapping.HF_OUTPUT and model.tie_embeddings
+    return mapping.HF_EMBEDDING if tied_head else hf_name
+
+
+def hf_tensor(full: Mapping[str, torch.Tensor], hf_name: str, model: ModelConfig) -> torch.Tensor:
+    """The HF tensor ``hf_name`` read from a full Megatron state (the inverse of
+    ``apply_hf_tensor``; a view where no rows are selected). A tied ``lm_head.weight`` reads the
+    embedding, as SGLang's ``get_weights_by_name`` answers it. ``KeyError`` names an unknown
+    name."""
+    target = hf_target(read_name(hf_name, model), model)
+    if target.key not in full:
+        raise KeyError(f"{hf_name!r} maps to {target.key!r}, which this model does not have")
+    src = full[target.key] if target.layer is None else full[target.key][target.layer]
+    return src if target.rows is None else src[target.rows]
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """A full Megatron state from a complete HF state dict (padding rows zero)."""
     first = next(iter(hf.values()))

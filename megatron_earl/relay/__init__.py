@@ -4,6 +4,7 @@ newest version into their own engines, each engine on its own schedule.
 
 - ``versions``: what a relay holds (immutable versions, complete or absent, collection);
 - ``codec``: a bucket of named tensors as checksummed safetensors bytes;
+- ``readback``: what is read back from an engine after a load and when it matches;
 - ``server``: ``megatron-earl relay`` (receive, fan out, feed engines, ``/relay_info``);
 - ``publisher``: the trainer's side and the ``relay`` weight transport.
 """

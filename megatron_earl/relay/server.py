@@ -23,12 +23,15 @@ passes them on without the trainer:
 - **Engines.** For each URL of ``--engines`` an applier loads the newest version into that
   engine when it serves another one (SGLang's own API: ``pause_generation`` in
   ``--pause-mode``, ``update_weights_from_tensor`` per bucket with the version on the last one,
-  ``continue_generation``, then ``get_model_info`` must report it). Each engine on its own: a
-  slow or dead engine delays nobody else; a failed apply is retried with backoff, and an engine
-  that restarts (it reports another version) gets the newest version again. Each engine is fed
-  by one relay: an applier's first call to its engine is ``continue_generation`` (a no-op when
-  the engine runs), since a relay killed between its pause and its continue leaves the engine
-  paused until a relay for it starts again.
+  ``continue_generation``, then ``get_model_info`` must report it, and a few tensors read back
+  with ``get_weights_by_name`` must hold the published values: ``--verify-tensors``, see
+  ``readback``; a difference is counted, ``engine_mismatches``, and the version loaded again;
+  an engine without the endpoint is counted, ``engine_check_unsupported``, and not checked).
+  Each engine on its own: a slow or dead engine delays nobody else; a failed apply is retried
+  with backoff, and an engine that restarts (it reports another version) gets the newest
+  version again. Each engine is fed by one relay: an applier's first call to its engine is
+  ``continue_generation`` (a no-op when the engine runs), since a relay killed between its
+  pause and its continue leaves the engine paused until a relay for it starts again.
 - **Loading on release** (``--release-holders N``, for ``rollout.repack``: each trajectory on
   one weight version). An engine is then loaded with a newer version only once ``N`` holders
   (the trainer ranks' producers) released it since its last load (``POST /engines/release``,
@@ -57,13 +60,21 @@ import random
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
+import torch
 from aiohttp import web
 
 from megatron_earl.config.vocab import PauseMode
 from megatron_earl.relay.codec import decode_bucket
+from megatron_earl.relay.readback import (
+    SGLANG_NO_EXPORT,
+    VERIFY_ROWS,
+    read_back_matches,
+    sampled_buckets,
+)
 from megatron_earl.relay.versions import (
     ChecksumError,
     Manifest,
@@ -72,7 +83,7 @@ from megatron_earl.relay.versions import (
     digest,
 )
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
 from megatron_earl.rollout.weight_sync import WeightSyncConfig, push_weights
 
 log = logging.getLogger("megatron_earl.relay")
@@ -106,6 +117,10 @@ class RelaySettings:
     """Longest backoff."""
     max_bucket_bytes: int = 2 << 30
     """Largest bucket body accepted."""
+    verify_tensors: int = 4
+    """Tensors read back from an engine after each load (``get_weights_by_name``: the smallest
+    tensor of this many buckets, spread over the version, its first ``VERIFY_ROWS`` rows) and
+    compared with the published values; 0: no read-back."""
     api_key: str | None = None
     """``$EARL_RELAY_API_KEY``: required on every endpoint but ``/health`` when set."""
     release_holders: int = 0
@@ -132,6 +147,8 @@ class RelaySettings:
                 f"release_holders must be >= 0 (0: load without release), got "
                 f"{self.release_holders}"
             )
+        if self.verify_tensors < 0:
+            problems.append(f"verify_tensors must be >= 0 (0: off), got {self.verify_tensors}")
         if problems:
             raise ValueError("relay: " + "; ".join(problems))
 
@@ -155,6 +172,11 @@ class EngineState:
     detached: set[str] = field(default_factory=set)
     """Holders that stopped (their release stands for every later version until they attach
     again)."""
+    mismatches: int = 0
+    """Loads whose read-back differed from the published values (loaded again)."""
+    unverified: int | None = None
+    """A version the engine reports but whose read-back did not match: not taken as reached,
+    loaded again."""
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -171,6 +193,11 @@ class Counters:
     repulls: int = 0
     upstream_errors: int = 0
     collected: int = 0
+    engine_mismatches: int = 0
+    """Loads after which an engine held other values than the published ones."""
+    engine_check_unsupported: int = 0
+    """Loads not read back: the engine has no ``get_weights_by_name`` (404) or cannot export
+    its weights (SGLang's 400 for e.g. Qwen2/Qwen3 models)."""
     extra: Counter = field(default_factory=Counter)
 
 
@@ -477,7 +504,8 @@ class RelayServer:
                         await client.resume()
                         resumed = True
                     newest = self.store.newest_version()
-                    if newest is not None and state.version != newest and self._may_load(state):
+                    behind = state.version != newest or state.unverified == newest
+                    if newest is not None and behind and self._may_load(state):
                         await self._apply(client, state, newest)
                         failures = 0
                         continue  # a newer version may have come in meanwhile
@@ -513,27 +541,67 @@ class RelayServer:
         start = time.perf_counter()
         with self.store.pinned(version):
             manifest = self.store.manifest(version)
-            named = (
-                pair
-                for i in range(len(manifest.buckets))
-                for pair in decode_bucket(self.store.bucket(version, i))
-            )
+            sampled = sampled_buckets(len(manifest.buckets), self.settings.verify_tensors)
+            samples: dict[str, torch.Tensor] = {}  # the published first rows, to read back
+
+            def named() -> Iterator[tuple[str, torch.Tensor]]:
+                for i in range(len(manifest.buckets)):
+                    pairs = decode_bucket(self.store.bucket(version, i))
+                    if i in sampled:  # its smallest tensor (see readback: SGLang's cost)
+                        name, tensor = min(pairs, key=lambda pair: pair[1].numel())
+                        samples[name] = tensor[:VERIFY_ROWS].clone()
+                    yield from pairs
+
             sync = WeightSyncConfig(
                 bucket_bytes=max(b.nbytes for b in manifest.buckets),
                 pause_mode=self.settings.pause_mode,
                 flush_cache=False,
             )
-            await push_weights([client], named, version, sync, engine_tp=self.settings.engine_tp)
+            await push_weights([client], named(), version, sync, engine_tp=self.settings.engine_tp)
         await client.get_model_info()
         if client.weight_version != version:
             raise EngineError(
                 f"engine {client.base_url} reports version {client.weight_version} after "
                 f"loading version {version}"
             )
-        state.version, state.applies = version, state.applies + 1
+        await self._read_back(client, state, version, samples)
+        state.version, state.applies, state.unverified = version, state.applies + 1, None
         state.loaded = version
         state.released_by.clear()
         state.last_apply_s = time.perf_counter() - start
+
+    async def _read_back(
+        self,
+        client: SGLangClient,
+        state: EngineState,
+        version: int,
+        samples: dict[str, torch.Tensor],
+    ) -> None:
+        """Read ``samples`` back from the engine (``get_weights_by_name``) and compare them with
+        the published values (``readback``). A difference is counted and raised: the engine is
+        not taken as serving ``version`` (``state.unverified``) and is loaded again after the
+        backoff. An engine that cannot read weights back is counted and not checked."""
+        for name, want in samples.items():
+            try:
+                got = await client.get_weights_by_name(name, len(want))
+            except EngineRequestError as err:
+                if err.status == 404 or (err.status == 400 and SGLANG_NO_EXPORT in str(err)):
+                    self.counters.engine_check_unsupported += 1
+                    log.warning(
+                        "relay: engine %s cannot read weights back (%s): version %d not checked",
+                        client.base_url,
+                        err,
+                        version,
+                    )
+                    return
+                raise
+            if not read_back_matches(got, want):
+                self.counters.engine_mismatches += 1
+                state.mismatches, state.unverified = state.mismatches + 1, version
+                raise EngineError(  # logged by the applier, naming the engine
+                    f"{name} read back after loading version {version} differs from the "
+                    "published values (engine_mismatches): loading it again"
+                )
 
     def _backoff(self, failures: int) -> float:
         s = self.settings
@@ -576,6 +644,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="load an engine only after this many holders released it (rollout.repack: the "
         "trainer's process count); 0: load at once",
     )
+    p.add_argument(
+        "--verify-tensors",
+        type=int,
+        default=RelaySettings.verify_tensors,
+        help="tensors read back from an engine after each load (get_weights_by_name) and "
+        "compared with the published values; 0: off",
+    )
     return p.parse_args(argv)
 
 
@@ -593,6 +668,7 @@ def settings_from_args(args: argparse.Namespace) -> RelaySettings:
         engine_check_s=args.engine_check_s,
         max_bucket_bytes=args.max_bucket_mb << 20,
         release_holders=args.release_holders,
+        verify_tensors=args.verify_tensors,
         api_key=os.environ.get(API_KEY_ENV) or None,
     )
 

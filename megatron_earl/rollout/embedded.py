@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -401,10 +402,11 @@ class EmbeddedEngine(StepResults, EngineMemory):
             self._version = version
             self._table.drop_parked()
 
-    async def state_dict(self) -> dict[str, torch.Tensor]:
+    async def state_dict(self, keys: frozenset[str] | None = None) -> dict[str, torch.Tensor]:
         """The full (global, Megatron-named) host tensors of the served weights, gathered from every
-        rank of the TP group between steps (keys and shapes of ``geometry.full_state_dict``)."""
-        return _assemble(await self.call(_host_pieces))
+        rank of the TP group between steps (keys and shapes of ``geometry.full_state_dict``; only
+        ``keys`` when given)."""
+        return _assemble(await self.call(functools.partial(_host_pieces, keys=keys)))
 
     async def call(self, fn: Callable[[EmbeddedEngine], Any]) -> list[Any]:
         """Run ``fn(engine)`` on every rank of the TP group between steps (in the engine's step
@@ -687,14 +689,17 @@ class EmbeddedEngine(StepResults, EngineMemory):
         return box
 
 
-def _host_pieces(engine: EmbeddedEngine) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
-    """(key, global shape, region, host copy) of every main-replica piece this rank holds."""
+def _host_pieces(
+    engine: EmbeddedEngine, keys: frozenset[str] | None = None
+) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+    """(key, global shape, region, host copy) of every main-replica piece this rank holds (of
+    ``keys`` only, when given)."""
     from megatron_earl.redistribute.geometry import shard_pieces
 
     return [
         (p.key, p.global_shape, p.region, runtime.to_host(p.region_view()).clone())
         for p in shard_pieces(engine.model_chunks)
-        if not p.is_replica
+        if not p.is_replica and (keys is None or p.key in keys)
     ]
 
 

@@ -10,6 +10,8 @@ payload format of ``tensor_payload``), SGLang's distributed protocol over gloo a
                                             -> receive one bucket broadcast by rank 0, apply it
     POST /destroy_weights_update_group     {group_name}
     POST /update_weights_from_disk         {model_path, load_format, weight_version, ...}
+    GET|POST /get_weights_by_name          {name, truncate_size} -> the first values of a
+                                            served tensor (read back what was loaded)
 
 ``WeightEndpoints`` is mixed into ``server.Server`` (it uses the server's ``engine``,
 ``_update`` and ``_json``). Rules, beyond SGLang's (which does neither check):
@@ -112,6 +114,8 @@ DISK_UPDATE_FIELDS = frozenset(
         "manifest",
     }
 )
+GET_WEIGHTS_FIELDS = frozenset({"rid", "http_worker_ipc", "name", "truncate_size"})
+"""Fields of SGLang's ``GetWeightsByNameReqInput``."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors", "pt")
 MAX_GROUP_WORLD_SIZE = 65536
 """Largest ``world_size`` a weight-update group may have (a trainer rank 0 plus engines)."""
@@ -317,6 +321,34 @@ class WeightEndpoints:
                 apply_hf_tensor(full, name, tensor, self.engine.model_config)
 
         return await self._update(body, apply)
+
+    # ------------------------------------------------------------------ read back
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_weights_by_name`` (GET or POST ``{name, truncate_size=100}``): the
+        served tensor of HF name ``name`` as float32 values, ``tolist()[:truncate_size]`` as
+        SGLang's ``LlamaForCausalLM.get_weights_by_name`` answers it (the first
+        ``truncate_size`` rows of a matrix, the first entries of a vector). A tied
+        ``lm_head.weight`` reads the embedding, as in SGLang."""
+        from megatron_earl.models.hf_mapping import hf_target, hf_tensor, read_name
+
+        body = await self._json(request, GET_WEIGHTS_FIELDS, "get_weights_by_name")
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str):
+            raise BadRequest(f"get_weights_by_name needs name (a string), got {name!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BadRequest(f"truncate_size must be an integer >= 0, got {size!r}")
+        self.check_weights_resident("get_weights_by_name")
+        model = self.engine.model_config
+        if read_name(name, model) not in self._expected():
+            valid = sorted(self._expected())
+            raise BadRequest(
+                f"get_weights_by_name: {name!r} is not a parameter of the served model "
+                f"({len(valid)} parameters, e.g. {valid[:3]})"
+            )
+        key = hf_target(read_name(name, model), model).key
+        tensor = hf_tensor(await self.engine.state_dict(frozenset({key})), name, model)
+        return web.json_response(tensor[:size].to(torch.float32).tolist())
 
     # ------------------------------------------------------------------ distributed
 

@@ -27,11 +27,13 @@ protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distr
 ``/destroy_weights_update_group``) and ``/update_weights_from_disk`` (an HF safetensors directory
 or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``).
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``),
+``/get_weights_by_name`` (the first values of a served tensor, to read back what was loaded).
 ``--pace-decode-ms X`` (measurement only) makes every decode step last at least X ms (the
 engine sleeps the rest after the real forward), so a benchmark on a shared CPU sees a fixed
 per-token decode time; ``/server_info`` then says ``"paced": true`` and reports the decode steps
-and their overruns under ``pacing`` (``embedded.PaceStats``).
+and their overruns under ``pacing`` (``embedded.PaceStats``). ``$EARL_SERVE_FAULT_CORRUPT_LOADS=N``
+(fault injection, tests only) corrupts the first N weight loads (``FAULT_CORRUPT_LOADS_ENV``).
 
 Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with ``--api-key``
 every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
@@ -97,6 +99,11 @@ from megatron_earl.rollout.server_auth import (
 
 logger = logging.getLogger("megatron_earl.serve")
 
+FAULT_CORRUPT_LOADS_ENV = "EARL_SERVE_FAULT_CORRUPT_LOADS"
+"""Fault injection, for tests of what reads weights back (the relay's check): ``N`` makes the first
+N weight loads (updates that set a ``weight_version``: a whole version) add 1.0 to every weight
+after loading, answering success as usual. Unset or 0 in any real use."""
+
 
 def _finished_control(task: asyncio.Task) -> None:
     """Done callback of a shielded control handler (``_answer`` answers every error but an HTTP
@@ -120,6 +127,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
         dist_timeout_s: float = 300.0,
         served: ServedModel | None = None,
         server_args: dict[str, Any] | None = None,
+        corrupt_loads: int = 0,
     ):
         self.engine = engine
         self.model_path = model_path
@@ -151,6 +159,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
         """Parses ``/generate`` bodies (tokenizes their text), one at a time, off the loop."""
         self._control_tasks: set[asyncio.Task] = set()
         """Control handlers running shielded from their client's disconnect (``_middleware``)."""
+        self.corrupt_loads = corrupt_loads
+        """Fault injection (``$EARL_SERVE_FAULT_CORRUPT_LOADS``): this many more weight loads
+        are corrupted after loading (``_update``)."""
         self._init_weight_endpoints()
 
     def detokenize(self, ids: Any, skip_special_tokens: bool = True) -> str:
@@ -180,6 +191,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("*", "/get_weights_by_name", self.get_weights_by_name),
             ("POST", "/pause_generation", self.pause),
             ("POST", "/continue_generation", self.resume),
             ("POST", "/abort_request", self.abort),
@@ -457,6 +469,16 @@ class Server(WeightEndpoints, MemoryEndpoints):
                     await self.engine.abort_all("aborted for a weight update")
                 full = await self.engine.state_dict()
                 await asyncio.to_thread(_apply_checked, full, apply)  # off the event loop
+                if self.corrupt_loads and body.get("weight_version") is not None:
+                    self.corrupt_loads -= 1  # fault injection: a load that silently goes wrong
+                    for tensor in full.values():
+                        if tensor.is_floating_point():
+                            tensor += 1.0
+                    logger.warning(
+                        "FAULT INJECTION (%s): weight version %s loaded with every weight + 1.0",
+                        FAULT_CORRUPT_LOADS_ENV,
+                        version,
+                    )
                 await self.engine.load_state_dict(full, version)
             finally:
                 self.updating = False
@@ -556,6 +578,7 @@ async def serve(args: argparse.Namespace) -> None:
         dist_timeout_s=args.dist_timeout,
         served=served,
         server_args=server_args_json(args, served),
+        corrupt_loads=args.corrupt_loads,
     )
     engine.detokenize = server.detokenize if served.codec is not None else None
     await engine.start()
@@ -565,8 +588,10 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     pace = args.pace_decode_ms
-    paced = f" (PACED: every decode step >= {pace:g} ms)" if pace else ""
-    print(f"megatron-earl serve: listening on http://{args.host}:{args.port}{paced}", flush=True)
+    notes = f" (PACED: every decode step >= {pace:g} ms)" if pace else ""
+    if args.corrupt_loads:
+        notes += f" (FAULT INJECTION: the next {args.corrupt_loads} weight loads are corrupted)"
+    print(f"megatron-earl serve: listening on http://{args.host}:{args.port}{notes}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -685,6 +710,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    raw = os.environ.get(FAULT_CORRUPT_LOADS_ENV, "0")
+    args.corrupt_loads = int(raw) if raw.isdigit() else -1
+    if args.corrupt_loads < 0:
+        p.error(f"${FAULT_CORRUPT_LOADS_ENV} must be an integer >= 0 (0: off), got {raw!r}")
     if not (math.isfinite(args.pace_decode_ms) and args.pace_decode_ms >= 0):
         p.error(
             f"--pace-decode-ms must be a finite number >= 0 (0: unpaced), got {args.pace_decode_ms}"

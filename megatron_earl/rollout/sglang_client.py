@@ -321,6 +321,15 @@ class SGLangClient:
             self._version = weight_version
         return out
 
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` entries along dim 0 of the served tensor ``name`` (HF
+        name) as float32 values: a list of rows for a matrix, of floats for a vector (SGLang's
+        answer; with data-parallel attention SGLang answers one such list per DP rank). A
+        server without the endpoint answers 404; SGLang answers 400 for a model that cannot
+        export its weights (e.g. Qwen2/Qwen3 in 0.5.23)."""
+        body = {"name": name, "truncate_size": truncate_size}
+        return await self._call("POST", "/get_weights_by_name", body)
+
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Free the engine's memory of ``tags`` (SGLang's ``kv_cache``, ``weights``,
         ``cuda_graph``; None: all) for colocated training; the engine must be idle and is

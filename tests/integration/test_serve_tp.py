@@ -2,7 +2,8 @@
 the same weights, started by the SGLang launcher's code path: the same greedy tokens and
 log-probs (within 1e-4) from a full-state file, and again after each weight-update protocol
 (tensor with two payloads, disk, distributed with every TP rank in the trainer's group as
-``rank_offset + tp_rank``: ``rollout.sglang.engine_tp=2``); requests shaped for another TP size
+``rank_offset + tp_rank``: ``rollout.sglang.engine_tp=2``), after which ``get_weights_by_name``
+reads the pushed values back from both; requests shaped for another TP size
 get a 400 naming it. Lifetime: SIGTERM to the process group stops rank 0 and its follower
 cleanly (exit 0); SIGKILL of rank 0 alone leaves no follower; a follower killed ends the
 server (exit 1)."""
@@ -164,6 +165,18 @@ def test_weight_updates_keep_tp2_equal_to_tp1(servers, protocol):
     after = _assert_same(servers)
     assert [ids for ids, _, _ in after] != [ids for ids, _, _ in before]
     assert {v for _, _, v in after} == {version}
+    pushed = dict(hf_named_tensors(weights(version), MODEL))
+    name = "model.layers.1.self_attn.k_proj.weight"  # rows split over the TP ranks
+
+    async def read(tp: int) -> list:
+        client = SGLangClient(servers["procs"][tp].url)
+        try:
+            return await client.get_weights_by_name(name, 100)
+        finally:
+            await client.close()
+
+    for tp in (1, 2):  # gathered from both ranks, as loaded
+        assert asyncio.run(read(tp)) == pushed[name][:100].tolist()
 
 
 def test_requests_shaped_for_another_tp_size_are_refused(servers):

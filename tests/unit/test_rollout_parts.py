@@ -4,6 +4,7 @@ portable tensor payload."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from megatron_earl.models.hf_mapping import (
     full_megatron_to_hf,
     global_shapes,
     hf_target,
+    hf_tensor,
     hf_to_megatron,
     qkv_rows,
 )
@@ -192,6 +194,10 @@ def test_hf_round_trip_is_exact():
     assert set(back) == set(full)
     for key, tensor in full.items():
         assert torch.equal(back[key], tensor), key
+    for name, tensor in hf.items():  # get_weights_by_name's read of one HF tensor
+        assert torch.equal(hf_tensor(full, name, MODEL), tensor), name
+    tied = dataclasses.replace(MODEL, tie_embeddings=True)
+    assert torch.equal(hf_tensor(full, "lm_head.weight", tied), hf["model.embed_tokens.weight"])
 
 
 def test_hf_target_rejects_unknown_names():

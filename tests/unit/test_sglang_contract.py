@@ -45,6 +45,7 @@ from megatron_earl.rollout.generate_api import (
     parse_generate,
 )
 from megatron_earl.rollout.memory_occupation import MEMORY_FIELDS
+from megatron_earl.rollout.serve_weights import GET_WEIGHTS_FIELDS
 from megatron_earl.rollout.sglang_client import SGLANG_PINNED, ClientConfig, SGLangClient
 from megatron_earl.rollout.weight_sync import serialize_named_tensors
 
@@ -70,6 +71,7 @@ ENDPOINTS = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
 }
 
 
@@ -115,6 +117,8 @@ async def _record_client_requests() -> list[tuple[str, str, object]]:
             return web.json_response({"text": "", "output_ids": [3], "meta_info": meta})
         if request.path == "/get_model_info":
             return web.json_response({"weight_version": "0"})
+        if request.path == "/get_weights_by_name":
+            return web.json_response([[0.5, 0.25]])
         return web.json_response({"success": True, "message": "ok"})
 
     app = web.Application()
@@ -154,6 +158,7 @@ async def _record_client_requests() -> list[tuple[str, str, object]]:
     await client.health()
     await client.get_model_info()
     await client.get_server_info()
+    assert await client.get_weights_by_name("lm_head.weight", 1) == [[0.5, 0.25]]
     await client.close()
     await runner.cleanup()
     return sent
@@ -239,6 +244,12 @@ def test_serve_memory_endpoints_take_sglangs_fields(schema):
     for cls in ("ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):
         assert set(schema[f"io_struct.{cls}"]) == MEMORY_FIELDS, cls
         assert schema[f"io_struct.{cls}"]["tags"] == {"has_default": True, "default": None}
+
+
+def test_serve_get_weights_by_name_takes_sglangs_fields(schema):
+    fields = schema["io_struct.GetWeightsByNameReqInput"]
+    assert set(fields) == GET_WEIGHTS_FIELDS
+    assert fields["truncate_size"] == {"has_default": True, "default": 100}
 
 
 def test_memory_tags_are_sglangs():
