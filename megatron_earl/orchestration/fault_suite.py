@@ -52,7 +52,7 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rewards.service import RewardServiceProcess, launch_reward_service
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,8 +131,10 @@ class Cluster:
             e.wait_healthy(timeout_s=180)
         for name in ("R0", "R1", "R2"):
             self.ports[name] = free_port()
+        for name in ("R0", "R1", "R2"):  # started together, then waited for
             self.relays[name] = self._relay(name)
-            self.relays[name].wait_healthy(timeout_s=60, path="/health")
+        for r in self.relays.values():
+            r.wait_healthy(timeout_s=60, path="/health")
         self._model_json = model_json
         self.ports["W"] = free_port()
         self.reward = self._reward()
@@ -187,10 +189,11 @@ class Cluster:
             self.relays[name].wait_healthy(timeout_s=60, path="/health")
 
     def stop(self) -> None:
-        for p in [*self.relays.values(), *self.engines.values()]:
+        procs = [*self.relays.values(), *self.engines.values()]
+        for p in procs:
             if p.process.poll() is None:
                 os.kill(p.process.pid, signal.SIGCONT)
-            p.stop(stop_timeout_s=10)
+        stop_all(procs, stop_timeout_s=10)
         if self.reward is not None:
             self.reward.stop()
 

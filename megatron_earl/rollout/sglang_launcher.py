@@ -21,6 +21,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 
@@ -204,3 +206,12 @@ class ServerProcess:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def stop_all(servers: Sequence[ServerProcess], stop_timeout_s: float = 20.0) -> list[int]:
+    """``stop()`` every server at once (a server can take seconds to exit, most of it the
+    interpreter's teardown); their exit codes, in order."""
+    if not servers:
+        return []
+    with ThreadPoolExecutor(len(servers)) as pool:
+        return list(pool.map(lambda server: server.stop(stop_timeout_s), servers))

@@ -20,7 +20,7 @@ from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import FinishType, GenerateRequest
 from megatron_earl.rollout.pool import EnginePool, PoolConfig
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,7 +63,7 @@ def engines(tmp_path):
         for p in procs:
             if p.process.poll() is None:
                 os.kill(p.process.pid, signal.SIGCONT)
-            p.stop(stop_timeout_s=10)
+        stop_all(procs, stop_timeout_s=10)
 
 
 def _pool(procs) -> EnginePool:

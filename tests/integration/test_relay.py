@@ -36,7 +36,7 @@ from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.relay.versions import digest
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.rollout.weight_sync import hf_named_tensors
 from megatron_earl.rollout.weight_transports import build_transport
 from megatron_earl.testing.distributed import free_port
@@ -122,27 +122,32 @@ def tree(tmp_path_factory):
         p.wait_healthy(timeout_s=120)
     url = {n: p.url for n, p in procs.items()}
 
-    def relay(name: str, port: int, upstreams=(), engines=()) -> RelayProcess:
+    def relay(name: str, port: int, upstreams=(), engines=(), wait=True) -> RelayProcess:
         launch = RelayLaunch(
             port, upstreams=tuple(upstreams), engines=tuple(engines), extra_args=FAST
         )
         r = RelayProcess(launch, log_path=str(tmp / f"{name}.log"), env=ENV)
-        r.wait_healthy(timeout_s=60, path="/health")
+        if wait:
+            r.wait_healthy(timeout_s=60, path="/health")
         return r
 
     ports = {n: free_port() for n in ("R0", "R1", "R2", "R3", "link")}
-    relays = {"R0": relay("R0", ports["R0"])}
-    root = relays["R0"].url
-    relays["R1"] = relay("R1", ports["R1"], [root], [url["e0"], url["e1"]])
-    relays["R2"] = relay("R2", ports["R2"], [relays["R1"].url, root], [url["e2"]])
+    root, r1 = (f"http://127.0.0.1:{ports[n]}" for n in ("R0", "R1"))
     link = CorruptingLink(root, ports["link"])
-    relays["R3"] = relay("R3", ports["R3"], [f"http://127.0.0.1:{link.port}"])
+    relays = {  # started together, then waited for
+        "R0": relay("R0", ports["R0"], wait=False),
+        "R1": relay("R1", ports["R1"], [root], [url["e0"], url["e1"]], wait=False),
+        "R2": relay("R2", ports["R2"], [r1, root], [url["e2"]], wait=False),
+        "R3": relay("R3", ports["R3"], [f"http://127.0.0.1:{link.port}"], wait=False),
+    }
+    for r in relays.values():
+        r.wait_healthy(timeout_s=60, path="/health")
+    assert (relays["R0"].url, relays["R1"].url) == (root, r1)
     try:
         yield {"procs": procs, "url": url, "relays": relays, "relay": relay, "ports": ports,
                "engine": engine, "tmp": tmp}  # fmt: skip
     finally:
-        for p in [*reversed(relays.values()), *procs.values()]:
-            p.stop(stop_timeout_s=10)
+        stop_all([*relays.values(), *procs.values()], stop_timeout_s=10)
 
 
 def _settings(tree, **kw) -> SGLangConfig:

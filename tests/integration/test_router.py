@@ -18,7 +18,7 @@ from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.router import RouterConfig, RouterProcess, build_router_command
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the [dev] and [router] extras")
@@ -34,8 +34,11 @@ MODEL = ModelConfig(
 )
 
 
-@pytest.fixture
-def engines(tmp_path):
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Two engines for the module: the failover test kills engines[0], the unreachable-engine
+    test needs one live engine and takes engines[1] (either order works)."""
+    tmp_path = tmp_path_factory.mktemp("engines")
     (tmp_path / "model.json").write_text(json.dumps(MODEL.to_dict()))
     procs = [
         ServerProcess(
@@ -64,8 +67,7 @@ def engines(tmp_path):
             proc.wait_healthy(timeout_s=120)
         yield procs
     finally:
-        for proc in procs:
-            proc.stop(stop_timeout_s=20)
+        stop_all(procs, stop_timeout_s=20)
 
 
 async def _load(url: str) -> int:
@@ -128,6 +130,6 @@ def test_requests_through_the_router_survive_a_killed_engine(engines, tmp_path):
 def test_unreachable_engine_is_named(engines, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     config = RouterConfig(port=free_port(), api_key=KEY)
-    with RouterProcess(config, [engines[0].url, dead], log_path=str(tmp_path / "r.log")) as router:
+    with RouterProcess(config, [engines[1].url, dead], log_path=str(tmp_path / "r.log")) as router:
         with pytest.raises((TimeoutError, RuntimeError), match=dead.replace(".", r"\.")):
             router.wait_ready(timeout_s=5)

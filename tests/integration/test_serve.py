@@ -20,7 +20,12 @@ from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import FinishType, GenerateRequest
 from megatron_earl.rollout.pool import EnginePool
 from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, build_command
+from megatron_earl.rollout.sglang_launcher import (
+    LaunchConfig,
+    ServerProcess,
+    build_command,
+    stop_all,
+)
 from megatron_earl.testing.distributed import free_port
 
 API_KEY = "test-key"
@@ -74,8 +79,7 @@ def servers(tmp_path_factory):
             proc.wait_healthy(timeout_s=120)
         yield procs
     finally:
-        for proc in procs:
-            assert proc.stop(stop_timeout_s=20) is not None
+        assert None not in stop_all(procs, stop_timeout_s=20)
 
 
 def _client(proc: ServerProcess, **kw) -> SGLangClient:

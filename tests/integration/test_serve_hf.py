@@ -14,6 +14,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -22,7 +23,7 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.convert.convert import export_hf
 from megatron_earl.models.hf_mapping import global_shapes
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.rollout.weight_sync import hf_named_tensors
 from megatron_earl.testing.distributed import free_port
 from megatron_earl.tokenizer.demo_hf import demo_hf_tokenizer
@@ -107,8 +108,7 @@ def env(tmp_path_factory):
             "tmp": tmp,
         }
     finally:
-        for proc in procs:
-            proc.stop(stop_timeout_s=20)
+        stop_all(procs, stop_timeout_s=20)
 
 
 def test_hf_directory_generates_what_the_full_state_file_generates(env):
@@ -184,33 +184,55 @@ def test_info_endpoints_answer_as_sglang(env):
     assert status == 404 and missing["error"]["code"] == "model_not_found"
 
 
-def _start_fails(*args: str) -> str:
-    cmd = [sys.executable, "-m", "megatron_earl.rollout.server", "--port", str(free_port())]
-    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    return proc.stderr
+def _starts_fail(*model_paths: Path) -> list[str]:
+    """Start a server on each path at once (they fail independently, before serving); each must
+    exit 2. Returns their stderr, in order."""
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megatron_earl.rollout.server",
+                "--port",
+                str(free_port()),
+                "--model-path",
+                str(path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for path in model_paths
+    ]
+    errs = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err
+        errs.append(err)
+    return errs
 
 
 def test_unservable_model_paths_fail_at_start_naming_why(env, tmp_path):
-    bad = tmp_path / "rope"
-    bad.mkdir()
     config = json.loads((env["hf_dir"] / "config.json").read_text())
+    rope = tmp_path / "rope"
+    rope.mkdir()
     config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}
-    (bad / "config.json").write_text(json.dumps(config))
-    assert "RoPE type 'dynamic'" in _start_fails("--model-path", str(bad))
+    (rope / "config.json").write_text(json.dumps(config))
+    arch = tmp_path / "arch"
+    arch.mkdir()
     config["architectures"] = ["MistralForCausalLM"]
-    (bad / "config.json").write_text(json.dumps(config))
-    assert "unsupported architecture ['MistralForCausalLM']" in _start_fails(
-        "--model-path", str(bad)
-    )
-    assert "does not exist" in _start_fails("--model-path", str(tmp_path / "nowhere"))
+    (arch / "config.json").write_text(json.dumps(config))
     partial = tmp_path / "partial"
     export_hf(
         [(n, t) for n, t in hf_named_tensors(_weights(2), MODEL) if "layers.1." not in n],
         MODEL,
         partial,
     )
-    assert "lacks tensors" in _start_fails("--model-path", str(partial))
+    errs = _starts_fail(rope, arch, tmp_path / "nowhere", partial)
+    assert "RoPE type 'dynamic'" in errs[0]
+    assert "unsupported architecture ['MistralForCausalLM']" in errs[1]
+    assert "does not exist" in errs[2]
+    assert "lacks tensors" in errs[3]
 
 
 def test_llama3_scaled_hf_directory_generates_what_transformers_generates(tmp_path):
@@ -220,13 +242,13 @@ def test_llama3_scaled_hf_directory_generates_what_transformers_generates(tmp_pa
 
     hf_dir = save_tiny_hf("llama", tmp_path / "llama3", tie=True, rope="llama3")
     prompt = torch.randint(0, 100, (21,), generator=torch.Generator().manual_seed(4)).tolist()
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    expected = list(prompt)
-    with torch.no_grad():  # greedy, full recompute; the original context is 8 positions
-        for _ in range(NEW):
-            expected.append(int(hf(torch.tensor([expected])).logits[0, -1].argmax()))
-    server = _start(tmp_path, "llama3", str(hf_dir))
+    server = _start(tmp_path, "llama3", str(hf_dir))  # starts while transformers generates
     try:
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        expected = list(prompt)
+        with torch.no_grad():  # greedy, full recompute; the original context is 8 positions
+            for _ in range(NEW):
+                expected.append(int(hf(torch.tensor([expected])).logits[0, -1].argmax()))
         server.wait_healthy(timeout_s=120)
         got = _greedy(server.url, prompt, ignore_eos=True)["output_ids"]
     finally:

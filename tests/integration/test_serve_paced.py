@@ -15,7 +15,7 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 
 MODEL = ModelConfig(
@@ -40,7 +40,9 @@ def _server(tmp_path, pace_ms: float) -> ServerProcess:
         + (("--pace-decode-ms", str(pace_ms)) if pace_ms else ()),
     )
     log = str(tmp_path / f"server-{pace_ms:g}.log")
-    return ServerProcess(launch, log_path=log, env={"OMP_NUM_THREADS": "1"})
+    return ServerProcess(
+        launch, log_path=log, env={"OMP_NUM_THREADS": "1"}, rebind_on_conflict=True
+    )
 
 
 async def _run(url: str) -> tuple[list[list[int]], dict]:
@@ -58,14 +60,14 @@ async def _run(url: str) -> tuple[list[list[int]], dict]:
 
 
 def test_paced_server_reports_pacing_and_keeps_tokens(tmp_path):
-    answers = []
-    for pace in (0.0, PACE_MS):
-        proc = _server(tmp_path, pace)
-        try:
+    procs = [_server(tmp_path, pace) for pace in (0.0, PACE_MS)]  # both start at once
+    try:
+        answers = []
+        for proc in procs:
             proc.wait_healthy(timeout_s=120)
             answers.append(asyncio.run(_run(proc.url)))
-        finally:
-            proc.stop(stop_timeout_s=20)
+    finally:
+        stop_all(procs, stop_timeout_s=20)
     (base_tokens, base_info), (tokens, info) = answers
     assert tokens == base_tokens
     assert base_info["paced"] is False and base_info["pacing"]["pace_decode_ms"] == 0

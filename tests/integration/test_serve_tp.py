@@ -28,7 +28,7 @@ from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.serve_tp import PARENT_ENV
 from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
 from megatron_earl.rollout.weight_transports import build_transport
 from megatron_earl.testing.distributed import free_port
@@ -98,8 +98,7 @@ def servers(tmp_path_factory):
             proc.wait_healthy(timeout_s=240)
         yield {"procs": procs, "tmp": tmp, "allowed": allowed}
     finally:
-        for proc in procs.values():
-            proc.stop(stop_timeout_s=30)
+        stop_all(list(procs.values()), stop_timeout_s=30)
 
 
 def _followers(proc: ServerProcess) -> list[psutil.Process]:

@@ -31,7 +31,7 @@ from megatron_earl.convert.convert import export_hf
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.sglang_client import EngineRequestError, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
 from megatron_earl.rollout.weight_transports import build_transport
 from megatron_earl.testing.distributed import free_port
@@ -82,8 +82,7 @@ def env(tmp_path_factory):
             proc.wait_healthy(timeout_s=120)
         yield {"ref": procs[0].url, "target": procs[1].url, "tmp": tmp, "allowed": allowed}
     finally:
-        for proc in procs:
-            proc.stop(stop_timeout_s=20)
+        stop_all(procs, stop_timeout_s=20)
 
 
 async def _outputs(url: str) -> tuple[tuple[int, ...], tuple[float, ...]]:

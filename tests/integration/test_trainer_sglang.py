@@ -28,7 +28,7 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rollout.router import RouterConfig, RouterProcess
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 from tests.integration.metrics_doc import check_documented
 
@@ -89,8 +89,7 @@ def servers(tmp_path_factory, shared_dir):
             proc.wait_healthy(timeout_s=120)
         yield procs
     finally:
-        for proc in procs:
-            proc.stop(stop_timeout_s=20)
+        stop_all(procs, stop_timeout_s=20)
 
 
 def _version(url: str) -> int:
@@ -116,13 +115,17 @@ def _server_info(url: str) -> dict:
     return asyncio.run(get())
 
 
-@pytest.mark.parametrize(
-    ("protocol", "colocated"),
-    [("tensor", True), ("tensor-sglang", False), ("disk", False), ("distributed", False)],
+SGLANG_PAYLOAD = (
+    "rollout.sglang.tensor_payload=sglang",
+    "rollout.sglang.tensor_load_format=flattened_bucket",
 )
-def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
-    servers, shared_dir, tmp_path, protocol, colocated
-):
+"""The tensor protocol with SGLang's own payload (engines on this host)."""
+
+
+def _push_run(servers, shared_dir, tmp_path, protocol: str, colocated: bool) -> dict:
+    """A synchronous 2-step run pushing with ``protocol`` (``tensor-sglang``: the tensor protocol
+    with ``SGLANG_PAYLOAD``). Returns its metrics records and, read right after it, the weight
+    versions the servers serve and (colocated) their server info."""
     urls = ",".join(p.url for p in servers)
     with contextlib.ExitStack() as stack:
         extra = []
@@ -136,12 +139,9 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
             )
             router.wait_ready(timeout_s=60)
             extra.append(f"rollout.sglang.router_url={router.url}")
-        if protocol == "tensor-sglang":  # SGLang's own payload (engines on this host)
+        if protocol == "tensor-sglang":
             protocol = "tensor"
-            extra += [
-                "rollout.sglang.tensor_payload=sglang",
-                "rollout.sglang.tensor_load_format=flattened_bucket",
-            ]
+            extra += SGLANG_PAYLOAD
         result = subprocess.run(
             [
                 sys.executable,
@@ -169,7 +169,35 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
             env={**os.environ, "SGLANG_API_KEY": KEY},
         )
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "sgl" / "metrics.jsonl").open()]
+    return {
+        "records": [json.loads(line) for line in (tmp_path / "sgl" / "metrics.jsonl").open()],
+        "versions": [_version(p.url) for p in servers],
+        "infos": [_server_info(p.url) for p in servers] if colocated else [],
+        "weight_files": sorted(p.name for p in (shared_dir / "weights").iterdir())
+        if protocol == "disk"
+        else [],
+    }
+
+
+@pytest.fixture(scope="module")
+def sglang_payload_run(servers, shared_dir, tmp_path_factory) -> dict:
+    """The tensor-sglang run, shared: its push test checks it and the async staleness-0 run is
+    compared with it (the same run but for ``rollout.mode``)."""
+    return _push_run(servers, shared_dir, tmp_path_factory.mktemp("sgl"), "tensor-sglang", False)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "colocated"),
+    [("tensor", True), ("tensor-sglang", False), ("disk", False), ("distributed", False)],
+)
+def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
+    servers, shared_dir, tmp_path, protocol, colocated, request
+):
+    if protocol == "tensor-sglang":
+        run = request.getfixturevalue("sglang_payload_run")
+    else:
+        run = _push_run(servers, shared_dir, tmp_path, protocol, colocated)
+    records = run["records"]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert record["rollout/trajectories"] == 16
@@ -184,13 +212,14 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
         assert "sync/memory_resume_weights_s" not in records[0]
         assert records[1]["sync/memory_resume_weights_s"] > 0
         assert records[1]["sync/memory_resume_kv_cache_s"] > 0
-        for info in map(_server_info, (p.url for p in servers)):
+        assert len(run["infos"]) == len(servers)
+        for info in run["infos"]:
             assert info["released_memory"] == [], info
             assert info["kv_cache_bytes"] > 0 and info["weight_bytes"] > 0
     if protocol == "disk":  # the version the servers serve, the one before it removed
-        assert [p.name for p in (shared_dir / "weights").iterdir()] == ["v1"]
+        assert run["weight_files"] == ["v1"]
     # Pushed before the rollout of step 2: the weights after one optimizer step (version 1).
-    assert [_version(p.url) for p in servers] == [1, 1]
+    assert run["versions"] == [1, 1]
 
 
 def test_unreachable_engine_stops_the_run_at_start_naming_it(servers, tmp_path):
@@ -270,14 +299,21 @@ def _check_accounting(records: list[dict], groups_per_step: int, max_staleness: 
         assert tokens == r["train/num_tokens"] > 0
 
 
-def test_async_with_staleness_0_is_the_synchronous_loop(servers, tmp_path):
+def test_async_with_staleness_0_is_the_synchronous_loop(servers, tmp_path, sglang_payload_run):
     """rollout.mode=async with max_staleness 0: every group starts once its step's weights are on
     the engines and the step trains on all of them -- the synchronous run's trajectories and
     losses over 2 steps (the second on pushed weights; sampling seeds per request; the tolerance
-    covers only float reduction order)."""
-    sync = _train(servers, tmp_path, "sync", steps=2)
+    covers only float reduction order). The synchronous run is the tensor-sglang push test's;
+    this one differs from it only in ``rollout.mode``."""
+    sync = sglang_payload_run["records"]
     asyn = _train(
-        servers, tmp_path, "async", "rollout.mode=async", "rollout.max_staleness=0", steps=2
+        servers,
+        tmp_path,
+        "async",
+        "rollout.mode=async",
+        "rollout.max_staleness=0",
+        *SGLANG_PAYLOAD,
+        steps=2,
     )
     for s, a in zip(sync, asyn, strict=True):
         for key in ("rollout/tokens", "train/num_tokens", "reward/mean", "success_rate"):
