@@ -66,6 +66,8 @@ def _engines(args, out: Path, max_context: int) -> list[ServerProcess]:
                     str(max_context),
                     "--pace-decode-ms",
                     str(args.pace_ms),
+                    "--max-batch-size",
+                    str(args.engine_batch),
                 ),
             ),
             log_path=str(out / f"engine{i}.log"),
@@ -208,6 +210,7 @@ def run(args: argparse.Namespace) -> dict:
                     "paced_decode_steps": pacing["decode_steps"],
                     "pace_overruns": pacing["overruns"],
                     "wall_s": time.perf_counter() - start,
+                    "mixed_version_trajectories": last["rollout/async_mixed_version_trajectories"],
                     **{
                         k.split("/")[1]: v
                         for k, v in last.items()
@@ -227,6 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         "setting": {
             "config": str(CONFIG.name),
             "engines": args.engines,
+            "engine_batch": args.engine_batch,
             "trainer_processes": args.nproc,
             "max_staleness": args.staleness,
             "repack_below": args.below,
@@ -245,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--pace-ms", type=float, default=40.0, help="paced decode step (ms)")
     p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--engine-batch", type=int, default=64, help="serve --max-batch-size")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=2, help="warm-up steps excluded")
@@ -270,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     print(result["label"])
     print(json.dumps(result["setting"]))
     head = ("run", "s_per_step", "trajectories_per_s", "trained_tokens_per_s",
-            "trainer_idle_fraction", "discarded_groups", "repack_moves", "repack_waits",
-            "pace_overruns", "speedup_vs_drain")  # fmt: skip
+            "trainer_idle_fraction", "discarded_groups", "mixed_version_trajectories",
+            "repack_moves", "repack_waits", "pace_overruns", "speedup_vs_drain")  # fmt: skip
     print(" | ".join(head) + " | mean_batch | batch<=1")
     for row in result["rows"]:
         cells = [row.get(h, "-") for h in head]
