@@ -81,6 +81,35 @@ def pacing_between(before: list[dict], after: list[dict]) -> dict[str, float]:
     return out
 
 
+def paced_engines(args, out: Path, model_json: Path, max_context: int) -> list[ServerProcess]:
+    """``args.engines`` ``megatron-earl serve`` processes (not started yet) with random weights,
+    paced at ``args.pace_ms`` per decode step, a batch of ``args.engine_batch``, the API key."""
+    return [
+        ServerProcess(
+            LaunchConfig(
+                model_path="random",
+                port=free_port(),
+                module="megatron_earl.rollout.server",
+                api_key=KEY,
+                extra_args=(
+                    "--model-config",
+                    str(model_json),
+                    "--max-seq-len",
+                    str(max_context),
+                    "--max-batch-size",
+                    str(args.engine_batch),
+                    "--pace-decode-ms",
+                    str(args.pace_ms),
+                ),
+            ),
+            log_path=str(out / f"engine{i}.log"),
+            env={"OMP_NUM_THREADS": "1"},
+            rebind_on_conflict=True,
+        )
+        for i in range(args.engines)
+    ]
+
+
 def train_run(
     name: str, urls: list[str], out: Path, overrides: list[str], nproc: int
 ) -> list[dict]:
@@ -203,30 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = load_config(CONFIG, [f"steps={args.steps}"])
     model_json = out / "model.json"
     model_json.write_text(json.dumps(config.model.to_dict()))
-    procs = [
-        ServerProcess(
-            LaunchConfig(
-                model_path="random",
-                port=free_port(),
-                module="megatron_earl.rollout.server",
-                api_key=KEY,
-                extra_args=(
-                    "--model-config",
-                    str(model_json),
-                    "--max-seq-len",
-                    str(config.rollout.max_context),
-                    "--max-batch-size",
-                    str(args.engine_batch),
-                    "--pace-decode-ms",
-                    str(args.pace_ms),
-                ),
-            ),
-            log_path=str(out / f"engine{i}.log"),
-            env={"OMP_NUM_THREADS": "1"},
-            rebind_on_conflict=True,
-        )
-        for i in range(args.engines)
-    ]
+    procs = paced_engines(args, out, model_json, config.rollout.max_context)
     runs: dict[str, Any] = {}
     try:
         for proc in procs:

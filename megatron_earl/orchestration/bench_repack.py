@@ -38,44 +38,17 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.orchestration.bench_async import (
     CONFIG,
     KEY,
+    paced_engines,
     pacing_between,
     server_infos,
     steady,
     train_run,
 )
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.testing.distributed import free_port
 
 POLICIES = ("none", "drain", "repack")
 RELAY_ARGS = ("--engine-check-s", "0.5", "--poll-wait-s", "5")
-
-
-def _engines(args, out: Path, max_context: int) -> list[ServerProcess]:
-    return [
-        ServerProcess(
-            LaunchConfig(
-                model_path="random",
-                port=free_port(),
-                module="megatron_earl.rollout.server",
-                api_key=KEY,
-                extra_args=(
-                    "--model-config",
-                    str(out / "model.json"),
-                    "--max-seq-len",
-                    str(max_context),
-                    "--pace-decode-ms",
-                    str(args.pace_ms),
-                    "--max-batch-size",
-                    str(args.engine_batch),
-                ),
-            ),
-            log_path=str(out / f"engine{i}.log"),
-            env={"OMP_NUM_THREADS": "1"},
-            rebind_on_conflict=True,
-        )
-        for i in range(args.engines)
-    ]
 
 
 def _relays(urls: list[str], holders: int, out: Path, name: str) -> list[RelayProcess]:
@@ -173,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = load_config(CONFIG, [f"steps={args.steps}"])
     (out / "model.json").write_text(json.dumps(config.model.to_dict()))
-    engines = _engines(args, out, config.rollout.max_context)
+    engines = paced_engines(args, out, out / "model.json", config.rollout.max_context)
     rows = []
     try:
         for e in engines:
