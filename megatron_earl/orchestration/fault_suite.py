@@ -17,7 +17,12 @@ Faults (``FAULTS``), each lasting ``--down-s``:
 - ``kill-relay`` R1: SIGKILL, restarted after ``down_s`` (e0, e1 lag meanwhile; R2 pulls from R0);
 - ``slow-relay`` R2: SIGSTOP for ``down_s`` (a relay that answers nothing for that long);
 - ``kill-reward`` W: SIGKILL of the reward service (the run's remote reward worker, ``reward.
-  service_url``, retried with backoff: ``reward.retries: 6``), restarted after ``down_s``.
+  service_url``, retried with backoff: ``reward.retries: 6``), restarted after ``down_s``;
+- ``kill-trainer`` T: SIGKILL of ``megatron-earl train`` (its ranks die with it); the engines
+  must keep answering meanwhile; after ``down_s`` the same command resumes from the newest
+  checkpoint (``checkpoint.interval: 3``) and republishes (a newer publisher generation), and
+  every engine must serve the resumed run's version. The steps after that checkpoint are redone
+  (the metrics file keeps each step once); the resumed producers count from zero.
 
 Fault i comes after step 1 + 8i (``EVERY``), or once fault i - 1 has recovered if that is
 later; the trainer never waits for the suite. Engines decode at a paced 20 ms per step so a step
@@ -62,7 +67,7 @@ RUN = (
     "eval.num_prompts=0",
     "batch.prompts_per_step=4",
     "batch.samples_per_prompt=4",
-    "checkpoint.interval=0",
+    "checkpoint.interval=3",
     "model.num_layers=2",
     "model.hidden_size=64",
     "model.ffn_hidden_size=128",
@@ -91,6 +96,7 @@ FAULTS = (
     Fault("kill-relay", "R1"),
     Fault("slow-relay", "R2"),
     Fault("kill-reward", "W"),
+    Fault("kill-trainer", "T"),
 )
 EVERY = 8
 """Fault i comes after step 1 + EVERY x i (or when fault i - 1 has recovered, if later); the
@@ -107,7 +113,10 @@ class FaultResult:
     injected_s: float
     ended_s: float = 0.0
     recovered_s: float | None = None
-    """From the end of the fault until every engine is healthy on the newest version."""
+    """From the end of the fault until every engine is healthy on the newest version (after a
+    trainer kill: on the version the resumed trainer republished)."""
+    served_while_down: bool | None = None
+    """kill-trainer: every engine answered ``/health`` throughout the trainer's outage."""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -212,18 +221,24 @@ def inject(cluster: Cluster, fault: Fault, down_s: float) -> None:
         raise ValueError(f"unknown fault kind {fault.kind!r}")
 
 
-def newest_published(cluster: Cluster) -> int | None:
+def newest_published(cluster: Cluster) -> tuple[int | None, int | None]:
+    """(version, publisher generation) of R0's newest version."""
+
     async def get():
         async with aiohttp.ClientSession() as s:
             async with s.get(cluster.url("R0") + "/relay_info") as resp:
-                return (await resp.json())["newest_version"]
+                info = await resp.json()
+                return info["newest_version"], info["newest_generation"]
 
     return asyncio.run(get())
 
 
-def all_current(cluster: Cluster) -> bool:
-    """Every engine answers and reports R0's newest version."""
-    newest = newest_published(cluster)
+def all_current(cluster: Cluster, after_generation: int | None = None) -> bool:
+    """Every engine answers and reports R0's newest version (published by a generation newer
+    than ``after_generation``, when given)."""
+    newest, generation = newest_published(cluster)
+    if after_generation is not None and (generation is None or generation <= after_generation):
+        return False
 
     async def versions():
         clients = [SGLangClient(cluster.url(e), ClientConfig(max_retries=0, control_timeout_s=2))
@@ -271,9 +286,12 @@ def run_suite(
         ]  # fmt: skip
         metrics = work / "faults" / "metrics.jsonl"
         log = open(work / "trainer.log", "w")
-        trainer = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}
-        )
+
+        def launch() -> subprocess.Popen:
+            env = {**os.environ, **ENV}
+            return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+        trainer = launch()
         start = time.monotonic()
         try:
             for i, fault in enumerate(faults):
@@ -284,12 +302,22 @@ def run_suite(
                     time.sleep(0.1)
                 done = _steps_done(metrics)
                 result = FaultResult(fault.kind, fault.target, done, time.monotonic() - start)
-                inject(cluster, fault, down_s)
+                generation = None
+                if fault.kind == "kill-trainer":
+                    generation = newest_published(cluster)[1]
+                    trainer.kill()  # SIGKILL; its ranks die with it (PR_SET_PDEATHSIG)
+                    trainer.wait()
+                    result.served_while_down = _serve_while(cluster, down_s)
+                    trainer = launch()  # resumes from the newest checkpoint, republishes
+                else:
+                    inject(cluster, fault, down_s)
                 result.ended_s = time.monotonic() - start
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + 180
                 while time.monotonic() < deadline:
-                    if all_current(cluster) and _healthy(cluster.url("W")):
+                    if all_current(cluster, generation) and _healthy(cluster.url("W")):
                         result.recovered_s = time.monotonic() - start - result.ended_s
+                        break
+                    if trainer.poll() is not None:
                         break
                     time.sleep(0.1)
                 results.append(result)
@@ -303,6 +331,15 @@ def run_suite(
         cluster.stop()
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return report_dict(code, records, results, relay_info, steps, down_s, health_s)
+
+
+def _serve_while(cluster: Cluster, seconds: float) -> bool:
+    """Whether every engine answers ``/health`` at every check for ``seconds``."""
+    deadline, ok = time.monotonic() + seconds, True
+    while time.monotonic() < deadline:
+        ok = ok and all(_healthy(cluster.url(e)) for e in cluster.engines)
+        time.sleep(0.25)
+    return ok
 
 
 def _healthy(url: str) -> bool:
@@ -330,17 +367,25 @@ def _relay_info(url: str) -> dict:
 
 def accounting(records: list[dict]) -> list[dict]:
     """Per step: lost (produced - consumed - discarded - buffered), trained twice (consumed -
-    steps x groups) and the step's trajectories against groups x samples."""
+    steps x groups, counted from the run's start or its resume: a resumed run's producers count
+    from zero, seen as a drop of the consumed count) and the step's trajectories against groups
+    x samples."""
     rows = []
+    base, before = 0, 0.0
     for step, r in enumerate(records, start=1):
         c = {
             k: r[f"rollout/async_{k}_groups"]
             for k in ("produced", "consumed", "discarded", "buffered")
         }
+        resumed = c["consumed"] < before  # the first step of a resumed run
+        if resumed:
+            base = step - 1
+        before = c["consumed"]
         rows.append({
             "step": step,
+            "resumed": resumed,
             "lost_groups": c["produced"] - c["consumed"] - c["discarded"] - c["buffered"],
-            "trained_twice_groups": c["consumed"] - step * GROUPS,
+            "trained_twice_groups": c["consumed"] - (step - base) * GROUPS,
             "trajectories": r["rollout/trajectories"],
             "discarded_groups": c["discarded"],
         })  # fmt: skip
@@ -352,7 +397,14 @@ def report_dict(code, records, results, relay_info, steps, down_s, health_s) -> 
     faulted = {f.after_step + 1 for f in results}
     step_s = [r["time/step"] for r in records]
     clean = [s for i, s in enumerate(step_s, start=1) if i not in faulted and i > 1]
-    last = records[-1] if records else {}
+    # a resumed run's counters start from zero: add each run's last record (the steps a killed
+    # run did after its checkpoint are redone and their records dropped, so this is a lower bound)
+    ends = [i - 2 for i, r in enumerate(rows, start=1) if r["resumed"]] + [len(records) - 1]
+
+    def total(key: str) -> float | None:
+        values = [records[i].get(key) for i in ends if i >= 0]
+        return None if not values or None in values else sum(values)
+
     return {
         "returncode": code,
         "steps_completed": len(records),
@@ -362,9 +414,10 @@ def report_dict(code, records, results, relay_info, steps, down_s, health_s) -> 
         "lost_groups": sum(r["lost_groups"] for r in rows),
         "trained_twice_groups": sum(abs(r["trained_twice_groups"]) for r in rows),
         "short_steps": [r["step"] for r in rows if r["trajectories"] != GROUPS * SAMPLES],
-        "discarded_groups": last.get("rollout/async_discarded_groups"),
-        "engine_failovers": last.get("rollout/async_engine_failovers"),
-        "moved_from_stalled": last.get("rollout/async_moved_from_stalled"),
+        "resumed_at_steps": [r["step"] for r in rows if r["resumed"]],
+        "discarded_groups": total("rollout/async_discarded_groups"),
+        "engine_failovers": total("rollout/async_engine_failovers"),
+        "moved_from_stalled": total("rollout/async_moved_from_stalled"),
         "failed_trajectories": sum(r.get("rollout/failed", 0) for r in records),
         "median_clean_step_s": statistics.median(clean) if clean else None,
         "faults": [
@@ -377,6 +430,7 @@ def report_dict(code, records, results, relay_info, steps, down_s, health_s) -> 
 
 
 def report(out: dict) -> str:
+    served = [f["served_while_down"] for f in out["faults"] if f["kind"] == "kill-trainer"]
     lines = [
         f"bench faults: {out['steps_completed']}/{out['steps']} steps (exit {out['returncode']}),"
         f" faults of {out['down_s']:g} s, health checks every {out['health_interval_s']:g} s",
@@ -384,6 +438,8 @@ def report(out: dict) -> str:
         f"short of trajectories {out['short_steps']}, discarded (stale) {out['discarded_groups']}",
         f"engine failovers {out['engine_failovers']}, requests moved off a stalled engine "
         f"{out['moved_from_stalled']}, median fault-free step {out['median_clean_step_s']:.2f} s",
+        f"resumed runs began at steps {out['resumed_at_steps']} (kill-trainer: engines served "
+        f"throughout: {served})",
         "back s: from the injection until the component ran again (restart or SIGCONT); "
         "recovered s: from then until every engine serves the newest version and the reward "
         "service answers; step s: the step the fault began in",

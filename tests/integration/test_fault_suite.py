@@ -1,10 +1,11 @@
 """Issue 21's fault-injection suite as a test (``orchestration.fault_suite``, the same code as
 ``megatron-earl bench faults``): an asynchronous run with relays on three ``serve`` engines
 survives SIGKILL of an engine, SIGSTOP of an engine (a stall), SIGKILL of a relay, SIGSTOP of a
-relay and SIGKILL of the reward service, each for 4 s: every step completes, no group is lost
-or trained twice, every step trains its full batch, requests move off the dead and the stopped
-engine, the relay that lost its upstream pulled from the other one, and after every fault every
-engine serves the newest published version again."""
+relay, SIGKILL of the reward service and SIGKILL of the trainer, each for 4 s: every step
+completes, no group is lost or trained twice, every step trains its full batch, requests move
+off the dead and the stopped engine, the relay that lost its upstream pulled from the other one,
+the engines serve while the trainer is down and the resumed trainer republishes, and after every
+fault every engine serves the newest published version again."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ ORDER = (
 )
 """Every fault, the engine kill last: its restart (up to 20 s on a loaded machine) is the
 longest, and a fault after it would wait for its recovery; last, it needs only to begin while
-the trainer runs, so 6 steps between faults (31 steps) suffice."""
+the trainer runs, so 6 steps between faults (37 steps) suffice."""
 
 
 def test_the_order_has_every_fault_once():
@@ -42,3 +43,6 @@ def test_every_fault_is_survived_with_nothing_lost(tmp_path):
         assert fault["recovered_s"] is not None, fault
         assert fault["after_step"] < out["steps"], fault  # the run was still going
     assert out["relays"]["R2"]["upstream_errors"] >= 1  # R1 died; R2 pulled from R0
+    killed = [f for f in out["faults"] if f["kind"] == "kill-trainer"]
+    assert [f["served_while_down"] for f in killed] == [True]  # engines served throughout
+    assert len(out["resumed_at_steps"]) == 1  # resumed (from a checkpoint), republished
