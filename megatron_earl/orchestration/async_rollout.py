@@ -68,6 +68,9 @@ class GroupPlan:
     max_buffered_groups: int | None = None
     seed: int = 0
     """The run seed (per-step sampling seed ``seed * 1_000_003 + step``, as the sync loop)."""
+    first_step: int = 0
+    """The RL step the producer starts at (a resumed run's step): its first group is that
+    step's, and the groups of earlier steps count as started (admission)."""
 
     def __post_init__(self) -> None:
         if self.quota < 1:
@@ -75,6 +78,11 @@ class GroupPlan:
                 f"rank {self.rank} of {self.world} gets no group of a step of "
                 f"{self.prompts_per_step} prompts; use batch.prompts_per_step >= world size"
             )
+
+    @property
+    def first_group(self) -> int:
+        """This rank's index j of the first group it generates (``group(j)``)."""
+        return self.first_step * self.quota
 
     @property
     def quota(self) -> int:
@@ -354,7 +362,7 @@ class AsyncProducer:
         self._factory = ENVS.factory(self.env_spec)
         started.set()
         try:
-            j = 0
+            j = self.plan.first_group
             while not self._stopping:
                 if self._may_start():
                     g = self.plan.group(j)
@@ -377,7 +385,7 @@ class AsyncProducer:
     def _may_start(self) -> bool:
         if self._updating or self.pushed_step < 0:
             return False
-        live = self.started - self.discarded
+        live = self.plan.first_group + self.started - self.discarded
         if live >= self.plan.limit(self.pushed_step):
             return False
         cap = self.plan.buffer_cap()

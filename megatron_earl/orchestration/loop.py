@@ -543,6 +543,7 @@ class RLLoop:
             max_staleness=cfg.rollout.max_staleness,
             max_buffered_groups=cfg.rollout.max_buffered_groups,
             seed=cfg.seed,
+            first_step=self.step,  # a resumed run goes on with its step's prompts
         )
         # the per-group sampling seed replaces this config's (GroupPlan.sampling_seed)
         agent = self.agent_config(

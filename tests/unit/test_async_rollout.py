@@ -51,6 +51,20 @@ def test_admission_limit_and_buffer_cap():
         GroupPlan(3, 3, 4)
 
 
+def test_a_resumed_plan_starts_at_its_step_and_admits_relative_to_it():
+    """A producer built at step 5 (a resumed run) generates step 5's groups first and may start
+    as many groups ahead of the trainer as a producer that ran from step 0."""
+    plan = GroupPlan(8, 1, 2, max_staleness=1, first_step=5)
+    assert plan.first_group == 20
+    assert plan.group_id(plan.group(plan.first_group)) == "s5-1"
+    producer = AsyncProducer(plan, {}, None, None, None, group_size=2)
+    producer.pushed_step = 5
+    producer.started = 7
+    assert producer._may_start()  # 20 + 7 < 4 x (5 + 1 + 1) = 28
+    producer.started = 8
+    assert not producer._may_start()  # two steps' groups: the staleness bound
+
+
 def _traj(gid: str, i: int, turns: list[tuple[int, int]]) -> Trajectory:
     """A trajectory with turns of (tokens, weight version)."""
     t = Trajectory(gid, i, 0)
