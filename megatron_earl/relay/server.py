@@ -37,8 +37,10 @@ passes them on without the trainer:
   (the trainer ranks' producers) released it since its last load (``POST /engines/release``,
   ``{"engine": URL, "holder": NAME}``): a holder releases an engine when none of its
   trajectories is on it, and detaches it when it stops (``"detach": true``: its release then
-  stands for later versions until it attaches again). A first load, and a restarted engine's,
-  need no release.
+  stands for later versions until it attaches again). A release names the version the holder
+  saw the engine serve (409 for another one). What an engine serves when the relay first
+  reaches it counts as loaded (a restarted relay waits for releases too); a restarted engine,
+  and a load whose read-back failed, are loaded again without a release.
 - **Collection.** A version older than the newest is dropped once no applier is loading it and
   no child relay has fetched a bucket of it within ``--lease-s``.
 
@@ -328,8 +330,10 @@ class RelayServer:
 
     async def release(self, request: web.Request) -> web.Response:
         """A holder has no trajectory on an engine: it may be loaded (``--release-holders``).
-        ``"detach": true``: the holder stopped, its release stands until it sends
-        ``"attach": true`` (which releases nothing)."""
+        ``"version"``: the version the holder saw the engine serve; a release for another one
+        (sent before a load finished) is refused with 409 and not counted. ``"detach": true``:
+        the holder stopped, its release stands until it sends ``"attach": true`` (which releases
+        nothing)."""
         body = await request.json()
         url, holder = str(body.get("engine", "")).rstrip("/"), body.get("holder")
         if url not in self.engines:
@@ -337,6 +341,13 @@ class RelayServer:
         if not isinstance(holder, str) or not holder:
             raise ValueError(f"holder must be a non-empty string, got {holder!r}")
         state = self.engines[url]
+        seen = body.get("version")
+        if seen is not None and seen != state.version:
+            return _error(
+                409,
+                f"release of {url} by {holder} for version {seen!r}: the engine serves "
+                f"{state.version} (loaded since); not counted",
+            )
         if body.get("attach"):
             state.detached.discard(holder)
         else:
@@ -503,6 +514,10 @@ class RelayServer:
                     if not resumed:  # a relay killed mid-apply left it paused: continue it
                         await client.resume()
                         resumed = True
+                        if state.loaded is None and state.version >= 0:
+                            # what it serves counts as loaded: a restarted relay does not load
+                            # an engine that still holds trajectories without its release
+                            state.loaded = state.version
                     newest = self.store.newest_version()
                     behind = state.version != newest or state.unverified == newest
                     if newest is not None and behind and self._may_load(state):
@@ -530,8 +545,10 @@ class RelayServer:
             await client.close()
 
     def _may_load(self, state: EngineState) -> bool:
-        """``--release-holders``: every holder released the engine since its last load (or this
-        relay never loaded the version it serves: a first load or a restart)."""
+        """``--release-holders``: every holder released the engine since its last load, or the
+        engine serves another version than the one it served when this relay first reached it
+        or last loaded it (an engine restart, or a load whose read-back failed: loaded again
+        without a release)."""
         holders = self.settings.release_holders
         if holders == 0 or state.loaded is None or state.version != state.loaded:
             return True

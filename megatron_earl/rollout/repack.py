@@ -24,8 +24,10 @@ engines themselves (no router: the producer must know where each trajectory is).
 - **Repack** (``policy: repack``): every ``interval_s`` the placement plans (``plan_repack``,
   pure) moves among draining engines of one version: an engine holding at most ``below`` of
   this rank's trajectories hands them to the lowest-index engine of that version that holds
-  this rank's trajectories (if it then holds at most ``max_per_engine``). Every rank picks the
-  same target, so the ranks' tails end up on the same engine. A moved trajectory's request in
+  this rank's trajectories (if it then holds at most ``max_per_engine``). Each rank plans over
+  its own trajectories: ranks whose tails are on the same engines pick the same target, ranks
+  whose tails are on different engines may pick different ones (an engine is freed only when
+  every rank released it). A moved trajectory's request in
   flight finishes where it runs; its next turn is prefilled on the target from its tokens (the
   same weights: the engines are on the same version). Each move is logged and counted.
 
@@ -230,11 +232,13 @@ class Placement:
 
     # -- the periodic task ------------------------------------------------------------------
     async def _run(self) -> None:
-        # a holder that stopped earlier (a resumed run) holds its engines again
-        await asyncio.gather(
-            *(self._release(i, attach=True) for i in range(len(self.relays))),
-            return_exceptions=True,
-        )
+        # a holder that stopped earlier (a resumed run) holds its engines again; this rank
+        # holds nothing yet: every engine may take the first version
+        for kind in ({"attach": True}, {}):
+            await asyncio.gather(
+                *(self._release(i, **kind) for i in range(len(self.relays))),
+                return_exceptions=True,
+            )
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.config.interval_s)
@@ -247,8 +251,13 @@ class Placement:
                 log.warning("repack (%s): %s", self.holder, err)
 
     async def _tick(self) -> None:
-        if self.newest < 0:
-            return
+        try:
+            await self._plan_and_release()
+        finally:
+            self._notify()
+
+    async def _plan_and_release(self) -> None:
+        """Read the versions of engines behind the newest, repack, release the empty ones."""
         behind = [i for i, v in enumerate(self.versions()) if v != self.newest]
         if behind:  # their relays may have loaded them since
             await asyncio.gather(
@@ -262,15 +271,21 @@ class Placement:
             self._repack(versions)
         counts = self.counts()
         now = time.monotonic()
+        due = []
         for i, version in enumerate(versions):
             if version == self.newest or counts[i] or self.pool.loads[i]:
                 continue
             sent = self._released.get(i)
             if sent is None or sent[0] != self.newest or now - sent[1] > RELEASE_AGAIN_S:
                 self._released[i] = (self.newest, now)
-                await self._release(i)
+                due.append(i)
+        results = await asyncio.gather(
+            *(self._release(i, version=versions[i]) for i in due), return_exceptions=True
+        )
+        for i, result in zip(due, results, strict=True):
+            if isinstance(result, Exception):  # this relay only: the others were released
+                log.warning("repack (%s): release of engine %d: %s", self.holder, i, result)
         self._record(versions, counts)
-        self._notify()
 
     def _repack(self, versions: list[int]) -> None:
         counts = self.counts()
@@ -291,13 +306,26 @@ class Placement:
             )
             self._event("repack", **move.__dict__)
 
-    async def _release(self, index: int, detach: bool = False, attach: bool = False) -> None:
+    async def _release(
+        self,
+        index: int,
+        detach: bool = False,
+        attach: bool = False,
+        version: int | None = None,
+    ) -> None:
+        """Release engine ``index`` to its relay (``version``: the one this rank saw it serve;
+        the relay refuses a release for another, 409: the engine was loaded since, nothing to
+        do), or detach from / attach to it."""
         url = self.relays[index]
         body = {"engine": self.pool.engines[index].base_url, "holder": self.holder}
         if detach or attach:
             body["detach" if detach else "attach"] = True
+        if version is not None:
+            body["version"] = version
         assert self._session is not None
         async with self._session.post(f"{url}/engines/release", json=body) as resp:
+            if resp.status == 409:
+                return
             if resp.status != 200:
                 raise RuntimeError(
                     f"relay {url} refused {body}: HTTP {resp.status} {(await resp.text())[:300]}"

@@ -116,6 +116,10 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
                 async with s.post(url, json=body) as r:
                     out.append((r.status, await r.json()))
                 checks.append(server._may_load(state))
+            # a release sent for a version the engine no longer serves is refused, not counted
+            stale = {"engine": engine, "holder": "rank9", "version": 3}
+            async with s.post(url, json=stale) as r:
+                refused = (r.status, (await r.json())["error"]["message"])
             # a load clears the releases; a detached holder's release stands for later versions
             state.released_by.clear()
             for body in (
@@ -131,9 +135,10 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
                         assert r.status == 200
                 checks.append(server._may_load(state))
         await runner.cleanup()
-        return out, checks
+        return out, checks, refused
 
-    out, checks = asyncio.run(run())
+    out, checks, refused = asyncio.run(run())
+    assert refused[0] == 409 and "for version 3: the engine serves 4" in refused[1]
     assert [status for status, _ in out] == [200, 200, 404, 400, 200]
     assert out[0][1] == {"released": 1, "holders": 2, "version": 4}
     assert out[1][1]["released"] == 1  # the same holder twice counts once
