@@ -317,7 +317,7 @@ def run_suite(
                     if all_current(cluster, generation) and _healthy(cluster.url("W")):
                         result.recovered_s = time.monotonic() - start - result.ended_s
                         break
-                    if trainer.poll() is not None:
+                    if trainer.poll() not in (None, 0):  # crashed: nothing will republish
                         break
                     time.sleep(0.1)
                 results.append(result)
