@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_earl.config.embedded import EmbeddedRolloutConfig
 from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
@@ -211,6 +212,8 @@ class RolloutConfig:
     """Sampling of each model turn; ``sampling.max_new_tokens`` is the per-turn token limit."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """engine=sglang: how the trainer pushes weights to the engines (``config.sglang``)."""
+    embedded: EmbeddedRolloutConfig = field(default_factory=EmbeddedRolloutConfig)
+    """engine=embedded: decode threads and the compiled decode step (``config.embedded``)."""
     env_timeout_s: float = 60.0
     """Limit on one environment ``reset`` / ``step`` / ``close`` call; past it the trajectory is
     FAILED (env_timeout), even if the environment ignores the cancellation."""

@@ -278,6 +278,7 @@ def server_args_json(args: Any, served: ServedModel) -> dict[str, Any]:
         "random_seed": args.seed,
         "skip_server_warmup": args.skip_server_warmup,
         "enable_memory_saver": args.enable_memory_saver,
+        "enable_torch_compile": args.compile_decode,
         "load_format": "auto",
         "dtype": served.model_config.params_dtype,
         "skip_tokenizer_init": served.codec is None,

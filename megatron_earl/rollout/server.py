@@ -3,7 +3,8 @@
     megatron-earl serve --model-path HF_DIR|FULL.pt|random --port 30000 [--model-config model.json]
         [--tokenizer-path DIR] [--served-model-name NAME] [--api-key KEY] [--host 127.0.0.1]
         [--max-batch-size 8] [--max-seq-len 1024] [--seed 0] [--weight-dirs DIR[,DIR]]
-        [--dist-timeout 300] [--tp-size N] [--pace-decode-ms X]
+        [--dist-timeout 300] [--tp-size N] [--pace-decode-ms X] [--decode-threads 1]
+        [--compile-decode]
 
 The model (``serve_model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
 its tokenizer when present), a ``torch.save``'d full Megatron state dict
@@ -553,6 +554,8 @@ def build_engine(
         max_seq_len=args.max_seq_len,
         seed=args.seed,
         pace_decode_s=args.pace_decode_ms / 1e3,
+        decode_threads=args.decode_threads,
+        compile_decode=args.compile_decode,
     )
     return EmbeddedEngine(
         chunks, model_config, config, weight_version=args.weight_version
@@ -707,9 +710,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="measurement only: every decode step lasts at least this many ms (sleeps the rest "
         "after the real forward; reported as paced in /server_info); default 0: unpaced",
     )
+    p.add_argument(
+        "--decode-threads",
+        type=int,
+        default=1,
+        help="torch threads of a decode step (default 1; 0: as many as a prefill step)",
+    )
+    p.add_argument(
+        "--compile-decode",
+        "--enable-torch-compile",
+        action="store_true",
+        help="torch.compile the decode step (tp 1; compiled at the first decode step)",
+    )
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.decode_threads < 0:
+        p.error(
+            f"--decode-threads must be >= 0 (0: the prefill's threads), got {args.decode_threads}"
+        )
+    if args.compile_decode and args.tp_size > 1:
+        p.error(
+            f"--compile-decode needs --tp-size 1 (the compiled step holds no TP collectives), "
+            f"got --tp-size {args.tp_size}"
+        )
     raw = os.environ.get(FAULT_CORRUPT_LOADS_ENV, "0")
     args.corrupt_loads = int(raw) if raw.isdigit() else -1
     if args.corrupt_loads < 0:

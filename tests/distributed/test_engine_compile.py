@@ -100,3 +100,30 @@ def test_decode_threads_must_be_non_negative():
 
     with pytest.raises(ValueError, match=r"decode_threads must be >= 0 .* got -1"):
         EmbeddedEngineConfig(decode_threads=-1)
+
+
+def _serve_engine_settings():
+    from megatron_earl.rollout.server import build_engine, parse_args
+
+    argv = ["--seed", "0", "--max-seq-len", "64", "--enable-torch-compile", "--decode-threads", "0"]
+    engine, _ = build_engine(parse_args(argv))
+    return engine.config.compile_decode, engine.config.decode_threads
+
+
+def test_serve_flags_reach_the_engine(capsys):
+    """``serve --compile-decode`` (SGLang's ``--enable-torch-compile``) and ``--decode-threads``
+    set the engine's settings; a compiled TP engine and negative threads are refused by name."""
+    from megatron_earl.rollout.server import parse_args
+
+    assert run_distributed(_serve_engine_settings, 1, timeout_s=300)[0] == (True, 0)
+    defaults = parse_args([])
+    assert (defaults.compile_decode, defaults.decode_threads) == (False, 1)
+    for argv, message in (
+        (["--compile-decode", "--tp-size", "2"], "--compile-decode needs --tp-size 1"),
+        (["--decode-threads", "-1"], "--decode-threads must be >= 0"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and argv[-1] in err

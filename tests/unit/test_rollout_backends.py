@@ -19,9 +19,9 @@ from megatron_earl.orchestration.engines import (
     rollout_backend_class,
     rollout_backend_problems,
 )
-from megatron_earl.orchestration.engines.embedded import EmbeddedBackend
+from megatron_earl.orchestration.engines.embedded import EmbeddedBackend, engine_config
 from megatron_earl.orchestration.engines.sglang import SGLangBackend
-from megatron_earl.parallel.layout import phase_layout
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 
 # pinned layouts (the selector off): the engine constraints on a fixed rollout layout
 DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu_switching.yaml")
@@ -107,6 +107,57 @@ def test_sglang_engines_need_urls_and_a_fixed_rollout_layout():
         "rollout.engine=embedded (got 'sglang'); select 'experience' only with SGLang engines"
     ]
     checked_config(["--config", DEMO, "rollout.engine=sglang", URLS], 2)
+
+
+def test_embedded_engine_settings_come_from_the_run_config():
+    """``rollout.embedded`` reaches each layout's engine: decode threads everywhere, the compiled
+    decode step on tp1 layouts only (a tp > 1 engine the selector picks runs eagerly); a pinned
+    tp > 1 rollout layout with ``compile_decode`` is refused before anything starts."""
+    config = load_config(
+        DEMO,
+        [
+            "layouts.rollout=tp1cp1pp1dp2",
+            "rollout.embedded.compile_decode=true",
+            "rollout.embedded.decode_threads=2",
+            "rollout.max_concurrency=100",
+        ],
+    )
+    tp1, tp2 = ParallelLayout(dp=2), ParallelLayout(tp=2)
+    settings = engine_config(config, tp1)
+    assert (settings.compile_decode, settings.decode_threads) == (True, 2)
+    assert (settings.max_batch_size, settings.max_seq_len) == (64, config.rollout.max_context)
+    assert engine_config(config, tp2).compile_decode is False
+    assert engine_config(load_config(DEMO), tp1).compile_decode is False
+    assert engine_config(load_config(DEMO), tp1).decode_threads == 1
+    assert rollout_backend_problems(config) == []
+
+    with pytest.raises(ConfigError) as err:
+        checked_config(
+            [
+                "--config",
+                DEMO,
+                "layouts.rollout=tp2cp1pp1dp1",
+                "rollout.embedded.compile_decode=true",
+            ],
+            2,
+        )
+    assert str(err.value) == (
+        "rollout.embedded.compile_decode needs a tp1 rollout layout (the compiled step holds no "
+        "TP collectives), got layouts.rollout 'tp2cp1pp1dp1'; use 'tp1cp1pp1dp2', let the "
+        "selector choose the rollout layout, or set compile_decode: false"
+    )
+    selected = load_config(
+        DEMO,
+        [
+            "layouts.rollout=tp2cp1pp1dp1",
+            "rollout.embedded.compile_decode=true",
+            "selector.enabled=true",
+            "selector.phases=[rollout,experience,train]",
+        ],
+    )
+    assert rollout_backend_problems(selected) == []
+    with pytest.raises(ConfigError, match=r"decode_threads \(-1\) must be an integer >= 0"):
+        load_config(DEMO, ["rollout.embedded.decode_threads=-1"])
 
 
 def test_launch_scripts_pre_flight_makes_the_engine_checks(capsys):

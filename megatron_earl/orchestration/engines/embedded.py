@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_earl.config.run import RunConfig
@@ -44,6 +45,25 @@ from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig,
 from megatron_earl.tokenizer.base import ChatTokenizer
 
 
+def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineConfig:
+    """The engine settings of ``layout``'s engine: KV rows for ``rollout.max_concurrency`` (at
+    most 64), ``rollout.max_context`` per row, ``rollout.embedded``'s threads, and the compiled
+    decode step when asked for and ``layout`` has tp = 1 (else eager). Pure."""
+    rollout = config.rollout
+    return EmbeddedEngineConfig(
+        max_batch_size=min(rollout.max_concurrency, 64),
+        max_seq_len=rollout.max_context,
+        seed=config.seed,
+        decode_threads=rollout.embedded.decode_threads,
+        compile_decode=rollout.embedded.compile_decode and layout.tp == 1,
+    )
+
+
+def _selects_rollout(config: RunConfig) -> bool:
+    """Whether the selector chooses the rollout layout per step (else it is pinned)."""
+    return config.selector.enabled and Phase.ROLLOUT in config.selector.phases
+
+
 @register_rollout_backend
 class EmbeddedBackend(RolloutBackend):
     """Embedded engines over the policy's copies in the rollout layouts (module docstring)."""
@@ -58,13 +78,22 @@ class EmbeddedBackend(RolloutBackend):
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
         rollout = phase_layout(config.layouts, Phase.ROLLOUT)
+        problems = []
         if rollout.pp > 1 or rollout.cp > 1:
-            return [
+            problems.append(
                 f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "
                 f"(pp={rollout.pp}, cp={rollout.cp}); use e.g. "
                 f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
-            ]
-        return []
+            )
+        compiled = config.rollout.embedded.compile_decode
+        if compiled and rollout.tp > 1 and not _selects_rollout(config):
+            problems.append(
+                f"rollout.embedded.compile_decode needs a tp1 rollout layout (the compiled step "
+                f"holds no TP collectives), got layouts.rollout '{rollout}'; use "
+                f"'tp1cp1pp1dp{rollout.world_size}', let the selector choose the rollout layout, "
+                "or set compile_decode: false"
+            )
+        return problems
 
     def switch(self, layout: ParallelLayout) -> None:
         """Activate ``layout``; build the policy's copy there and its engine if needed."""
@@ -76,15 +105,17 @@ class EmbeddedBackend(RolloutBackend):
         use_layout(layout)
         if layout not in self.engines:
             self.policy.ensure(layout)
-            rollout = self.config.rollout
+            if self.config.rollout.embedded.compile_decode and layout.tp > 1:
+                if dist.get_rank() == 0:
+                    print(
+                        f"rollout.embedded.compile_decode: the engine of {layout} runs eagerly "
+                        "(compiled decode steps need tp = 1)",
+                        flush=True,
+                    )
             self.engines[layout] = EmbeddedEngine(
                 [unwrap_chunk(c) for c in self.policy.chunks(layout)],
                 self.config.model,
-                EmbeddedEngineConfig(
-                    max_batch_size=min(rollout.max_concurrency, 64),
-                    max_seq_len=rollout.max_context,
-                    seed=self.config.seed,
-                ),
+                engine_config(self.config, layout),
                 detokenize=self.tokenizer.decode,
             )
         return self.engines[layout]

@@ -1,0 +1,47 @@
+"""How the embedded engine computes (``rollout.embedded``, ``rollout.engine: embedded``).
+
+    rollout:
+      engine: embedded
+      embedded:
+        decode_threads: 1       # torch threads of a decode step (0: the prefill's)
+        compile_decode: true    # torch.compile the decode step (tp 1 rollout layouts)
+
+The same two switches exist on ``megatron-earl serve`` (``--decode-threads``,
+``--compile-decode`` / SGLang's ``--enable-torch-compile``). ``EmbeddedEngineConfig``
+(``rollout/embedded.py``) says what they do, ``docs/engines.md`` what they cost and gain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EmbeddedRolloutConfigError(ValueError):
+    """An invalid ``rollout.embedded`` section."""
+
+
+@dataclass(frozen=True)
+class EmbeddedRolloutConfig:
+    """Compute settings of the embedded engine (``EmbeddedEngineConfig``'s user-facing part)."""
+
+    decode_threads: int = 1
+    """``torch`` intra-op threads of a decode step (0: as many as a prefill step). One by
+    default: a small model's decode step is many small ops, each parallel region costs a thread
+    wake-up that the arithmetic does not repay."""
+    compile_decode: bool = False
+    """``torch.compile`` the decode step: fewer, fused kernels per step, paid for by one
+    compilation at the first decode step (seconds from inductor's cache, tens of seconds cold).
+    Engines of rollout layouts with tp = 1 only; an engine of a tp > 1 layout the selector picks
+    runs eagerly (said once in the log); a pinned tp > 1 rollout layout is refused."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        threads = self.decode_threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            problems.append(
+                f"decode_threads ({threads!r}) must be an integer >= 0 (0: the prefill's threads)"
+            )
+        if not isinstance(self.compile_decode, bool):
+            problems.append(f"compile_decode ({self.compile_decode!r}) must be true or false")
+        if problems:
+            raise EmbeddedRolloutConfigError("embedded: " + "; ".join(problems))
