@@ -352,10 +352,19 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "checkpoint.dir": args.save,
         "checkpoint.interval": args.save_interval,
         "logging.tensorboard_dir": args.tensorboard_dir,
+        "runtime.collective_timeout_s": _collective_timeout_s(args),
     }
     # An omitted flag whose Megatron-LM default is None leaves the YAML/default value alone;
     # num_query_groups=None is meaningful (no --group-query-attention: multi-head attention).
     return {k: v for k, v in tree.items() if v is not None or k == "model.num_query_groups"}
+
+
+def _collective_timeout_s(args: argparse.Namespace) -> float | None:
+    """``--distributed-timeout-minutes`` in seconds when given; omitted, None (the run's own
+    ``runtime.collective_timeout_s`` default stands, not Megatron-LM's 10 minutes)."""
+    if "--distributed-timeout-minutes" not in (getattr(args, PRESENT, None) or []):
+        return None
+    return 60.0 * args.distributed_timeout_minutes
 
 
 _YARN_FLAGS = {  # flag -> its value when omitted (Megatron-LM's)

@@ -111,7 +111,7 @@ NO_EFFECT_FLAGS: dict[str, int | str] = _flags(
     --overlap-param-gather-with-optimizer-step --no-align-param-gather --use-nccl-ub
     --disable-symmetric-registration --fsdp-manual-registration --use-sharp --sharp-enabled-group=
     --create-all-gather-group --nccl-communicator-config-path= --distributed-backend=
-    --distributed-timeout-minutes= --distributed-timeout-seconds-after-init= --local-rank=
+    --distributed-timeout-seconds-after-init= --local-rank=
     --high-priority-stream-groups=+ --empty-unused-memory-level= --train-sync-interval=
     --manual-gc --manual-gc-interval= --no-manual-gc-eval --no-pin-cpu-grads --no-pin-cpu-params
     --override-opt_param-scheduler

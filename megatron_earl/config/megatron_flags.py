@@ -74,6 +74,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--virtual-pipeline-model-parallel-size", type=int, default=None)
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    add("--distributed-timeout-minutes", type=int, default=10)
 
     train = parser.add_argument_group("training (Megatron-LM)")
     add = train.add_argument

@@ -14,6 +14,7 @@ from megatron_earl.config.megatron_args import (
     build_parser,
     config_from_megatron_args,
 )
+from megatron_earl.config.run import RuntimeConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.orchestration.validate import validate_run
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
@@ -76,6 +77,7 @@ def test_qwen25_7b_recipe_maps_onto_run_config(tmp_path):
     assert cfg.checkpoint.interval == 20 and cfg.logging.tensorboard_dir == "/runs/tb"
     assert cfg.env.name == "python_sum" and cfg.rollout.max_turns == 8
     assert cfg.batch.samples_per_step == 256 and cfg.name == "qwen_rl"
+    assert cfg.runtime.collective_timeout_s == 3600.0  # --distributed-timeout-minutes 60
     assert cfg.rollout.sampling.max_new_tokens == 1024
     validate_run(cfg, world_size=32)
     # the resolved config of a Megatron-args run saves and loads like any other
@@ -114,6 +116,8 @@ def test_yaml_supplies_what_megatron_args_do_not(tmp_path):
     assert cfg.model.ffn_hidden_size == 128  # Megatron-LM's SwiGLU default: 4h * 2/3, to 64
     assert cfg.model.num_query_groups is None  # no --group-query-attention: MHA
     assert cfg.model.hidden_dropout == 0.1  # Megatron-LM's default
+    # omitted --distributed-timeout-minutes: the run's default, not Megatron-LM's 10 minutes
+    assert cfg.runtime.collective_timeout_s == RuntimeConfig().collective_timeout_s
 
 
 def test_yaml_and_megatron_disagreeing_is_an_error(tmp_path):
