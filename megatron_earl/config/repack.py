@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REPACK_POLICIES = ("none", "drain", "repack")
+from megatron_earl.config.vocab import RepackPolicy
 
 
 class RepackConfigError(ValueError):
@@ -36,8 +36,8 @@ class RepackConfigError(ValueError):
 class RepackConfig:
     """Trajectory placement across weight versions in ``rollout.mode: async``."""
 
-    policy: str = "none"
-    """ "none", "drain" or "repack" (module docstring)."""
+    policy: RepackPolicy = RepackPolicy.NONE
+    """ "none", "drain" or "repack" (``RepackPolicy``, module docstring)."""
     below: int = 2
     """repack: a draining engine holding at most this many of a rank's trajectories moves them
     to the lowest-index engine on the same version that holds that rank's trajectories."""
@@ -49,8 +49,10 @@ class RepackConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.policy not in REPACK_POLICIES:
-            problems.append(f"policy {self.policy!r} is not one of {REPACK_POLICIES}")
+        try:
+            object.__setattr__(self, "policy", RepackPolicy(self.policy))
+        except ValueError:
+            problems.append(f"policy {self.policy!r} is not one of {tuple(RepackPolicy)}")
         if isinstance(self.below, bool) or not isinstance(self.below, int) or self.below < 1:
             problems.append(f"below ({self.below!r}) must be an integer >= 1")
         if (
@@ -66,4 +68,4 @@ class RepackConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.policy != "none"
+        return self.policy != RepackPolicy.NONE

@@ -169,3 +169,16 @@ class DistributedLoadFormat(Vocabulary):
     FLATTENED_BUCKET = "flattened_bucket"
     """One broadcast of the bucket's bytes, tensors back to back (``load_format``
     ``"flattened_bucket"``)."""
+
+
+class RepackPolicy(Vocabulary):
+    """Where asynchronous trajectories run across weight versions (``rollout.repack.policy``)."""
+
+    NONE = "none"
+    """Engines take each new version when it comes; in-flight trajectories go on under it."""
+    DRAIN = "drain"
+    """Each trajectory runs on one weight version: an engine behind the newest takes no new
+    trajectory and is loaded once none is left on it."""
+    REPACK = "repack"
+    """Drain, and the few trajectories left on a draining engine move to another engine on the
+    same version, so the freed engine is loaded and starts new prompts."""

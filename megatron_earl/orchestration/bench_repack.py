@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_earl.config.loader import load_config
+from megatron_earl.config.vocab import RepackPolicy
 from megatron_earl.orchestration.bench_async import (
     CONFIG,
     KEY,
@@ -47,7 +48,7 @@ from megatron_earl.orchestration.bench_async import (
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.testing.distributed import free_port
 
-POLICIES = ("none", "drain", "repack")
+POLICIES = tuple(RepackPolicy)
 RELAY_ARGS = ("--engine-check-s", "0.5", "--poll-wait-s", "5")
 
 

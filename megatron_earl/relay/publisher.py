@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 import aiohttp
 
 from megatron_earl.relay.codec import NamedTensor, encode_bucket
-from megatron_earl.relay.server import API_KEY_ENV, SHA_HEADER
 from megatron_earl.relay.versions import BucketInfo, Manifest, digest
+from megatron_earl.relay.wire import API_KEY_ENV, SHA_HEADER
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.weight_sync import PushStats, iter_buckets

@@ -84,14 +84,13 @@ from megatron_earl.relay.versions import (
     VersionStore,
     digest,
 )
+from megatron_earl.relay.wire import API_KEY_ENV, SHA_HEADER
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
 from megatron_earl.rollout.weight_sync import WeightSyncConfig, push_weights
 
 log = logging.getLogger("megatron_earl.relay")
 
-API_KEY_ENV = "EARL_RELAY_API_KEY"
-SHA_HEADER = "X-Sha256"
 
 
 @dataclass(frozen=True)

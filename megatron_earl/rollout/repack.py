@@ -1,7 +1,8 @@
 """One weight version per trajectory on the engines, and Laminar's long-tail repack
 (``rollout.repack``: ``drain`` or ``repack``, ``config.repack``).
 
-    placement = Placement(pool, relay_of_engine, RepackConfig(policy="repack"), holder="rank0")
+    config = RepackConfig(policy=RepackPolicy.REPACK)
+    placement = Placement(pool, relay_of_engine, config, holder="rank0")
     placement.start()                       # inside the producer's event loop
     placement.set_newest(version)           # the trainer published ``version``
     await placement.begin(uid)              # waits for an engine on the newest version, pins uid
@@ -53,7 +54,8 @@ from pathlib import Path
 import aiohttp
 
 from megatron_earl.config.repack import RepackConfig
-from megatron_earl.relay.server import API_KEY_ENV
+from megatron_earl.config.vocab import RepackPolicy
+from megatron_earl.relay.wire import API_KEY_ENV
 from megatron_earl.rollout.pool import EnginePool
 
 log = logging.getLogger("megatron_earl.repack")
@@ -267,7 +269,7 @@ class Placement:
         for i in list(self._released):
             if versions[i] == self.newest:
                 del self._released[i]
-        if self.config.policy == "repack":
+        if self.config.policy == RepackPolicy.REPACK:
             self._repack(versions)
         counts = self.counts()
         now = time.monotonic()
