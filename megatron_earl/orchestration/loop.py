@@ -79,7 +79,7 @@ from megatron_earl.parallel.state import use_layout
 from megatron_earl.rewards.service import check_reward_service, remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.repack import Placement
+from megatron_earl.rollout.repack import Placement, check_release_holders
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
@@ -559,6 +559,7 @@ class RLLoop:
         placement = None
         if cfg.rollout.repack.enabled:
             rank = dist.get_rank()
+            check_release_holders(cfg.rollout.sglang.engine_relays, dist.get_world_size())
 
             def placement(pool) -> Placement:
                 return Placement(

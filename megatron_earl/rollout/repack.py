@@ -109,6 +109,53 @@ def plan_repack(
     return moves
 
 
+def release_holder_problems(holders_of: dict[str, object], holders: int) -> list[str]:
+    """What is wrong with the engine relays' ``--release-holders`` (``holders_of``: relay URL ->
+    its value as its ``/relay_info`` reports it, or why it did not answer) for ``holders``
+    producers: each relay must wait
+    for every producer's release before loading its engine, so its value must be ``holders``
+    (fewer loads an engine under another rank's trajectories; more never loads it). Pure."""
+    problems = []
+    for url, value in holders_of.items():
+        if isinstance(value, str):
+            problems.append(f"engine relay {url} did not tell its --release-holders: {value}")
+        elif value != holders:
+            problems.append(
+                f"engine relay {url} was started with --release-holders {value!r}; "
+                f"rollout.repack needs {holders} (one release per trainer process): restart it "
+                f"with --release-holders {holders}"
+            )
+    return problems
+
+
+def check_release_holders(relays: Sequence[str], holders: int, timeout_s: float = 30.0) -> None:
+    """Ask every engine relay for its ``--release-holders`` and raise ``ValueError`` naming each
+    one that does not wait for ``holders`` producers (``release_holder_problems``) or does not
+    answer. Every trainer rank calls it before its producer starts (the same answer on every
+    rank: each raises the same error)."""
+
+    async def ask() -> dict[str, object]:
+        key = os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+
+            async def one(url: str) -> object:
+                try:
+                    async with session.get(f"{url.rstrip('/')}/relay_info") as resp:
+                        resp.raise_for_status()
+                        return (await resp.json()).get("release_holders")
+                except (aiohttp.ClientError, TimeoutError) as err:
+                    return f"no answer from /relay_info ({type(err).__name__}: {err})"
+
+            values = await asyncio.gather(*(one(url) for url in relays))
+        return dict(zip(relays, values, strict=True))
+
+    problems = release_holder_problems(asyncio.run(ask()), holders)
+    if problems:
+        raise ValueError("rollout.repack: " + "; ".join(problems))
+
+
 class Placement:
     """This rank's trajectories across engines and weight versions (module docstring)."""
 

@@ -22,7 +22,7 @@ from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.pool import EnginePool
-from megatron_earl.rollout.repack import Placement
+from megatron_earl.rollout.repack import Placement, check_release_holders
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.rollout.weight_sync import hf_named_tensors
@@ -166,3 +166,17 @@ def test_repack_frees_an_engine_for_the_new_version_without_mixing_versions(setu
         assert any("engines" in e for e in events)
 
     asyncio.run(run())
+
+
+def test_relays_waiting_for_another_number_of_holders_are_refused(setup):
+    """The trainer's pre-flight (``check_release_holders``): every engine relay must wait for
+    one release per trainer process; each one that does not, or does not answer, is named."""
+    check_release_holders([setup["feed"]], 1)  # the feed waits for 1 holder: accepted
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError) as err:
+        check_release_holders([setup["feed"], setup["root"], gone], 2, timeout_s=5)
+    message = str(err.value)
+    assert f"engine relay {setup['feed']} was started with --release-holders 1" in message
+    assert f"engine relay {setup['root']} was started with --release-holders 0" in message
+    assert f"engine relay {gone} did not tell its --release-holders: no answer" in message
+    assert message.count("needs 2 (one release per trainer process)") == 2
