@@ -20,8 +20,8 @@ passes them on without the trainer:
   bucket that does not match from another upstream (``checksum_refused``, ``repulls``) and
   commits only a complete version. Relays chain or form a tree this way; an upstream that
   fails is skipped for the next (``upstream_errors``).
-- **Engines.** For each URL of ``--engines`` an applier loads the newest version into that
-  engine when it serves another one (SGLang's own API: ``pause_generation`` in
+- **Engines.** For each URL of ``--engines`` an applier (``applier.py``) loads the newest
+  version into that engine when it serves another one (SGLang's own API: ``pause_generation`` in
   ``--pause-mode``, ``update_weights_from_tensor`` per bucket with the version on the last one,
   ``continue_generation``, then ``get_model_info`` must report it, and a few tensors read back
   with ``get_weights_by_name`` must hold the published values: ``--verify-tensors``, see
@@ -58,25 +58,16 @@ import contextlib
 import dataclasses
 import logging
 import os
-import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
-import torch
 from aiohttp import web
 
 from megatron_earl.config.vocab import PauseMode
-from megatron_earl.relay.codec import decode_bucket
-from megatron_earl.relay.readback import (
-    SGLANG_NO_EXPORT,
-    VERIFY_ROWS,
-    read_back_matches,
-    sampled_buckets,
-)
+from megatron_earl.relay.applier import EngineApplier, EngineState, backoff_s
 from megatron_earl.relay.versions import (
     ChecksumError,
     Manifest,
@@ -86,11 +77,8 @@ from megatron_earl.relay.versions import (
 )
 from megatron_earl.relay.wire import API_KEY_ENV, SHA_HEADER
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
-from megatron_earl.rollout.weight_sync import WeightSyncConfig, push_weights
 
 log = logging.getLogger("megatron_earl.relay")
-
 
 
 @dataclass(frozen=True)
@@ -152,38 +140,6 @@ class RelaySettings:
             problems.append(f"verify_tensors must be >= 0 (0: off), got {self.verify_tensors}")
         if problems:
             raise ValueError("relay: " + "; ".join(problems))
-
-
-@dataclass
-class EngineState:
-    """What one applier knows of its engine."""
-
-    url: str
-    version: int | None = None
-    """Version the engine last reported (None: not reached yet)."""
-    healthy: bool = False
-    applies: int = 0
-    failures: int = 0
-    last_error: str = ""
-    last_apply_s: float = 0.0
-    loaded: int | None = None
-    """Version this relay last loaded into it (another reported version: a restart)."""
-    released_by: set[str] = field(default_factory=set)
-    """Holders that released it since its last load (``--release-holders``)."""
-    detached: set[str] = field(default_factory=set)
-    """Holders that stopped (their release stands for every later version until they attach
-    again)."""
-    mismatches: int = 0
-    """Loads whose read-back differed from the published values (loaded again)."""
-    unverified: int | None = None
-    """A version the engine reports but whose read-back did not match: not taken as reached,
-    loaded again."""
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["released_by"] = sorted(self.released_by)
-        out["detached"] = sorted(self.detached)
-        return out
 
 
 @dataclass
@@ -362,6 +318,10 @@ class RelayServer:
             }
         )
 
+    def new_version_event(self) -> asyncio.Event:
+        """Set when the next version is committed (each version replaces it)."""
+        return self._new_version
+
     def _announce(self) -> None:
         """Wake every waiter (long polls, appliers) and collect what nobody needs."""
         event, self._new_version = self._new_version, asyncio.Event()
@@ -377,7 +337,8 @@ class RelayServer:
         if self.settings.upstreams:
             self._tasks.append(asyncio.create_task(self._pull_loop(), name="relay-pull"))
         for url in self.engines:
-            self._tasks.append(asyncio.create_task(self._apply_loop(url), name=f"apply {url}"))
+            applier = EngineApplier(self, self.engines[url], self._released[url])
+            self._tasks.append(asyncio.create_task(applier.run(), name=f"apply {url}"))
         self._tasks.append(asyncio.create_task(self._collect_loop(), name="relay-collect"))
 
     async def _stop_tasks(self, app: web.Application) -> None:
@@ -407,7 +368,7 @@ class RelayServer:
             except Exception as err:  # an upstream down or a version that would not verify
                 failures += 1
                 log.warning("relay: pull failed (%s); retrying", err)
-                await asyncio.sleep(self._backoff(failures))
+                await asyncio.sleep(backoff_s(self.settings, failures))
 
     async def _newest_upstream(self) -> tuple[Manifest | None, str]:
         """Long-poll every upstream at once; the first answer with a newer version wins (the
@@ -495,133 +456,6 @@ class RelayServer:
             if resp.status != 200:
                 raise EngineError(f"{url}: bucket {index} of version {version}: HTTP {resp.status}")
             return await resp.read()
-
-    # engines -------------------------------------------------------------------------------
-    async def _apply_loop(self, url: str) -> None:
-        """Keep engine ``url`` on the newest version (module docstring)."""
-        state = self.engines[url]
-        key = os.environ.get("SGLANG_ADMIN_API_KEY") or os.environ.get("SGLANG_API_KEY") or None
-        client = SGLangClient(url, ClientConfig(api_key=key, max_retries=1, connect_timeout_s=3))
-        failures = 0
-        resumed = False
-        try:
-            while True:
-                event = self._new_version
-                try:
-                    await client.get_model_info()
-                    state.version, state.healthy = client.weight_version, True
-                    if not resumed:  # a relay killed mid-apply left it paused: continue it
-                        await client.resume()
-                        resumed = True
-                        if state.loaded is None and state.version >= 0:
-                            # what it serves counts as loaded: a restarted relay does not load
-                            # an engine that still holds trajectories without its release
-                            state.loaded = state.version
-                    newest = self.store.newest_version()
-                    behind = state.version != newest or state.unverified == newest
-                    if newest is not None and behind and self._may_load(state):
-                        await self._apply(client, state, newest)
-                        failures = 0
-                        continue  # a newer version may have come in meanwhile
-                except asyncio.CancelledError:
-                    raise
-                except Exception as err:  # this engine only: others go on
-                    failures += 1
-                    state.healthy, state.failures = False, state.failures + 1
-                    state.last_error = str(err)[:500]
-                    log.warning("relay: engine %s: %s", url, err)
-                    await asyncio.sleep(self._backoff(failures))
-                    continue
-                released = self._released[url]
-                waits = [asyncio.ensure_future(e.wait()) for e in (event, released)]
-                await asyncio.wait(
-                    waits, timeout=self.settings.engine_check_s, return_when="FIRST_COMPLETED"
-                )
-                for w in waits:
-                    w.cancel()
-                released.clear()
-        finally:
-            await client.close()
-
-    def _may_load(self, state: EngineState) -> bool:
-        """``--release-holders``: every holder released the engine since its last load, or the
-        engine serves another version than the one it served when this relay first reached it
-        or last loaded it (an engine restart, or a load whose read-back failed: loaded again
-        without a release)."""
-        holders = self.settings.release_holders
-        if holders == 0 or state.loaded is None or state.version != state.loaded:
-            return True
-        return len(state.released_by | state.detached) >= holders
-
-    async def _apply(self, client: SGLangClient, state: EngineState, version: int) -> None:
-        start = time.perf_counter()
-        with self.store.pinned(version):
-            manifest = self.store.manifest(version)
-            sampled = sampled_buckets(len(manifest.buckets), self.settings.verify_tensors)
-            samples: dict[str, torch.Tensor] = {}  # the published first rows, to read back
-
-            def named() -> Iterator[tuple[str, torch.Tensor]]:
-                for i in range(len(manifest.buckets)):
-                    pairs = decode_bucket(self.store.bucket(version, i))
-                    if i in sampled:  # its smallest tensor (see readback: SGLang's cost)
-                        name, tensor = min(pairs, key=lambda pair: pair[1].numel())
-                        samples[name] = tensor[:VERIFY_ROWS].clone()
-                    yield from pairs
-
-            sync = WeightSyncConfig(
-                bucket_bytes=max(b.nbytes for b in manifest.buckets),
-                pause_mode=self.settings.pause_mode,
-                flush_cache=False,
-            )
-            await push_weights([client], named(), version, sync, engine_tp=self.settings.engine_tp)
-        await client.get_model_info()
-        if client.weight_version != version:
-            raise EngineError(
-                f"engine {client.base_url} reports version {client.weight_version} after "
-                f"loading version {version}"
-            )
-        await self._read_back(client, state, version, samples)
-        state.version, state.applies, state.unverified = version, state.applies + 1, None
-        state.loaded = version
-        state.released_by.clear()
-        state.last_apply_s = time.perf_counter() - start
-
-    async def _read_back(
-        self,
-        client: SGLangClient,
-        state: EngineState,
-        version: int,
-        samples: dict[str, torch.Tensor],
-    ) -> None:
-        """Read ``samples`` back from the engine (``get_weights_by_name``) and compare them with
-        the published values (``readback``). A difference is counted and raised: the engine is
-        not taken as serving ``version`` (``state.unverified``) and is loaded again after the
-        backoff. An engine that cannot read weights back is counted and not checked."""
-        for name, want in samples.items():
-            try:
-                got = await client.get_weights_by_name(name, len(want))
-            except EngineRequestError as err:
-                if err.status == 404 or (err.status == 400 and SGLANG_NO_EXPORT in str(err)):
-                    self.counters.engine_check_unsupported += 1
-                    log.warning(
-                        "relay: engine %s cannot read weights back (%s): version %d not checked",
-                        client.base_url,
-                        err,
-                        version,
-                    )
-                    return
-                raise
-            if not read_back_matches(got, want):
-                self.counters.engine_mismatches += 1
-                state.mismatches, state.unverified = state.mismatches + 1, version
-                raise EngineError(  # logged by the applier, naming the engine
-                    f"{name} read back after loading version {version} differs from the "
-                    "published values (engine_mismatches): loading it again"
-                )
-
-    def _backoff(self, failures: int) -> float:
-        s = self.settings
-        return min(s.retry_s * 2 ** (failures - 1), s.retry_max_s) * random.uniform(0.75, 1.25)
 
 
 def _int(request: web.Request, name: str) -> int:

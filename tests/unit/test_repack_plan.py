@@ -13,6 +13,7 @@ from aiohttp import web
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.repack import RepackConfig, RepackConfigError
 from megatron_earl.config.run import ConfigError
+from megatron_earl.relay.applier import may_load
 from megatron_earl.relay.server import RelayServer, RelaySettings
 from megatron_earl.rollout.repack import EngineView, Move, plan_repack
 
@@ -92,7 +93,7 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
     engine = "http://127.0.0.1:1"
     server = RelayServer(RelaySettings(engines=(engine,), release_holders=2))
     state = server.engines[engine]
-    assert server._may_load(state)  # never loaded by this relay: a first load needs no release
+    assert may_load(state, 2)  # never loaded by this relay: a first load needs no release
     state.loaded = state.version = 4
 
     async def run():
@@ -115,7 +116,7 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
             ):
                 async with s.post(url, json=body) as r:
                     out.append((r.status, await r.json()))
-                checks.append(server._may_load(state))
+                checks.append(may_load(state, 2))
             # a release sent for a version the engine no longer serves is refused, not counted
             stale = {"engine": engine, "holder": "rank9", "version": 3}
             async with s.post(url, json=stale) as r:
@@ -133,7 +134,7 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
                 else:
                     async with s.post(url, json=body) as r:
                         assert r.status == 200
-                checks.append(server._may_load(state))
+                checks.append(may_load(state, 2))
         await runner.cleanup()
         return out, checks, refused
 
@@ -149,7 +150,7 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
     assert checks == [False, False, False, False, True, False, False, True, False]
     state.version = 2  # the engine restarted (it reports a version the relay never loaded)
     state.released_by.clear()
-    assert server._may_load(state)
+    assert may_load(state, 2)
 
 
 def test_utilisation_sums_the_ranks_latest_samples_per_bin(tmp_path):
