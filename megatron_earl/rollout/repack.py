@@ -187,6 +187,8 @@ class Placement:
         """Trajectories that waited in ``begin`` for an engine on the newest version."""
         self.wait_s = 0.0
         self._released: dict[int, tuple[int, float]] = {}
+        self._attached: set[int] = set()
+        """Engines whose relay acknowledged this holder's attach (``_attach``)."""
         self._changed = asyncio.Event()
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -272,7 +274,11 @@ class Placement:
         if self.newest < 0:
             return None
         counts, versions = self.counts(), self.versions()
-        serving = [i for i, ok in enumerate(self.pool.healthy) if ok and versions[i] == self.newest]
+        serving = [
+            i
+            for i, ok in enumerate(self.pool.healthy)
+            if ok and versions[i] == self.newest and i in self._attached
+        ]
         return min(serving, key=lambda i: (counts[i], i), default=None)
 
     def _notify(self) -> None:
@@ -283,11 +289,8 @@ class Placement:
     async def _run(self) -> None:
         # a holder that stopped earlier (a resumed run) holds its engines again; this rank
         # holds nothing yet: every engine may take the first version
-        for kind in ({"attach": True}, {}):
-            await asyncio.gather(
-                *(self._release(i, **kind) for i in range(len(self.relays))),
-                return_exceptions=True,
-            )
+        await self._attach()
+        await asyncio.gather(*(self._release(i) for i in self._attached), return_exceptions=True)
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.config.interval_s)
@@ -299,8 +302,25 @@ class Placement:
             except Exception as err:  # a relay or engine fault: try again next tick
                 log.warning("repack (%s): %s", self.holder, err)
 
+    async def _attach(self) -> None:
+        """Attach to the relay of every engine not attached yet (a holder that stopped earlier,
+        a resumed run, holds its engines again). Until its relay has acknowledged, an engine
+        takes none of this rank's trajectories (``_choose``): a detach left standing would let
+        the relay load it under them. Failed attaches are tried again at every tick."""
+        missing = [i for i in range(len(self.relays)) if i not in self._attached]
+        results = await asyncio.gather(
+            *(self._release(i, attach=True) for i in missing), return_exceptions=True
+        )
+        for i, result in zip(missing, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("repack (%s): attach to %s: %s", self.holder, self.relays[i], result)
+            else:
+                self._attached.add(i)
+
     async def _tick(self) -> None:
         try:
+            if len(self._attached) < len(self.relays):
+                await self._attach()
             await self._plan_and_release()
         finally:
             self._notify()

@@ -180,3 +180,30 @@ def test_relays_waiting_for_another_number_of_holders_are_refused(setup):
     assert f"engine relay {setup['root']} was started with --release-holders 0" in message
     assert f"engine relay {gone} did not tell its --release-holders: no answer" in message
     assert message.count("needs 2 (one release per trainer process)") == 2
+
+
+def test_an_engine_whose_relay_did_not_acknowledge_the_attach_takes_no_trajectory(setup):
+    """A holder attaches to every engine's relay at start (a detach of an earlier run would
+    otherwise stand); until a relay acknowledges, its engine takes none of this rank's
+    trajectories, and the attach is tried again at every tick."""
+
+    async def run():
+        version = await _publish(setup, 1)
+        clients = [SGLangClient(u) for u in setup["urls"]]
+        pool = EnginePool(clients)
+        config = RepackConfig(policy="drain", below=2, interval_s=0.05)
+        gone = f"http://127.0.0.1:{free_port()}"  # engine 1's relay does not answer
+        placement = Placement(pool, [setup["feed"], gone], config, holder="rank0")
+        placement.start()
+        placement.set_newest(version)
+        try:
+            await wait_for_engines(clients, version, 60)
+            chosen = [await placement.begin(u) for u in ("a", "b", "c")]
+            await asyncio.sleep(0.3)  # a few ticks: the attach to engine 1 is retried, fails
+            return chosen, set(placement._attached)
+        finally:
+            await placement.close()
+            await pool.close()
+
+    chosen, attached = asyncio.run(run())
+    assert chosen == [0, 0, 0] and attached == {0}
