@@ -248,7 +248,7 @@ def test_followers_end_with_rank0_and_rank0_with_a_follower(tmp_path):
         assert [len(f) for f in followers] == [1, 1, 1]
         # SIGTERM to the process group (the launcher's stop): rank 0 stops its follower.
         assert procs[0].stop(stop_timeout_s=30) == 0
-        assert _gone(followers[0], 1.0)
+        assert _gone(followers[0], 10.0)  # reaped by then (slack for a loaded machine)
         # SIGKILL of rank 0 alone: the follower dies with it.
         assert [f.pid for f in _followers_of(procs[1].process.pid)] == [followers[1][0].pid]
         os.kill(procs[1].process.pid, signal.SIGKILL)
