@@ -29,6 +29,8 @@ With ``cp == 1`` nothing is padded.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_earl.config.vocab import PHASES, Phase
-from megatron_earl.dispatch.balance import assign_samples
+from megatron_earl.dispatch.balance import assign_samples, balance, split_by_owner
 from megatron_earl.dispatch.batch import Schema
 from megatron_earl.dispatch.route import (
     DispatchError,
@@ -53,6 +55,7 @@ from megatron_earl.parallel.layout import Coord, ParallelLayout
 __all__ = [
     "DispatchError",
     "DispatchPlan",
+    "assign_samples",
     "cp_chunk_bounds",
     "cp_padded_length",
     "plan_dispatch",
@@ -292,30 +295,59 @@ class SampleInfo:
 
 class SampleTable(Mapping):
     """Every sample of a dispatch, ascending ids -> ``SampleInfo`` (built on lookup: the table
-    itself is three lists, so collecting thousands of samples costs little)."""
+    itself is a few numpy arrays, so collecting tens of thousands of samples costs little).
+
+    Row ``i`` is the ``i``-th smallest id; ``holder_ranks[starts[i]:starts[i + 1]]`` are its
+    holders in rank order (the first is its owner)."""
 
     def __init__(
         self,
-        ids: list[int],
-        lengths: list[int],
-        groups: list[int],
-        holders: list[tuple[int, ...]],
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        groups: np.ndarray,
+        holder_ranks: np.ndarray,
+        starts: np.ndarray,
     ) -> None:
-        self.ids, self.lengths, self.groups, self.holders = ids, lengths, groups, holders
-        self.index = {s: i for i, s in enumerate(ids)}
+        self.id_array, self.length_array, self.group_array = ids, lengths, groups
+        self.holder_ranks, self.starts = holder_ranks, starts
+        self.owners = holder_ranks[starts[:-1]]
+        """Each row's owner (first holder)."""
+        self.num_holders = np.diff(starts)
+        """Each row's number of holders."""
+
+    @functools.cached_property
+    def ids(self) -> list[int]:
+        return self.id_array.tolist()
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        return self.length_array.tolist()
+
+    def rows(self, sample_ids: Sequence[int]) -> np.ndarray:
+        """Rows of ``sample_ids`` (all present)."""
+        return np.searchsorted(self.id_array, np.asarray(sample_ids, dtype=np.int64))
+
+    def row(self, sample_id: int) -> int:
+        i = int(np.searchsorted(self.id_array, sample_id))
+        if i == len(self.id_array) or self.id_array[i] != sample_id:
+            raise KeyError(sample_id)
+        return i
+
+    def holders(self, row: int) -> tuple[int, ...]:
+        return tuple(self.holder_ranks[self.starts[row] : self.starts[row + 1]].tolist())
 
     def __getitem__(self, sample_id: int) -> SampleInfo:
-        i = self.index[sample_id]
-        return SampleInfo(self.lengths[i], self.groups[i], self.holders[i])
+        i = self.row(sample_id)
+        return SampleInfo(int(self.length_array[i]), int(self.group_array[i]), self.holders(i))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.ids)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.id_array)
 
     def length(self, sample_id: int) -> int:
-        return self.lengths[self.index[sample_id]]
+        return int(self.length_array[self.row(sample_id)])
 
 
 @dataclass(frozen=True)
@@ -407,10 +439,16 @@ def plan_dispatch(
     for pp in range(layout.pp):
         destination.stage_fields(schema, pp)  # raises for unknown stage fields
     samples = _collect(sources)
-    lengths = dict(zip(samples.ids, samples.lengths))
-    assignment = assign_samples(lengths, dict(zip(samples.ids, samples.groups)), layout.dp, config)
+    ids, dp = samples.id_array, layout.dp
+    owner = balance(ids, samples.length_array, samples.group_array, dp, config)
+    assignment = split_by_owner(ids, owner, dp)
     _check_budget(samples, layout.cp, config)
     own_dp = None if rank is None else layout.coord(rank).dp
+    if rank is None:
+        lengths = dict(zip(samples.ids, samples.lengths))
+    else:  # the lengths this view reads: its DP rank's samples and the samples it holds
+        rows = np.r_[np.flatnonzero(owner == own_dp), samples.rows(sources[rank].sample_ids)]
+        lengths = dict(zip(ids[rows].tolist(), samples.length_array[rows].tolist()))
     minis = [
         plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp)
         if own_dp in (None, d)
@@ -423,7 +461,7 @@ def plan_dispatch(
     ranks = range(layout.world_size) if rank is None else [rank]
     holdings = {r: _full_pieces(sources[r].sample_ids, lengths, token, per_sample) for r in ranks}
     if rank is not None and routed:
-        stages, own = _route_rank(rank, sources, samples, assignment, destination, schema, config)
+        stages, own = _route_rank(rank, sources, samples, owner, destination, schema, config)
         needs = {rank: [p for mb in micro[own_dp] for sid in mb for p in own[sid]]}
     else:
         needs = {
@@ -507,45 +545,52 @@ def _route_rank(
     rank: int,
     sources: Sequence[SourceMeta],
     samples: SampleTable,
-    assignment: list[list[int]],
+    owner: np.ndarray,
     destination: Destination,
     schema: Schema,
     config: PlanConfig,
 ) -> tuple[tuple[tuple[Transfer, ...], ...], dict[int, list[Piece]]]:
     """The whole plan's transfers with ``rank`` as source or destination, found from the pieces
-    of the samples of its DP rank and the samples it holds only; and the pieces ``rank`` needs,
-    per sample. Holders of a forward dispatch hold whole samples with every field, so a piece's
-    candidate sources are its sample's holders (``route._cover`` would not cut it) and
-    ``route.choose_source`` needs nothing else. The bulk, this rank's own pieces of samples one
-    rank holds, is computed with numpy (``_own_pieces``); the rest piece by piece."""
+    of the samples of its DP rank and the samples it holds only (``owner``: each sample row's DP
+    rank); and the pieces ``rank`` needs, per sample. Holders of a forward dispatch hold whole
+    samples with every field, so a piece's candidate sources are its sample's holders
+    (``route._cover`` would not cut it) and ``route.choose_source`` needs nothing else. Samples
+    with one holder, the bulk, take shortcuts that give what ``choose_source`` and ``fan_out``
+    would: this rank's own pieces of samples another rank holds (numpy, ``_own_pieces``), the
+    pieces of samples only this rank holds (``_held_pieces``); samples with replicas go piece
+    by piece through ``choose_source`` and ``fan_out``."""
     layout = destination.layout
     me = layout.coord(rank)
-    held = set(sources[rank].sample_ids)
-    holders_of, index = samples.holders, samples.index
     rc = config.route
-    classes = {me.dp: _sorted_classes(destination, schema, me.dp)}
+    classes = _ClassesByDp(destination, schema)
     mine = [c for c in classes[me.dp] if rank in c[2]]
-    bulk = [s for s in assignment[me.dp] if s not in held and len(holders_of[index[s]]) == 1]
-    records, needs = _own_pieces(rank, bulk, samples, layout, mine, rc)
-    bulk_set = set(bulk)
-    dp_of = {s: d for d, ids in enumerate(assignment) for s in ids if s in held}
-    # the rest: own samples with replicas (only this rank's pieces), samples it holds (all)
-    wanted = [(s, me.dp, s in held) for s in assignment[me.dp] if s not in bulk_set]
-    wanted += [(s, dp_of[s], True) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
-    pieces: dict[tuple, tuple[int, ...]] = {}  # (sample, start, end, fields) -> consumers
-    for sid, d, every in wanted:
-        if d not in classes:
-            classes[d] = _sorted_classes(destination, schema, d)
-        n = samples.length(sid)
+    own_rows = np.flatnonzero(owner == me.dp)
+    held_rows = samples.rows(sources[rank].sample_ids)
+    is_held = np.zeros(len(samples), dtype=bool)
+    is_held[held_rows] = True
+    single = samples.num_holders == 1
+    in_bulk = ~is_held[own_rows] & single[own_rows]
+    records, needs = _own_pieces(rank, own_rows[in_bulk], samples, layout, mine, rc)
+    only_mine = held_rows[single[held_rows]]
+    _held_pieces(rank, only_mine, owner, samples, layout, classes, me.dp, rc, records, needs)
+    # the rest, samples with replicas: own ones (only this rank's pieces), held ones (all)
+    rest = own_rows[~single[own_rows]]
+    wanted = list(zip(rest.tolist(), [me.dp] * len(rest), is_held[rest].tolist()))
+    away = held_rows[~single[held_rows] & (owner[held_rows] != me.dp)]
+    wanted += [(i, d, True) for i, d in zip(away.tolist(), owner[away].tolist())]
+    ids, lengths = samples.id_array, samples.length_array
+    pieces: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (sample, start, end, fields) -> ..
+    for row, d, every in wanted:
+        sid, n = int(ids[row]), int(lengths[row])
         own = needs[sid] = [] if d == me.dp else None
         for cp, fields, dsts in classes[d] if every else mine:
             spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
             for a, b in spans:
-                pieces[(sid, a, b, fields)] = dsts
+                pieces[(sid, a, b, fields)] = (dsts, row)  # .. its consumers and sample row
                 if own is not None and rank in dsts:
                     own.append(Piece(sid, a, b, fields))
-    for key, dsts in pieces.items():
-        holders = holders_of[index[key[0]]]
+    for key, (dsts, row) in pieces.items():
+        holders = samples.holders(row)
         if rank not in dsts and rank not in holders:
             continue
         piece = Piece(*key)
@@ -554,12 +599,29 @@ def _route_rank(
             continue
         for stage, t in fan_out(src, dsts, piece, rc):
             if rank in (t.src, t.dst):
-                records[stage].append((*key, t.dst, t.src))
+                records[stage].append((piece, t.dst, t.src))
     # the whole plan's order: pieces sorted, a piece's transfers by destination
+    new = tuple.__new__  # Transfer(src, dst, piece) without the named tuple's Python __new__
     return tuple(
-        tuple(Transfer(src, dst, Piece(sid, a, b, f)) for sid, a, b, f, dst, src in sorted(r))
-        for r in records
+        tuple(new(Transfer, (src, dst, p)) for p, dst, src in sorted(r)) for r in records
     ), needs
+
+
+class _ClassesByDp(dict):
+    """DP rank -> ``_sorted_classes`` of it, computed once for DP rank 0: in the rank order
+    tp-cp-dp-pp (``ParallelLayout``) DP rank ``d``'s consumers are DP rank 0's plus
+    ``d * tp * cp``."""
+
+    def __init__(self, destination: Destination, schema: Schema) -> None:
+        super().__init__()
+        layout = destination.layout
+        self.base = _sorted_classes(destination, schema, 0)
+        self.stride = layout.rank(Coord(tp=0, cp=0, dp=1, pp=0)) if layout.dp > 1 else 0
+
+    def __missing__(self, dp_rank: int) -> list:
+        shift = dp_rank * self.stride
+        out = self[dp_rank] = [(cp, f, tuple(r + shift for r in rs)) for cp, f, rs in self.base]
+        return out
 
 
 def _sorted_classes(destination: Destination, schema: Schema, dp_rank: int) -> list:
@@ -567,25 +629,71 @@ def _sorted_classes(destination: Destination, schema: Schema, dp_rank: int) -> l
     return sorted(_consumer_classes(destination, schema, dp_rank), key=lambda c: c[0] < 0)
 
 
+def _held_pieces(
+    rank: int,
+    rows: np.ndarray,
+    owner: np.ndarray,
+    samples: SampleTable,
+    layout: ParallelLayout,
+    classes: _ClassesByDp,
+    own_dp: int,
+    rc: RouteConfig,
+    records: list[list[tuple]],
+    needs: dict[int, list[Piece]],
+) -> None:
+    """Add the transfers of the samples of ``rows``, held by ``rank`` alone, to ``records``
+    (``(piece, dst, src)`` per stage) and the pieces ``rank`` needs of those of its DP rank to
+    ``needs``: what ``choose_source`` (the one holder) and ``fan_out`` give. A piece goes to
+    every consumer on this rank's node, and to one leader (``dsts[sample_id % n]`` of the node's
+    ``n`` consumers) on every other node, which forwards it in stage 1 (not this rank's)."""
+    relay = rc.fanout != "direct" and rc.ranks_per_node is not None
+    here = rc.node(rank)
+    groups: dict[int, list] = {}  # DP rank -> per class: [(consumers, relayed)] by node
+    for d, sid, n in zip(
+        owner[rows].tolist(), samples.id_array[rows].tolist(), samples.length_array[rows].tolist()
+    ):
+        if d not in groups:
+            groups[d] = []
+            for _, _, dsts in classes[d]:
+                by_node: dict[int, list[int]] = defaultdict(list)
+                for x in dsts:
+                    by_node[rc.node(x)].append(x)
+                groups[d].append(
+                    [(g, relay and node != here and len(g) > 1) for node, g in by_node.items()]
+                )
+        own = needs[sid] = [] if d == own_dp else None
+        for (cp, fields, dsts), by_node in zip(classes[d], groups[d]):
+            spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
+            for a, b in spans:
+                p = Piece(sid, a, b, fields)
+                if own is not None and rank in dsts:
+                    own.append(p)
+                for g, relayed in by_node:
+                    if relayed:
+                        records[0].append((p, g[sid % len(g)], rank))
+                    else:
+                        records[0] += [(p, x, rank) for x in g]
+
+
 def _own_pieces(
     rank: int,
-    sample_ids: list[int],
+    rows: np.ndarray,
     samples: SampleTable,
     layout: ParallelLayout,
     mine: list,
     rc: RouteConfig,
 ) -> tuple[list[list[tuple]], dict[int, list[Piece]]]:
-    """This rank's pieces of ``sample_ids`` (samples of its DP rank held by one other rank each)
-    as transfer records ``(sample, start, end, fields, dst, src)`` per stage, vectorised: what
+    """This rank's pieces of the samples of ``rows`` (samples of its DP rank held by one other
+    rank each) as transfer records ``(piece, dst, src)`` per stage, vectorised: what
     ``choose_source`` (the one holder) and ``fan_out`` give this consumer; and its needs."""
     records: list[list[tuple]] = [[] for _ in range(stage_count(rc))]
+    sample_ids = samples.id_array[rows].tolist()
     needs: dict[int, list[Piece]] = {s: [] for s in sample_ids}
     if not sample_ids:
         return records, needs
-    rows = [samples.index[s] for s in sample_ids]
-    sid = np.asarray(sample_ids, dtype=np.int64)
-    n = np.asarray([samples.lengths[i] for i in rows], dtype=np.int64)
-    src = np.asarray([samples.holders[i][0] for i in rows], dtype=np.int64)
+    sid = samples.id_array[rows]
+    n = samples.length_array[rows]
+    src = samples.owners[rows]
     k = rc.ranks_per_node
     relay = rc.fanout != "direct" and k is not None
     per_sample: dict[int, list[Piece]] = defaultdict(list)
@@ -620,14 +728,15 @@ def _own_pieces(
                 remote.tolist(),
                 leader.tolist(),
             ):
-                per_sample[q].append(Piece(q, x, y, fields))
+                p = Piece(q, x, y, fields)
+                per_sample[q].append(p)
                 if not far:
-                    records[0].append((q, x, y, fields, rank, h))
+                    records[0].append((p, rank, h))
                 elif lead != rank:
-                    records[1].append((q, x, y, fields, rank, lead))
+                    records[1].append((p, rank, lead))
                 else:
-                    records[0].append((q, x, y, fields, rank, h))
-                    records[1] += [(q, x, y, fields, d, rank) for d in group if d != rank]
+                    records[0].append((p, rank, h))
+                    records[1] += [(p, d, rank) for d in group if d != rank]
     for q in sample_ids:  # spans in order, then the per-sample row
         needs[q] = sorted(per_sample[q], key=lambda p: (p.start < 0, p.start))
     return records, needs
@@ -640,12 +749,12 @@ def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
     if budget is None:
         return
     for c in dict.fromkeys([cp, config.consumer_cp or cp]):
-        lengths = np.asarray(samples.lengths, dtype=np.int64)
+        lengths = samples.length_array
         local = (-(-lengths // (2 * c)) * 2) if c > 1 else lengths
         over = np.flatnonzero(local > budget)
         if len(over):
             i = int(over[np.argmax(local[over])])
-            raise _over_budget(samples.ids[i], samples.lengths[i], len(over), c, budget)
+            raise _over_budget(int(samples.id_array[i]), int(lengths[i]), len(over), c, budget)
 
 
 def plan_return(plan: DispatchPlan, results: Schema, stage: str = "last") -> Plan:
@@ -713,16 +822,19 @@ def _collect(sources: Sequence[SourceMeta]) -> SampleTable:
                 f"rank {r}: {len(src.sample_ids)} sample_ids, {len(src.lengths)} lengths, "
                 f"{len(src.group_ids)} group_ids; give one of each per sample"
             )
-    ids = np.concatenate([np.asarray(s.sample_ids, dtype=np.int64) for s in sources] or [[]])
-    if not len(ids):
-        return SampleTable([], [], [], [])
-    lens = np.concatenate([np.asarray(s.lengths, dtype=np.int64) for s in sources])
-    groups = np.concatenate([np.asarray(s.group_ids, dtype=np.int64) for s in sources])
-    ranks = np.repeat(np.arange(len(sources)), [len(s.sample_ids) for s in sources])
+    counts = [len(s.sample_ids) for s in sources]
+    total = sum(counts)
+
+    def flat(attr: str) -> np.ndarray:
+        chain = itertools.chain.from_iterable(getattr(s, attr) for s in sources)
+        return np.fromiter(chain, dtype=np.int64, count=total)
+
+    ids, lens, groups = flat("sample_ids"), flat("lengths"), flat("group_ids")
+    ranks = np.repeat(np.arange(len(sources), dtype=np.int64), counts)
     order = np.argsort(ids, kind="stable")  # replicas of a sample stay in rank order
     ids, lens, groups, ranks = ids[order], lens[order], groups[order], ranks[order]
-    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-    run = np.repeat(first, np.diff(np.r_[first, len(ids)]))  # index of each entry's first copy
+    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if total else order
+    run = np.repeat(first, np.diff(np.r_[first, total]))  # index of each entry's first copy
     bad = np.flatnonzero((lens != lens[run]) | (groups != groups[run]))
     if len(bad):
         i = int(bad[0])
@@ -737,10 +849,5 @@ def _collect(sources: Sequence[SourceMeta]) -> SampleTable:
     if len(short):
         i = int(short[0])
         raise DispatchError(f"sample {ids[i]} on rank {ranks[i]} has length {lens[i]}; need >= 1")
-    rank_list = ranks.tolist()
-    if len(first) == len(ids):
-        holders = [(r,) for r in rank_list]
-    else:
-        ends = [*first[1:].tolist(), len(ids)]
-        holders = [tuple(rank_list[a:b]) for a, b in zip(first.tolist(), ends)]
-    return SampleTable(ids[first].tolist(), lens[first].tolist(), groups[first].tolist(), holders)
+    starts = np.r_[first, total].astype(np.int64)
+    return SampleTable(ids[first], lens[first], groups[first], ranks, starts)
