@@ -46,7 +46,8 @@ def assign_samples(
 
 def split_by_owner(ids: np.ndarray, owner: np.ndarray, dp: int) -> list[list[int]]:
     """``ids`` (ascending) per DP rank, from each sample's DP rank ``owner``."""
-    order = np.argsort(owner, kind="stable")  # within a rank, ids stay ascending
+    key = owner.astype(np.uint16) if dp <= 1 << 16 else owner  # 16 bits: a radix sort
+    order = np.argsort(key, kind="stable")  # within a rank, ids stay ascending
     cuts = np.cumsum(np.bincount(owner, minlength=dp))[:-1]
     return [part.tolist() for part in np.split(ids[order], cuts)]
 
@@ -71,7 +72,7 @@ def balance(
             f"{len(unit_ids)} {what} cannot fill dp={dp} ranks (every DP rank needs at least "
             f"one); dispatch at least {dp} {what} or use a layout with dp <= {len(unit_ids)}"
         )
-    by_cost = np.lexsort((unit_ids, -costs))  # cost descending, then id
+    by_cost = _descending(costs, None if config.keep_groups else lengths)
     ordered = costs[by_cost]
     owner = np.empty(len(ordered), dtype=np.int64)  # DP rank per unit, in by_cost order
     head = len(ordered) if dp < ROUNDS_MIN_DP else min(len(ordered), LPT_UNITS_PER_RANK * dp)
@@ -95,6 +96,17 @@ def balance(
     unit_owner = np.empty_like(owner)
     unit_owner[by_cost] = owner
     return unit_owner if unit_of is None else unit_owner[unit_of]
+
+
+def _descending(costs: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """Positions of units (ascending ids) by cost descending, ties by id. A sample's cost grows
+    with its length, and below 2**52 two costs of different lengths differ by >= 1 even rounded,
+    so sorting the ``lengths`` of samples gives that order (a radix sort when they fit 16 bits)."""
+    if lengths is None or not len(costs) or costs.max() >= 2.0**52:
+        return np.lexsort((np.arange(len(costs)), -costs))
+    top = int(lengths.max())
+    key = (top - lengths).astype(np.uint16) if top < 1 << 16 else -lengths
+    return np.argsort(key, kind="stable")
 
 
 def _refine(owner: np.ndarray, costs: np.ndarray, dp: int, max_rounds: int = 200) -> None:

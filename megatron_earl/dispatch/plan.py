@@ -648,6 +648,7 @@ def _held_pieces(
     ``n`` consumers) on every other node, which forwards it in stage 1 (not this rank's)."""
     relay = rc.fanout != "direct" and rc.ranks_per_node is not None
     here = rc.node(rank)
+    new = tuple.__new__  # Piece(...) without the named tuple's Python __new__
     groups: dict[int, list] = {}  # DP rank -> per class: [(consumers, relayed)] by node
     for d, sid, n in zip(
         owner[rows].tolist(), samples.id_array[rows].tolist(), samples.length_array[rows].tolist()
@@ -665,7 +666,7 @@ def _held_pieces(
         for (cp, fields, dsts), by_node in zip(classes[d], groups[d]):
             spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
             for a, b in spans:
-                p = Piece(sid, a, b, fields)
+                p = new(Piece, (sid, a, b, fields))
                 if own is not None and rank in dsts:
                     own.append(p)
                 for g, relayed in by_node:
@@ -696,7 +697,9 @@ def _own_pieces(
     src = samples.owners[rows]
     k = rc.ranks_per_node
     relay = rc.fanout != "direct" and k is not None
-    per_sample: dict[int, list[Piece]] = defaultdict(list)
+    new = tuple.__new__  # Piece(...) without the named tuple's Python __new__
+    # a rank has one CP rank and one stage: its token class (spans ascending), then its
+    # per-sample class (``_sorted_classes``), so a sample's pieces come in the order of its needs
     for cp, fields, dsts in mine:
         if cp < 0:
             spans = [(np.full_like(n, -1), np.full_like(n, -1))]
@@ -728,8 +731,8 @@ def _own_pieces(
                 remote.tolist(),
                 leader.tolist(),
             ):
-                p = Piece(q, x, y, fields)
-                per_sample[q].append(p)
+                p = new(Piece, (q, x, y, fields))
+                needs[q].append(p)
                 if not far:
                     records[0].append((p, rank, h))
                 elif lead != rank:
@@ -737,8 +740,6 @@ def _own_pieces(
                 else:
                     records[0].append((p, rank, h))
                     records[1] += [(p, d, rank) for d in group if d != rank]
-    for q in sample_ids:  # spans in order, then the per-sample row
-        needs[q] = sorted(per_sample[q], key=lambda p: (p.start < 0, p.start))
     return records, needs
 
 
