@@ -29,6 +29,7 @@ With ``cp == 1`` nothing is padded.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections import defaultdict
@@ -570,7 +571,8 @@ def _route_rank(
     is_held[held_rows] = True
     single = samples.num_holders == 1
     in_bulk = ~is_held[own_rows] & single[own_rows]
-    records, needs = _own_pieces(rank, own_rows[in_bulk], samples, layout, mine, rc)
+    ordered, needs = _own_pieces(rank, own_rows[in_bulk], samples, layout, mine, rc)
+    records: list[list[tuple]] = [[] for _ in ordered]  # the other samples' (piece, dst, src)
     only_mine = held_rows[single[held_rows]]
     _held_pieces(rank, only_mine, owner, samples, layout, classes, me.dp, rc, records, needs)
     # the rest, samples with replicas: own ones (only this rank's pieces), held ones (all)
@@ -603,7 +605,8 @@ def _route_rank(
     # the whole plan's order: pieces sorted, a piece's transfers by destination
     new = tuple.__new__  # Transfer(src, dst, piece) without the named tuple's Python __new__
     return tuple(
-        tuple(new(Transfer, (src, dst, p)) for p, dst, src in sorted(r)) for r in records
+        tuple(_merge(own, [new(Transfer, (src, dst, p)) for p, dst, src in sorted(r)]))
+        for own, r in zip(ordered, records)
     ), needs
 
 
@@ -683,24 +686,22 @@ def _own_pieces(
     layout: ParallelLayout,
     mine: list,
     rc: RouteConfig,
-) -> tuple[list[list[tuple]], dict[int, list[Piece]]]:
+) -> tuple[list[list[Transfer]], dict[int, list[Piece]]]:
     """This rank's pieces of the samples of ``rows`` (samples of its DP rank held by one other
-    rank each) as transfer records ``(piece, dst, src)`` per stage, vectorised: what
-    ``choose_source`` (the one holder) and ``fan_out`` give this consumer; and its needs."""
-    records: list[list[tuple]] = [[] for _ in range(stage_count(rc))]
-    sample_ids = samples.id_array[rows].tolist()
-    needs: dict[int, list[Piece]] = {s: [] for s in sample_ids}
-    if not sample_ids:
-        return records, needs
-    sid = samples.id_array[rows]
-    n = samples.length_array[rows]
-    src = samples.owners[rows]
+    rank each, ascending ids): the transfers per stage, in the whole plan's order (pieces sorted,
+    a piece's transfers by destination), and its needs, per sample; what ``choose_source`` (the
+    one holder) and ``fan_out`` give this consumer, vectorised per class and span."""
+    transfers: list[list[Transfer]] = [[] for _ in range(stage_count(rc))]
+    needs: dict[int, list[Piece]] = {}
+    if not len(rows):
+        return transfers, needs
+    sid, n, holder = samples.id_array[rows], samples.length_array[rows], samples.owners[rows]
     k = rc.ranks_per_node
     relay = rc.fanout != "direct" and k is not None
-    new = tuple.__new__  # Piece(...) without the named tuple's Python __new__
-    # a rank has one CP rank and one stage: its token class (spans ascending), then its
-    # per-sample class (``_sorted_classes``), so a sample's pieces come in the order of its needs
-    for cp, fields, dsts in mine:
+    # a rank has one CP rank and one stage: at most a token class and a per-sample class. The
+    # per-sample piece (start -1) sorts before the spans (ascending) but is needed after them
+    columns = []  # per class and span, in the plan's order
+    for cp, fields, dsts in sorted(mine, key=lambda c: c[0] >= 0):
         if cp < 0:
             spans = [(np.full_like(n, -1), np.full_like(n, -1))]
         elif layout.cp == 1:
@@ -714,33 +715,54 @@ def _own_pieces(
                 (second * chunk, np.minimum((second + 1) * chunk, n)),
             ]
         group = [d for d in dsts if d // k == rank // k] if relay else [rank]
+        # where the piece comes from: the holder (stage 0); a piece from another node comes
+        # once to the node's leader, which forwards it (stage 1); -1: this rank leads
+        via = holder
+        if relay and len(group) > 1:
+            leader = np.asarray(group)[sid % len(group)]
+            via = np.where(holder // k == rank // k, holder, np.where(leader == rank, -1, leader))
+        others = [d for d in group if d != rank]
         for a, b in spans:
-            keep = (b > a) | (a < 0)
-            s_, a_, b_, src_ = sid[keep], a[keep], b[keep], src[keep]
-            if relay and len(group) > 1:
-                remote = src_ // k != rank // k
-                leader = np.asarray(group)[s_ % len(group)]
+            kept = ((b > a) | (a < 0)).tolist()
+            columns.append((fields, a.tolist(), b.tolist(), kept, via.tolist(), others))
+    s0, s1 = transfers[0], transfers[-1]
+    row_last = bool(columns) and columns[0][1][0] < 0  # a per-sample column comes first
+    new = tuple.__new__  # Piece(...), Transfer(...) without the named tuple's Python __new__
+    for i, (q, h) in enumerate(zip(sid.tolist(), holder.tolist())):
+        pieces = []
+        for fields, a, b, kept, via, others in columns:
+            if not kept[i]:
+                continue
+            p = new(Piece, (q, a[i], b[i], fields))
+            pieces.append(p)
+            v = via[i]
+            if v == h:
+                s0.append(new(Transfer, (h, rank, p)))
+            elif v >= 0:
+                s1.append(new(Transfer, (v, rank, p)))
             else:
-                remote = np.zeros(len(s_), dtype=bool)
-                leader = np.full(len(s_), rank)
-            for q, x, y, h, far, lead in zip(
-                s_.tolist(),
-                a_.tolist(),
-                b_.tolist(),
-                src_.tolist(),
-                remote.tolist(),
-                leader.tolist(),
-            ):
-                p = new(Piece, (q, x, y, fields))
-                needs[q].append(p)
-                if not far:
-                    records[0].append((p, rank, h))
-                elif lead != rank:
-                    records[1].append((p, rank, lead))
-                else:
-                    records[0].append((p, rank, h))
-                    records[1] += [(p, d, rank) for d in group if d != rank]
-    return records, needs
+                s0.append(new(Transfer, (h, rank, p)))
+                s1 += [new(Transfer, (rank, d, p)) for d in others]
+        needs[q] = pieces[1:] + pieces[:1] if row_last else pieces
+    return transfers, needs
+
+
+def _merge(ordered: list[Transfer], other: list[Transfer]) -> list[Transfer]:
+    """Two lists of transfers in the plan's order, of disjoint samples, merged in that order."""
+    if not ordered or not other:
+        return ordered or other
+    out: list[Transfer] = []
+    i = 0
+    for sample_id, block in itertools.groupby(other, key=_sample_of):
+        j = bisect.bisect_left(ordered, sample_id, lo=i, key=_sample_of)
+        out += ordered[i:j]
+        out += block
+        i = j
+    return out + ordered[i:]
+
+
+def _sample_of(t: Transfer) -> int:
+    return t.piece.sample_id
 
 
 def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
@@ -817,20 +839,26 @@ def _full_pieces(
 
 def _collect(sources: Sequence[SourceMeta]) -> SampleTable:
     """Every sample with its holders (vectorised); raises for inconsistent metadata."""
-    for r, src in enumerate(sources):
-        if not len(src.sample_ids) == len(src.lengths) == len(src.group_ids):
-            raise DispatchError(
-                f"rank {r}: {len(src.sample_ids)} sample_ids, {len(src.lengths)} lengths, "
-                f"{len(src.group_ids)} group_ids; give one of each per sample"
-            )
-    counts = [len(s.sample_ids) for s in sources]
+    columns = (
+        [s.sample_ids for s in sources],
+        [s.lengths for s in sources],
+        [s.group_ids for s in sources],
+    )
+    counts = [len(c) for c in columns[0]]
+    if [len(c) for c in columns[1]] != counts or [len(c) for c in columns[2]] != counts:
+        r, src = next(
+            (r, s)
+            for r, s in enumerate(sources)
+            if not len(s.sample_ids) == len(s.lengths) == len(s.group_ids)
+        )
+        raise DispatchError(
+            f"rank {r}: {len(src.sample_ids)} sample_ids, {len(src.lengths)} lengths, "
+            f"{len(src.group_ids)} group_ids; give one of each per sample"
+        )
     total = sum(counts)
-
-    def flat(attr: str) -> np.ndarray:
-        chain = itertools.chain.from_iterable(getattr(s, attr) for s in sources)
-        return np.fromiter(chain, dtype=np.int64, count=total)
-
-    ids, lens, groups = flat("sample_ids"), flat("lengths"), flat("group_ids")
+    ids, lens, groups = (
+        np.fromiter(itertools.chain.from_iterable(c), dtype=np.int64, count=total) for c in columns
+    )
     ranks = np.repeat(np.arange(len(sources), dtype=np.int64), counts)
     order = np.argsort(ids, kind="stable")  # replicas of a sample stay in rank order
     ids, lens, groups, ranks = ids[order], lens[order], groups[order], ranks[order]
