@@ -9,6 +9,7 @@ keeps max/mean tokens per DP rank within a few percent (tests/unit/test_dispatch
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,6 +97,50 @@ def balance(
     unit_owner = np.empty_like(owner)
     unit_owner[by_cost] = owner
     return unit_owner if unit_of is None else unit_owner[unit_of]
+
+
+class BalanceMemo:
+    """Balances (``balance``'s DP rank of every sample) by their exact inputs, so the plans of
+    one batch to destinations of the same dp (e.g. the experience and train phases of a step, to
+    different layouts or fields) balance it once. The key is the samples' ids and lengths (and
+    groups with ``keep_groups``) as bytes, dp and the cost settings: a balance is never reused
+    for inputs that differ in any of them. Least recently used balances are dropped beyond
+    ``size``."""
+
+    def __init__(self, size: int = 8) -> None:
+        if size < 1:
+            raise DispatchError(f"BalanceMemo size={size}; use >= 1")
+        self.size = size
+        self.owners: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self.hits = 0
+        """Balances served from the memo."""
+        self.misses = 0
+        """Balances computed."""
+
+    def balance(
+        self, ids: np.ndarray, lengths: np.ndarray, groups: np.ndarray, dp: int, config: PlanConfig
+    ) -> np.ndarray:
+        """``balance(ids, lengths, groups, dp, config)``, read-only, from the memo when its
+        inputs repeat."""
+        key = (
+            ids.tobytes(),
+            lengths.tobytes(),
+            groups.tobytes() if config.keep_groups else b"",
+            dp,
+            config.attention_weight,
+            config.keep_groups,
+        )
+        if key in self.owners:
+            self.hits += 1
+            self.owners.move_to_end(key)
+            return self.owners[key]
+        self.misses += 1
+        owner = balance(ids, lengths, groups, dp, config)
+        owner.flags.writeable = False  # shared by the plans that reuse it
+        self.owners[key] = owner
+        while len(self.owners) > self.size:
+            self.owners.popitem(last=False)
+        return owner
 
 
 def _descending(costs: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:

@@ -39,7 +39,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_earl.config.vocab import PHASES, Phase
-from megatron_earl.dispatch.balance import assign_samples, balance, split_by_owner
+from megatron_earl.dispatch.balance import (
+    BalanceMemo,
+    assign_samples,
+    balance,
+    split_by_owner,
+)
 from megatron_earl.dispatch.batch import Schema
 from megatron_earl.dispatch.route import (
     DispatchError,
@@ -414,6 +419,7 @@ def plan_dispatch(
     config: PlanConfig | None = None,
     rank: int | None = None,
     routed: bool = True,
+    balances: BalanceMemo | None = None,
 ) -> DispatchPlan:
     """Plan moving the samples of ``sources`` (one entry per rank) to ``destination``.
 
@@ -421,7 +427,8 @@ def plan_dispatch(
     plans the rank view of ``r`` (see ``DispatchPlan``): the balance is global (O(samples)), the
     rest O(what ``r`` sends and receives). Every error is raised from the global inputs, so every
     rank raises the same one whatever view it plans. ``routed=False`` leaves ``stages`` empty
-    (for the centralized baseline, which routes through its root instead)."""
+    (for the centralized baseline, which routes through its root instead). ``balances``: balance
+    through this memo (``BalanceMemo``: plans of the same samples to the same dp balance once)."""
     config = config or PlanConfig()
     layout = destination.layout
     if len(sources) != layout.world_size:
@@ -441,7 +448,8 @@ def plan_dispatch(
         destination.stage_fields(schema, pp)  # raises for unknown stage fields
     samples = _collect(sources)
     ids, dp = samples.id_array, layout.dp
-    owner = balance(ids, samples.length_array, samples.group_array, dp, config)
+    balancer = balance if balances is None else balances.balance
+    owner = balancer(ids, samples.length_array, samples.group_array, dp, config)
     assignment = split_by_owner(ids, owner, dp)
     _check_budget(samples, layout.cp, config)
     own_dp = None if rank is None else layout.coord(rank).dp
