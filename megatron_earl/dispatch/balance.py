@@ -48,7 +48,7 @@ def assign_samples(
 def split_by_owner(ids: np.ndarray, owner: np.ndarray, dp: int) -> list[list[int]]:
     """``ids`` (ascending) per DP rank, from each sample's DP rank ``owner``."""
     key = owner.astype(np.uint16) if dp <= 1 << 16 else owner  # 16 bits: a radix sort
-    order = np.argsort(key, kind="stable")  # within a rank, ids stay ascending
+    order = key.argsort(kind="stable")  # within a rank, ids stay ascending
     cuts = np.cumsum(np.bincount(owner, minlength=dp))[:-1]
     return [part.tolist() for part in np.split(ids[order], cuts)]
 
@@ -88,11 +88,16 @@ def balance(
         loads = np.zeros(dp)
         for load, r in heap:
             loads[r] = load
-        for start in range(head, len(ordered), dp):
-            part = ordered[start : start + dp]
-            ranks = np.argsort(loads, kind="stable")[: len(part)]
-            owner[start : start + len(part)] = ranks
-            loads[ranks] += part
+        full = (len(ordered) - head) // dp  # whole rounds, then a partial one
+        owners = owner[head : head + full * dp].reshape(full, dp)  # views: rows are rounds
+        parts = ordered[head : head + full * dp].reshape(full, dp)
+        for j in range(full):
+            ranks = loads.argsort(kind="stable")
+            owners[j] = ranks
+            loads[ranks] += parts[j]
+        if head + full * dp < len(ordered):
+            part = ordered[head + full * dp :]
+            owner[head + full * dp :] = loads.argsort(kind="stable")[: len(part)]
     _refine(owner, ordered, dp)
     unit_owner = np.empty_like(owner)
     unit_owner[by_cost] = owner

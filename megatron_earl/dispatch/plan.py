@@ -486,7 +486,7 @@ def plan_dispatch(
         destination=destination,
         config=config,
         samples=samples,
-        source_order=tuple(tuple(s.sample_ids) for s in sources),
+        source_order=tuple(map(tuple, [s.sample_ids for s in sources])),
         micro_batches=micro,
         mini_batch_sizes=tuple(tuple(len(mini) for mini in m) for m in minis),
         assignment=tuple(tuple(a) for a in assignment),
