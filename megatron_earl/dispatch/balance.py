@@ -78,11 +78,12 @@ def balance(
     owner = np.empty(len(ordered), dtype=np.int64)  # DP rank per unit, in by_cost order
     head = len(ordered) if dp < ROUNDS_MIN_DP else min(len(ordered), LPT_UNITS_PER_RANK * dp)
     heap = [(0.0, r) for r in range(dp)]
-    placed = []
+    placed: list[int] = []
+    place, replace = placed.append, heapq.heapreplace  # local names: the loop's bulk
     for c in ordered[:head].tolist():  # exact largest-first for the large units
         load, r = heap[0]
-        placed.append(r)
-        heapq.heapreplace(heap, (load + c, r))
+        place(r)
+        replace(heap, (load + c, r))
     owner[:head] = placed
     if head < len(ordered):  # the small rest in rounds: a round's largest to the lightest rank
         loads = np.zeros(dp)
