@@ -4,6 +4,10 @@ Greedy largest-first (LPT) on a per-sample cost, then local search: move one uni
 between the heaviest and the lightest rank while that lowers the maximum. A unit is a sample, or a
 whole group (the samples of one prompt) with ``keep_groups``. On long-tailed agentic lengths this
 keeps max/mean tokens per DP rank within a few percent (tests/unit/test_dispatch_plan.py).
+
+``balance`` works on numpy arrays of the samples (what the planner holds), ``assign_samples`` on
+dicts; ``BalanceMemo`` reuses a balance for identical inputs (plans of one batch to destinations
+of the same dp).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ ids, lengths and groups of the samples it holds, plus the batch ``Schema``) and 
 4. routes those needs from the holders (``route.route``), producing ``Transfer`` stages.
 
 ``plan_dispatch(..., rank=r)`` plans rank ``r``'s *view*: steps 1 and the checks run over every
-sample (O(samples), numpy where it counts), steps 2-4 only for what ``r`` receives (its DP rank's
-samples) and sends (the samples it holds), giving exactly the whole plan's transfers that involve
-``r`` (``_route_rank``; tests compare them). This is what each rank runs (``execute.plan_for``).
+sample (O(samples), on numpy arrays: no Python object per sample), steps 2-4 only for what ``r``
+receives (its DP rank's samples) and sends (the samples it holds), giving exactly the whole plan's
+transfers that involve ``r`` (``_route_rank``; tests compare them). This is what each rank runs
+(``execute.plan_for``).
 
 Every function is deterministic in its inputs, so every rank computes the same plan, and every user
 error is raised here from the global inputs, on every rank alike, before any data moves.
