@@ -321,6 +321,9 @@ class SampleTable(Mapping):
         """Each row's owner (first holder)."""
         self.num_holders = np.diff(starts)
         """Each row's number of holders."""
+        n = len(ids)
+        self._dense = bool(n and ids[0] == 0 and ids[-1] == n - 1)  # ids 0..n-1: row = id
+        self._single = bool((self.num_holders == 1).all())  # no replicas
 
     @functools.cached_property
     def ids(self) -> list[int]:
@@ -335,12 +338,18 @@ class SampleTable(Mapping):
         return np.searchsorted(self.id_array, np.asarray(sample_ids, dtype=np.int64))
 
     def row(self, sample_id: int) -> int:
-        i = int(np.searchsorted(self.id_array, sample_id))
+        if self._dense:
+            if 0 <= sample_id < len(self.id_array):
+                return int(sample_id)
+            raise KeyError(sample_id)
+        i = int(self.id_array.searchsorted(sample_id))
         if i == len(self.id_array) or self.id_array[i] != sample_id:
             raise KeyError(sample_id)
         return i
 
     def holders(self, row: int) -> tuple[int, ...]:
+        if self._single:
+            return (int(self.owners[row]),)
         return tuple(self.holder_ranks[self.starts[row] : self.starts[row + 1]].tolist())
 
     def __getitem__(self, sample_id: int) -> SampleInfo:
