@@ -184,9 +184,9 @@ def pack_micro_batches(
 
     A sample costs ``cp_padded_length(len, cp) / cp`` tokens on each CP rank; one above the budget
     raises (sequences are never split across micro-batches: attention needs the whole sequence)."""
-    local = {s: cp_padded_length(lengths[s], cp) // cp for s in sample_ids}
     if budget is None:
         return [list(sample_ids)]
+    local = {s: cp_padded_length(lengths[s], cp) // cp for s in sample_ids}
     over = [s for s in sample_ids if local[s] > budget]
     if over:
         s = max(over, key=lambda s: local[s])
@@ -238,25 +238,26 @@ def balance_micro_batches(
     if not sample_ids:
         return []
     ids = list(sample_ids)
+    if budget is None:  # one micro-batch of every sample, in order
+        return [ids]
     at = {i: lengths[s] for i, s in enumerate(ids)}  # positions: ties break by position
     if packed is None:
         ffd = pack_micro_batches(range(len(ids)), at, cp, budget)
     else:
         position = {s: i for i, s in enumerate(ids)}
         ffd = [[position[s] for s in b] for b in packed]
-    if budget is not None:
-        cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
-        bins: list[list[int]] = [[] for _ in ffd]
-        loads = [0] * len(ffd)
-        for i in sorted(range(len(ids)), key=lambda i: (-cost[i], i)):
-            fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= budget]
-            if not fits:
-                break
-            b = min(fits, key=lambda b: (loads[b], b))
-            bins[b].append(i)
-            loads[b] += cost[i]
-        else:
-            ffd = bins
+    cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
+    bins: list[list[int]] = [[] for _ in ffd]
+    loads = [0] * len(ffd)
+    for i in sorted(range(len(ids)), key=lambda i: (-cost[i], i)):
+        fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= budget]
+        if not fits:
+            break
+        b = min(fits, key=lambda b: (loads[b], b))
+        bins[b].append(i)
+        loads[b] += cost[i]
+    else:
+        ffd = bins
     return [[ids[i] for i in sorted(b)] for b in ffd]
 
 
