@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_earl.dispatch.balance import BalanceMemo
 from megatron_earl.dispatch.batch import Batch, FieldSpec, Schema
 from megatron_earl.dispatch.centralized import centralized_stages
 from megatron_earl.dispatch.plan import (
@@ -139,13 +140,17 @@ class PlanCache:
     an OOM, or phases that share a layout and fields) skips planning. The key is every rank's
     sample ids, lengths and groups, the schema, the destination, the config, the group and this
     rank: a plan is never reused for inputs that differ in any of them. Least recently used
-    plans are dropped beyond ``size``."""
+    plans are dropped beyond ``size``. A plan it does compute balances through ``balances``
+    (``BalanceMemo``), so the same batch to another destination of the same dp (the experience
+    and train phases of a step) reuses the balance."""
 
     def __init__(self, size: int = 8) -> None:
         if size < 1:
             raise DispatchError(f"PlanCache size={size}; use >= 1")
         self.size = size
         self.plans: OrderedDict[tuple, DispatchPlan] = OrderedDict()
+        self.balances = BalanceMemo(size)
+        """Balances shared by this cache's plans."""
         self.hits = 0
         """Plans served from the cache."""
         self.misses = 0
@@ -219,7 +224,10 @@ def plan_for(
             for t, c in zip(table, counts)
         ]
         rank = None if whole else me
-        return plan_dispatch(sources, batch.schema, destination, config, rank=rank, routed=routed)
+        balances = None if cache is None else cache.balances
+        return plan_dispatch(
+            sources, batch.schema, destination, config, rank, routed, balances=balances
+        )
 
     return make() if cache is None else cache.lookup(key, make)
 

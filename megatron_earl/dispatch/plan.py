@@ -14,9 +14,10 @@ ids, lengths and groups of the samples it holds, plus the batch ``Schema``) and 
 4. routes those needs from the holders (``route.route``), producing ``Transfer`` stages.
 
 ``plan_dispatch(..., rank=r)`` plans rank ``r``'s *view*: steps 1 and the checks run over every
-sample (O(samples), numpy where it counts), steps 2-4 only for what ``r`` receives (its DP rank's
-samples) and sends (the samples it holds), giving exactly the whole plan's transfers that involve
-``r`` (``_route_rank``; tests compare them). This is what each rank runs (``execute.plan_for``).
+sample (O(samples), on numpy arrays: no Python object per sample), steps 2-4 only for what ``r``
+receives (its DP rank's samples) and sends (the samples it holds), giving exactly the whole plan's
+transfers that involve ``r`` (``_route_rank``; tests compare them). This is what each rank runs
+(``execute.plan_for``).
 
 Every function is deterministic in its inputs, so every rank computes the same plan, and every user
 error is raised here from the global inputs, on every rank alike, before any data moves.
@@ -29,14 +30,21 @@ With ``cp == 1`` nothing is padded.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from megatron_earl.config.vocab import PHASES, Phase
-from megatron_earl.dispatch.balance import assign_samples
+from megatron_earl.dispatch.balance import (
+    BalanceMemo,
+    assign_samples,
+    balance,
+    split_by_owner,
+)
 from megatron_earl.dispatch.batch import Schema
 from megatron_earl.dispatch.route import (
     DispatchError,
@@ -47,12 +55,14 @@ from megatron_earl.dispatch.route import (
     fan_out,
     route,
 )
+from megatron_earl.dispatch.table import SampleInfo, SampleTable, collect
 from megatron_earl.parallel.cp import cp_chunk_bounds, cp_padded_length
 from megatron_earl.parallel.layout import Coord, ParallelLayout
 
 __all__ = [
     "DispatchError",
     "DispatchPlan",
+    "assign_samples",
     "cp_chunk_bounds",
     "cp_padded_length",
     "plan_dispatch",
@@ -174,9 +184,9 @@ def pack_micro_batches(
 
     A sample costs ``cp_padded_length(len, cp) / cp`` tokens on each CP rank; one above the budget
     raises (sequences are never split across micro-batches: attention needs the whole sequence)."""
-    local = {s: cp_padded_length(lengths[s], cp) // cp for s in sample_ids}
     if budget is None:
         return [list(sample_ids)]
+    local = {s: cp_padded_length(lengths[s], cp) // cp for s in sample_ids}
     over = [s for s in sample_ids if local[s] > budget]
     if over:
         s = max(over, key=lambda s: local[s])
@@ -228,25 +238,26 @@ def balance_micro_batches(
     if not sample_ids:
         return []
     ids = list(sample_ids)
+    if budget is None:  # one micro-batch of every sample, in order
+        return [ids]
     at = {i: lengths[s] for i, s in enumerate(ids)}  # positions: ties break by position
     if packed is None:
         ffd = pack_micro_batches(range(len(ids)), at, cp, budget)
     else:
         position = {s: i for i, s in enumerate(ids)}
         ffd = [[position[s] for s in b] for b in packed]
-    if budget is not None:
-        cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
-        bins: list[list[int]] = [[] for _ in ffd]
-        loads = [0] * len(ffd)
-        for i in sorted(range(len(ids)), key=lambda i: (-cost[i], i)):
-            fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= budget]
-            if not fits:
-                break
-            b = min(fits, key=lambda b: (loads[b], b))
-            bins[b].append(i)
-            loads[b] += cost[i]
-        else:
-            ffd = bins
+    cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
+    bins: list[list[int]] = [[] for _ in ffd]
+    loads = [0] * len(ffd)
+    for i in sorted(range(len(ids)), key=lambda i: (-cost[i], i)):
+        fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= budget]
+        if not fits:
+            break
+        b = min(fits, key=lambda b: (loads[b], b))
+        bins[b].append(i)
+        loads[b] += cost[i]
+    else:
+        ffd = bins
     return [[ids[i] for i in sorted(b)] for b in ffd]
 
 
@@ -278,44 +289,6 @@ def plan_micro_batches(
 
 
 # ---------------------------------------------------------------------- plans
-
-
-@dataclass(frozen=True)
-class SampleInfo:
-    """A sample as the planner sees it."""
-
-    length: int
-    group: int
-    holders: tuple[int, ...]
-    """Source ranks holding it; ``holders[0]`` is its owner (where results return)."""
-
-
-class SampleTable(Mapping):
-    """Every sample of a dispatch, ascending ids -> ``SampleInfo`` (built on lookup: the table
-    itself is three lists, so collecting thousands of samples costs little)."""
-
-    def __init__(
-        self,
-        ids: list[int],
-        lengths: list[int],
-        groups: list[int],
-        holders: list[tuple[int, ...]],
-    ) -> None:
-        self.ids, self.lengths, self.groups, self.holders = ids, lengths, groups, holders
-        self.index = {s: i for i, s in enumerate(ids)}
-
-    def __getitem__(self, sample_id: int) -> SampleInfo:
-        i = self.index[sample_id]
-        return SampleInfo(self.lengths[i], self.groups[i], self.holders[i])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.ids)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def length(self, sample_id: int) -> int:
-        return self.lengths[self.index[sample_id]]
 
 
 @dataclass(frozen=True)
@@ -381,6 +354,7 @@ def plan_dispatch(
     config: PlanConfig | None = None,
     rank: int | None = None,
     routed: bool = True,
+    balances: BalanceMemo | None = None,
 ) -> DispatchPlan:
     """Plan moving the samples of ``sources`` (one entry per rank) to ``destination``.
 
@@ -388,7 +362,8 @@ def plan_dispatch(
     plans the rank view of ``r`` (see ``DispatchPlan``): the balance is global (O(samples)), the
     rest O(what ``r`` sends and receives). Every error is raised from the global inputs, so every
     rank raises the same one whatever view it plans. ``routed=False`` leaves ``stages`` empty
-    (for the centralized baseline, which routes through its root instead)."""
+    (for the centralized baseline, which routes through its root instead). ``balances``: balance
+    through this memo (``BalanceMemo``: plans of the same samples to the same dp balance once)."""
     config = config or PlanConfig()
     layout = destination.layout
     if len(sources) != layout.world_size:
@@ -406,11 +381,18 @@ def plan_dispatch(
         raise DispatchError(f"rank={rank}; valid: 0..{layout.world_size - 1} or None")
     for pp in range(layout.pp):
         destination.stage_fields(schema, pp)  # raises for unknown stage fields
-    samples = _collect(sources)
-    lengths = dict(zip(samples.ids, samples.lengths))
-    assignment = assign_samples(lengths, dict(zip(samples.ids, samples.groups)), layout.dp, config)
+    samples = collect(sources)
+    ids, dp = samples.id_array, layout.dp
+    balancer = balance if balances is None else balances.balance
+    owner = balancer(ids, samples.length_array, samples.group_array, dp, config)
+    assignment = split_by_owner(ids, owner, dp)
     _check_budget(samples, layout.cp, config)
     own_dp = None if rank is None else layout.coord(rank).dp
+    if rank is None:
+        lengths = dict(zip(samples.ids, samples.lengths))
+    else:  # the lengths this view reads: its DP rank's samples and the samples it holds
+        rows = np.r_[np.flatnonzero(owner == own_dp), samples.rows(sources[rank].sample_ids)]
+        lengths = dict(zip(ids[rows].tolist(), samples.length_array[rows].tolist()))
     minis = [
         plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp)
         if own_dp in (None, d)
@@ -423,7 +405,7 @@ def plan_dispatch(
     ranks = range(layout.world_size) if rank is None else [rank]
     holdings = {r: _full_pieces(sources[r].sample_ids, lengths, token, per_sample) for r in ranks}
     if rank is not None and routed:
-        stages, own = _route_rank(rank, sources, samples, assignment, destination, schema, config)
+        stages, own = _route_rank(rank, sources, samples, owner, destination, schema, config)
         needs = {rank: [p for mb in micro[own_dp] for sid in mb for p in own[sid]]}
     else:
         needs = {
@@ -439,7 +421,7 @@ def plan_dispatch(
         destination=destination,
         config=config,
         samples=samples,
-        source_order=tuple(tuple(s.sample_ids) for s in sources),
+        source_order=tuple(map(tuple, [s.sample_ids for s in sources])),
         micro_batches=micro,
         mini_batch_sizes=tuple(tuple(len(mini) for mini in m) for m in minis),
         assignment=tuple(tuple(a) for a in assignment),
@@ -507,45 +489,53 @@ def _route_rank(
     rank: int,
     sources: Sequence[SourceMeta],
     samples: SampleTable,
-    assignment: list[list[int]],
+    owner: np.ndarray,
     destination: Destination,
     schema: Schema,
     config: PlanConfig,
 ) -> tuple[tuple[tuple[Transfer, ...], ...], dict[int, list[Piece]]]:
     """The whole plan's transfers with ``rank`` as source or destination, found from the pieces
-    of the samples of its DP rank and the samples it holds only; and the pieces ``rank`` needs,
-    per sample. Holders of a forward dispatch hold whole samples with every field, so a piece's
-    candidate sources are its sample's holders (``route._cover`` would not cut it) and
-    ``route.choose_source`` needs nothing else. The bulk, this rank's own pieces of samples one
-    rank holds, is computed with numpy (``_own_pieces``); the rest piece by piece."""
+    of the samples of its DP rank and the samples it holds only (``owner``: each sample row's DP
+    rank); and the pieces ``rank`` needs, per sample. Holders of a forward dispatch hold whole
+    samples with every field, so a piece's candidate sources are its sample's holders
+    (``route._cover`` would not cut it) and ``route.choose_source`` needs nothing else. Samples
+    with one holder, the bulk, take shortcuts that give what ``choose_source`` and ``fan_out``
+    would: this rank's own pieces of samples another rank holds (numpy, ``_own_pieces``), the
+    pieces of samples only this rank holds (``_held_pieces``); samples with replicas go piece
+    by piece through ``choose_source`` and ``fan_out``."""
     layout = destination.layout
     me = layout.coord(rank)
-    held = set(sources[rank].sample_ids)
-    holders_of, index = samples.holders, samples.index
     rc = config.route
-    classes = {me.dp: _sorted_classes(destination, schema, me.dp)}
+    classes = _ClassesByDp(destination, schema)
     mine = [c for c in classes[me.dp] if rank in c[2]]
-    bulk = [s for s in assignment[me.dp] if s not in held and len(holders_of[index[s]]) == 1]
-    records, needs = _own_pieces(rank, bulk, samples, layout, mine, rc)
-    bulk_set = set(bulk)
-    dp_of = {s: d for d, ids in enumerate(assignment) for s in ids if s in held}
-    # the rest: own samples with replicas (only this rank's pieces), samples it holds (all)
-    wanted = [(s, me.dp, s in held) for s in assignment[me.dp] if s not in bulk_set]
-    wanted += [(s, dp_of[s], True) for s in sources[rank].sample_ids if dp_of[s] != me.dp]
-    pieces: dict[tuple, tuple[int, ...]] = {}  # (sample, start, end, fields) -> consumers
-    for sid, d, every in wanted:
-        if d not in classes:
-            classes[d] = _sorted_classes(destination, schema, d)
-        n = samples.length(sid)
+    own_rows = np.flatnonzero(owner == me.dp)
+    held_rows = samples.rows(sources[rank].sample_ids)
+    is_held = np.zeros(len(samples), dtype=bool)
+    is_held[held_rows] = True
+    single = samples.num_holders == 1
+    in_bulk = ~is_held[own_rows] & single[own_rows]
+    ordered, needs = _own_pieces(rank, own_rows[in_bulk], samples, layout, mine, rc)
+    records: list[list[tuple]] = [[] for _ in ordered]  # the other samples' (piece, dst, src)
+    only_mine = held_rows[single[held_rows]]
+    _held_pieces(rank, only_mine, owner, samples, layout, classes, me.dp, rc, records, needs)
+    # the rest, samples with replicas: own ones (only this rank's pieces), held ones (all)
+    rest = own_rows[~single[own_rows]]
+    wanted = list(zip(rest.tolist(), [me.dp] * len(rest), is_held[rest].tolist()))
+    away = held_rows[~single[held_rows] & (owner[held_rows] != me.dp)]
+    wanted += [(i, d, True) for i, d in zip(away.tolist(), owner[away].tolist())]
+    ids, lengths = samples.id_array, samples.length_array
+    pieces: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (sample, start, end, fields) -> ..
+    for row, d, every in wanted:
+        sid, n = int(ids[row]), int(lengths[row])
         own = needs[sid] = [] if d == me.dp else None
         for cp, fields, dsts in classes[d] if every else mine:
             spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
             for a, b in spans:
-                pieces[(sid, a, b, fields)] = dsts
+                pieces[(sid, a, b, fields)] = (dsts, row)  # .. its consumers and sample row
                 if own is not None and rank in dsts:
                     own.append(Piece(sid, a, b, fields))
-    for key, dsts in pieces.items():
-        holders = holders_of[index[key[0]]]
+    for key, (dsts, row) in pieces.items():
+        holders = samples.holders(row)
         if rank not in dsts and rank not in holders:
             continue
         piece = Piece(*key)
@@ -554,12 +544,30 @@ def _route_rank(
             continue
         for stage, t in fan_out(src, dsts, piece, rc):
             if rank in (t.src, t.dst):
-                records[stage].append((*key, t.dst, t.src))
+                records[stage].append((piece, t.dst, t.src))
     # the whole plan's order: pieces sorted, a piece's transfers by destination
+    new = tuple.__new__  # Transfer(src, dst, piece) without the named tuple's Python __new__
     return tuple(
-        tuple(Transfer(src, dst, Piece(sid, a, b, f)) for sid, a, b, f, dst, src in sorted(r))
-        for r in records
+        tuple(_merge(own, [new(Transfer, (src, dst, p)) for p, dst, src in sorted(r)]))
+        for own, r in zip(ordered, records)
     ), needs
+
+
+class _ClassesByDp(dict):
+    """DP rank -> ``_sorted_classes`` of it, computed once for DP rank 0: in the rank order
+    tp-cp-dp-pp (``ParallelLayout``) DP rank ``d``'s consumers are DP rank 0's plus
+    ``d * tp * cp``."""
+
+    def __init__(self, destination: Destination, schema: Schema) -> None:
+        super().__init__()
+        layout = destination.layout
+        self.base = _sorted_classes(destination, schema, 0)
+        self.stride = layout.rank(Coord(tp=0, cp=0, dp=1, pp=0)) if layout.dp > 1 else 0
+
+    def __missing__(self, dp_rank: int) -> list:
+        shift = dp_rank * self.stride
+        out = self[dp_rank] = [(cp, f, tuple(r + shift for r in rs)) for cp, f, rs in self.base]
+        return out
 
 
 def _sorted_classes(destination: Destination, schema: Schema, dp_rank: int) -> list:
@@ -567,29 +575,76 @@ def _sorted_classes(destination: Destination, schema: Schema, dp_rank: int) -> l
     return sorted(_consumer_classes(destination, schema, dp_rank), key=lambda c: c[0] < 0)
 
 
+def _held_pieces(
+    rank: int,
+    rows: np.ndarray,
+    owner: np.ndarray,
+    samples: SampleTable,
+    layout: ParallelLayout,
+    classes: _ClassesByDp,
+    own_dp: int,
+    rc: RouteConfig,
+    records: list[list[tuple]],
+    needs: dict[int, list[Piece]],
+) -> None:
+    """Add the transfers of the samples of ``rows``, held by ``rank`` alone, to ``records``
+    (``(piece, dst, src)`` per stage) and the pieces ``rank`` needs of those of its DP rank to
+    ``needs``: what ``choose_source`` (the one holder) and ``fan_out`` give. A piece goes to
+    every consumer on this rank's node, and to one leader (``dsts[sample_id % n]`` of the node's
+    ``n`` consumers) on every other node, which forwards it in stage 1 (not this rank's)."""
+    relay = rc.fanout != "direct" and rc.ranks_per_node is not None
+    here = rc.node(rank)
+    new = tuple.__new__  # Piece(...) without the named tuple's Python __new__
+    groups: dict[int, list] = {}  # DP rank -> per class: [(consumers, relayed)] by node
+    for d, sid, n in zip(
+        owner[rows].tolist(), samples.id_array[rows].tolist(), samples.length_array[rows].tolist()
+    ):
+        if d not in groups:
+            groups[d] = []
+            for _, _, dsts in classes[d]:
+                by_node: dict[int, list[int]] = defaultdict(list)
+                for x in dsts:
+                    by_node[rc.node(x)].append(x)
+                groups[d].append(
+                    [(g, relay and node != here and len(g) > 1) for node, g in by_node.items()]
+                )
+        own = needs[sid] = [] if d == own_dp else None
+        for (cp, fields, dsts), by_node in zip(classes[d], groups[d]):
+            spans = ((-1, -1),) if cp < 0 else cp_real_spans(n, layout.cp, cp)
+            for a, b in spans:
+                p = new(Piece, (sid, a, b, fields))
+                if own is not None and rank in dsts:
+                    own.append(p)
+                for g, relayed in by_node:
+                    if relayed:
+                        records[0].append((p, g[sid % len(g)], rank))
+                    else:
+                        records[0] += [(p, x, rank) for x in g]
+
+
 def _own_pieces(
     rank: int,
-    sample_ids: list[int],
+    rows: np.ndarray,
     samples: SampleTable,
     layout: ParallelLayout,
     mine: list,
     rc: RouteConfig,
-) -> tuple[list[list[tuple]], dict[int, list[Piece]]]:
-    """This rank's pieces of ``sample_ids`` (samples of its DP rank held by one other rank each)
-    as transfer records ``(sample, start, end, fields, dst, src)`` per stage, vectorised: what
-    ``choose_source`` (the one holder) and ``fan_out`` give this consumer; and its needs."""
-    records: list[list[tuple]] = [[] for _ in range(stage_count(rc))]
-    needs: dict[int, list[Piece]] = {s: [] for s in sample_ids}
-    if not sample_ids:
-        return records, needs
-    rows = [samples.index[s] for s in sample_ids]
-    sid = np.asarray(sample_ids, dtype=np.int64)
-    n = np.asarray([samples.lengths[i] for i in rows], dtype=np.int64)
-    src = np.asarray([samples.holders[i][0] for i in rows], dtype=np.int64)
+) -> tuple[list[list[Transfer]], dict[int, list[Piece]]]:
+    """This rank's pieces of the samples of ``rows`` (samples of its DP rank held by one other
+    rank each, ascending ids): the transfers per stage, in the whole plan's order (pieces sorted,
+    a piece's transfers by destination), and its needs, per sample; what ``choose_source`` (the
+    one holder) and ``fan_out`` give this consumer, vectorised per class and span."""
+    transfers: list[list[Transfer]] = [[] for _ in range(stage_count(rc))]
+    needs: dict[int, list[Piece]] = {}
+    if not len(rows):
+        return transfers, needs
+    sid, n, holder = samples.id_array[rows], samples.length_array[rows], samples.owners[rows]
     k = rc.ranks_per_node
     relay = rc.fanout != "direct" and k is not None
-    per_sample: dict[int, list[Piece]] = defaultdict(list)
-    for cp, fields, dsts in mine:
+    # a rank has one CP rank and one stage: at most a token class and a per-sample class. The
+    # per-sample piece (start -1) sorts before the spans (ascending) but is needed after them
+    columns = []  # per class and span, in the plan's order
+    for cp, fields, dsts in sorted(mine, key=lambda c: c[0] >= 0):
         if cp < 0:
             spans = [(np.full_like(n, -1), np.full_like(n, -1))]
         elif layout.cp == 1:
@@ -603,34 +658,54 @@ def _own_pieces(
                 (second * chunk, np.minimum((second + 1) * chunk, n)),
             ]
         group = [d for d in dsts if d // k == rank // k] if relay else [rank]
+        # where the piece comes from: the holder (stage 0); a piece from another node comes
+        # once to the node's leader, which forwards it (stage 1); -1: this rank leads
+        via = holder
+        if relay and len(group) > 1:
+            leader = np.asarray(group)[sid % len(group)]
+            via = np.where(holder // k == rank // k, holder, np.where(leader == rank, -1, leader))
+        others = [d for d in group if d != rank]
         for a, b in spans:
-            keep = (b > a) | (a < 0)
-            s_, a_, b_, src_ = sid[keep], a[keep], b[keep], src[keep]
-            if relay and len(group) > 1:
-                remote = src_ // k != rank // k
-                leader = np.asarray(group)[s_ % len(group)]
+            kept = ((b > a) | (a < 0)).tolist()
+            columns.append((fields, a.tolist(), b.tolist(), kept, via.tolist(), others))
+    s0, s1 = transfers[0], transfers[-1]
+    row_last = bool(columns) and columns[0][1][0] < 0  # a per-sample column comes first
+    new = tuple.__new__  # Piece(...), Transfer(...) without the named tuple's Python __new__
+    for i, (q, h) in enumerate(zip(sid.tolist(), holder.tolist())):
+        pieces = []
+        for fields, a, b, kept, via, others in columns:
+            if not kept[i]:
+                continue
+            p = new(Piece, (q, a[i], b[i], fields))
+            pieces.append(p)
+            v = via[i]
+            if v == h:
+                s0.append(new(Transfer, (h, rank, p)))
+            elif v >= 0:
+                s1.append(new(Transfer, (v, rank, p)))
             else:
-                remote = np.zeros(len(s_), dtype=bool)
-                leader = np.full(len(s_), rank)
-            for q, x, y, h, far, lead in zip(
-                s_.tolist(),
-                a_.tolist(),
-                b_.tolist(),
-                src_.tolist(),
-                remote.tolist(),
-                leader.tolist(),
-            ):
-                per_sample[q].append(Piece(q, x, y, fields))
-                if not far:
-                    records[0].append((q, x, y, fields, rank, h))
-                elif lead != rank:
-                    records[1].append((q, x, y, fields, rank, lead))
-                else:
-                    records[0].append((q, x, y, fields, rank, h))
-                    records[1] += [(q, x, y, fields, d, rank) for d in group if d != rank]
-    for q in sample_ids:  # spans in order, then the per-sample row
-        needs[q] = sorted(per_sample[q], key=lambda p: (p.start < 0, p.start))
-    return records, needs
+                s0.append(new(Transfer, (h, rank, p)))
+                s1 += [new(Transfer, (rank, d, p)) for d in others]
+        needs[q] = pieces[1:] + pieces[:1] if row_last else pieces
+    return transfers, needs
+
+
+def _merge(ordered: list[Transfer], other: list[Transfer]) -> list[Transfer]:
+    """Two lists of transfers in the plan's order, of disjoint samples, merged in that order."""
+    if not ordered or not other:
+        return ordered or other
+    out: list[Transfer] = []
+    i = 0
+    for sample_id, block in itertools.groupby(other, key=_sample_of):
+        j = bisect.bisect_left(ordered, sample_id, lo=i, key=_sample_of)
+        out += ordered[i:j]
+        out += block
+        i = j
+    return out + ordered[i:]
+
+
+def _sample_of(t: Transfer) -> int:
+    return t.piece.sample_id
 
 
 def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
@@ -640,12 +715,12 @@ def _check_budget(samples: SampleTable, cp: int, config: PlanConfig) -> None:
     if budget is None:
         return
     for c in dict.fromkeys([cp, config.consumer_cp or cp]):
-        lengths = np.asarray(samples.lengths, dtype=np.int64)
+        lengths = samples.length_array
         local = (-(-lengths // (2 * c)) * 2) if c > 1 else lengths
         over = np.flatnonzero(local > budget)
         if len(over):
             i = int(over[np.argmax(local[over])])
-            raise _over_budget(samples.ids[i], samples.lengths[i], len(over), c, budget)
+            raise _over_budget(int(samples.id_array[i]), int(lengths[i]), len(over), c, budget)
 
 
 def plan_return(plan: DispatchPlan, results: Schema, stage: str = "last") -> Plan:
@@ -703,44 +778,3 @@ def _full_pieces(
         out += [Piece(sid, 0, lengths[sid], token)] if token else []
         out += [Piece(sid, -1, -1, per_sample)] if per_sample else []
     return out
-
-
-def _collect(sources: Sequence[SourceMeta]) -> SampleTable:
-    """Every sample with its holders (vectorised); raises for inconsistent metadata."""
-    for r, src in enumerate(sources):
-        if not len(src.sample_ids) == len(src.lengths) == len(src.group_ids):
-            raise DispatchError(
-                f"rank {r}: {len(src.sample_ids)} sample_ids, {len(src.lengths)} lengths, "
-                f"{len(src.group_ids)} group_ids; give one of each per sample"
-            )
-    ids = np.concatenate([np.asarray(s.sample_ids, dtype=np.int64) for s in sources] or [[]])
-    if not len(ids):
-        return SampleTable([], [], [], [])
-    lens = np.concatenate([np.asarray(s.lengths, dtype=np.int64) for s in sources])
-    groups = np.concatenate([np.asarray(s.group_ids, dtype=np.int64) for s in sources])
-    ranks = np.repeat(np.arange(len(sources)), [len(s.sample_ids) for s in sources])
-    order = np.argsort(ids, kind="stable")  # replicas of a sample stay in rank order
-    ids, lens, groups, ranks = ids[order], lens[order], groups[order], ranks[order]
-    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-    run = np.repeat(first, np.diff(np.r_[first, len(ids)]))  # index of each entry's first copy
-    bad = np.flatnonzero((lens != lens[run]) | (groups != groups[run]))
-    if len(bad):
-        i = int(bad[0])
-        j = int(run[i])
-        agree = [int(r) for r in ranks[j:i]]
-        raise DispatchError(
-            f"sample {ids[i]} is held by ranks {agree} with (length, group) = "
-            f"({lens[j]}, {groups[j]}) and by rank {ranks[i]} with ({lens[i]}, {groups[i]}); "
-            "replicas must agree (or give the samples distinct ids)"
-        )
-    short = np.flatnonzero(lens < 1)
-    if len(short):
-        i = int(short[0])
-        raise DispatchError(f"sample {ids[i]} on rank {ranks[i]} has length {lens[i]}; need >= 1")
-    rank_list = ranks.tolist()
-    if len(first) == len(ids):
-        holders = [(r,) for r in rank_list]
-    else:
-        ends = [*first[1:].tolist(), len(ids)]
-        holders = [tuple(rank_list[a:b]) for a, b in zip(first.tolist(), ends)]
-    return SampleTable(ids[first].tolist(), lens[first].tolist(), groups[first].tolist(), holders)

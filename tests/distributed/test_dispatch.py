@@ -203,7 +203,7 @@ def test_host_groups_carry_metadata_and_device_groups_data():
 def _body_plan_cache() -> dict:
     """The same inputs reuse the cached plan; a change on one rank only (one sample's length,
     hence its data) or in the destination plans anew, and the new plan's result is the
-    reference's."""
+    reference's; the same samples to another destination of the same dp reuse the balance."""
     from megatron_earl.dispatch.execute import PlanCache
 
     rank = dist.get_rank()
@@ -231,6 +231,9 @@ def _body_plan_cache() -> dict:
     other = plan_for(batches[rank], Destination(ParallelLayout(cp=2, dp=2)), cache=cache)
     out["other_destination"] = other is not first
     out["counts"] = (cache.hits, cache.misses)
+    # the other destination has the same dp: it reused the first plan's balance
+    out["balances"] = (cache.balances.hits, cache.balances.misses)
+    out["same_balance"] = other.assignment == first.assignment
     return out
 
 
@@ -244,4 +247,6 @@ def test_plan_cache_reuses_only_identical_inputs():
             "correct": True,
             "other_destination": True,
             "counts": (1, 3),
+            "balances": (1, 2),  # the changed batch balanced afresh, the other dest. reused
+            "same_balance": True,
         }, res

@@ -400,3 +400,54 @@ def test_plan_cache_keys_and_eviction():
     assert made == ["a", "b", "c", "a2"] and (cache.hits, cache.misses) == (1, 4)
     with pytest.raises(DispatchError, match="size=0"):
         PlanCache(size=0)
+
+
+def _plans_equal(a, b) -> bool:
+    fields = ("holdings", "needs", "stages", "micro_batches", "mini_batch_sizes", "assignment")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def test_balance_memo_shares_only_identical_inputs():
+    """Plans of one batch to destinations of the same dp (other layout, other fields) balance
+    once; any change of a sample's length, of dp or of the cost settings balances afresh, and
+    every plan equals the one planned without the memo."""
+    from megatron_earl.dispatch.balance import BalanceMemo
+
+    lengths = agentic_lengths(64, seed=5)
+    metas = [
+        SourceMeta(tuple(o), tuple(lengths[s] for s in o), tuple(s // 4 for s in o))
+        for o in (list(range(r, 64, 8)) for r in range(8))
+    ]
+    changed = list(metas)
+    changed[3] = SourceMeta(
+        metas[3].sample_ids, (metas[3].lengths[0] + 1, *metas[3].lengths[1:]), metas[3].group_ids
+    )
+    train = Destination(ParallelLayout(tp=2, cp=2, dp=2))
+    experience = Destination(ParallelLayout(tp=4, dp=2), last_stage_fields=("tokens",))
+    other_dp = Destination(ParallelLayout(tp=2, dp=4))
+    memo = BalanceMemo(size=4)
+    cases = [  # (sources, destination, config, balance reused)
+        (metas, train, PlanConfig(), False),
+        (metas, experience, PlanConfig(), True),  # same samples, same dp: shared
+        (changed, experience, PlanConfig(), False),  # one length differs
+        (metas, other_dp, PlanConfig(), False),  # dp differs
+        (metas, train, PlanConfig(attention_weight=1.0), False),
+        (metas, train, PlanConfig(keep_groups=True), False),
+        (metas, experience, PlanConfig(keep_groups=True), True),
+    ]
+    for i, (sources, dest, cfg, reused) in enumerate(cases):
+        hits = memo.hits
+        for rank in (None, 5):
+            got = plan_dispatch(sources, SCHEMA, dest, cfg, rank=rank, balances=memo)
+            assert _plans_equal(got, plan_dispatch(sources, SCHEMA, dest, cfg, rank=rank)), i
+        assert memo.hits - hits == (2 if reused else 1), i  # the rank view reuses the whole's
+    changed_group = [
+        SourceMeta(m.sample_ids, m.lengths, tuple(0 for _ in m.group_ids)) for m in metas
+    ]
+    cfg = PlanConfig(keep_groups=True)
+    with pytest.raises(DispatchError, match="1 groups cannot fill dp=2"):
+        plan_dispatch(changed_group, SCHEMA, train, cfg, balances=memo)  # groups are in the key
+    owner = next(iter(memo.owners.values()))
+    assert not owner.flags.writeable
+    with pytest.raises(DispatchError, match="size=0"):
+        BalanceMemo(size=0)
