@@ -364,7 +364,13 @@ def _collective_timeout_s(args: argparse.Namespace) -> float | None:
     ``runtime.collective_timeout_s`` default stands, not Megatron-LM's 10 minutes)."""
     if "--distributed-timeout-minutes" not in (getattr(args, PRESENT, None) or []):
         return None
-    return 60.0 * args.distributed_timeout_minutes
+    minutes = args.distributed_timeout_minutes
+    if minutes <= 0:
+        raise ConfigError(
+            f"--distributed-timeout-minutes {minutes}: must be > 0 (minutes a collective may "
+            "wait before the run fails)"
+        )
+    return 60.0 * minutes
 
 
 _YARN_FLAGS = {  # flag -> its value when omitted (Megatron-LM's)

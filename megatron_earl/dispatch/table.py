@@ -55,10 +55,12 @@ class SampleTable(Mapping):
 
     @functools.cached_property
     def ids(self) -> list[int]:
+        """Sample ids in row order (ascending)."""
         return self.id_array.tolist()
 
     @functools.cached_property
     def lengths(self) -> list[int]:
+        """Tokens of each sample, in row order."""
         return self.length_array.tolist()
 
     def rows(self, sample_ids: Sequence[int]) -> np.ndarray:
@@ -66,6 +68,7 @@ class SampleTable(Mapping):
         return np.searchsorted(self.id_array, np.asarray(sample_ids, dtype=np.int64))
 
     def row(self, sample_id: int) -> int:
+        """The row of ``sample_id`` (O(1) for ids 0..n-1); ``KeyError`` when absent."""
         if self._dense:
             if 0 <= sample_id < len(self.id_array):
                 return int(sample_id)
@@ -76,6 +79,7 @@ class SampleTable(Mapping):
         return i
 
     def holders(self, row: int) -> tuple[int, ...]:
+        """The ranks holding a copy of ``row``'s sample, ascending."""
         if self._single:
             return (int(self.owners[row]),)
         return tuple(self.holder_ranks[self.starts[row] : self.starts[row + 1]].tolist())
@@ -91,6 +95,7 @@ class SampleTable(Mapping):
         return len(self.id_array)
 
     def length(self, sample_id: int) -> int:
+        """Tokens of ``sample_id``."""
         return int(self.length_array[self.row(sample_id)])
 
 

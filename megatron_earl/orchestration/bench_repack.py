@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
             e.wait_healthy(timeout_s=180)
         urls = [e.url for e in engines]
         for policy in args.policies:
-            holders = 0 if policy == "none" else args.nproc
+            holders = 0 if policy == RepackPolicy.NONE else args.nproc
             relays = _relays(urls, holders, out, policy)
             overrides = [
                 f"steps={args.steps}",
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
                 f"rollout.repack.policy={policy}",
                 f"rollout.repack.below={args.below}",
             ]
-            if policy != "none":
+            if policy != RepackPolicy.NONE:
                 feeds = ",".join(r.url for r in relays[1:])
                 overrides.append(f"rollout.sglang.engine_relays=[{feeds}]")
             try:

@@ -79,7 +79,7 @@ from megatron_earl.parallel.state import use_layout
 from megatron_earl.rewards.service import check_reward_service, remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.repack import Placement, check_release_holders
+from megatron_earl.rollout.repack import Placement, relay_holders, release_holder_problems
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
@@ -114,6 +114,8 @@ class RLLoop:
         if not self.old_logprobs:  # the experience phase never runs the policy
             layouts.pop(Phase.EXPERIENCE)
         asyncio.run(check_reward_service(config.reward))  # before anything is built
+        if config.rollout.repack.enabled:
+            check_engine_relays(config.rollout.sglang.engine_relays)
         self.policy = Policy.build(config.model, layouts, config.train.optim(), config.seed)
         self.backend = kind(config, self.policy, tokenizer)
         self.sync_stats: dict[str, float] = {}
@@ -559,7 +561,6 @@ class RLLoop:
         placement = None
         if cfg.rollout.repack.enabled:
             rank = dist.get_rank()
-            check_release_holders(cfg.rollout.sglang.engine_relays, dist.get_world_size())
 
             def placement(pool) -> Placement:
                 return Placement(
@@ -769,3 +770,15 @@ class _NoUpdate:
 
     def __getattr__(self, name: str):
         return getattr(self._optimizer, name)
+
+
+def check_engine_relays(relays: Sequence[str]) -> None:
+    """``rollout.repack``: every engine relay waits for one release per trainer process
+    (``--release-holders`` = the world size). Rank 0 asks the relays and broadcasts what they
+    said, so every rank raises the same ``ValueError`` (naming each relay that is wrong or did
+    not answer) or none does. Collective: every rank of the world (host group)."""
+    answers = [relay_holders(relays) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answers, src=0, group=host_group())
+    problems = release_holder_problems(answers[0], dist.get_world_size())
+    if problems:
+        raise ValueError("rollout.repack: " + "; ".join(problems))

@@ -19,7 +19,6 @@ when its relay gets to it.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterable, Sequence
 
@@ -27,7 +26,7 @@ import aiohttp
 
 from megatron_earl.relay.codec import NamedTensor, encode_bucket
 from megatron_earl.relay.versions import BucketInfo, Manifest, digest
-from megatron_earl.relay.wire import API_KEY_ENV, SHA_HEADER
+from megatron_earl.relay.wire import SHA_HEADER, auth_headers
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.weight_sync import PushStats, iter_buckets
@@ -48,8 +47,7 @@ class RelayPublisher:
         trainer resumed later publishes in a newer one."""
 
     def _headers(self) -> dict[str, str]:
-        key = os.environ.get(API_KEY_ENV)
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return auth_headers()
 
     async def publish(
         self, named: Iterable[NamedTensor], version: int, bucket_bytes: int

@@ -5,7 +5,15 @@ serves them.)"""
 
 from __future__ import annotations
 
+import os
+
 API_KEY_ENV = "EARL_RELAY_API_KEY"
 """Environment variable with the relays' API key (``Authorization: Bearer``); unset: none."""
 SHA_HEADER = "X-Sha256"
 """Header of a bucket upload/download: the hex SHA-256 of its bytes."""
+
+
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer`` with the key of ``API_KEY_ENV`` (empty when it is unset)."""
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}

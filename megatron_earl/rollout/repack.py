@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ import aiohttp
 
 from megatron_earl.config.repack import RepackConfig
 from megatron_earl.config.vocab import RepackPolicy
-from megatron_earl.relay.wire import API_KEY_ENV
+from megatron_earl.relay.wire import auth_headers
 from megatron_earl.rollout.pool import EnginePool
 
 log = logging.getLogger("megatron_earl.repack")
@@ -110,14 +109,14 @@ def plan_repack(
 
 
 def release_holder_problems(holders_of: dict[str, object], holders: int) -> list[str]:
-    """What is wrong with the engine relays' ``--release-holders`` (``holders_of``: relay URL ->
-    its value as its ``/relay_info`` reports it, or why it did not answer) for ``holders``
-    producers: each relay must wait
-    for every producer's release before loading its engine, so its value must be ``holders``
-    (fewer loads an engine under another rank's trajectories; more never loads it). Pure."""
+    """What is wrong with the engine relays' ``--release-holders`` for ``holders`` producers
+    (``holders_of``: relay URL -> what its ``/relay_info`` says, ``relay_holders``). Each relay
+    must wait for every producer's release before loading its engine, so its value must be
+    ``holders`` (fewer loads an engine under another rank's trajectories; more never loads
+    it). Pure."""
     problems = []
     for url, value in holders_of.items():
-        if isinstance(value, str):
+        if isinstance(value, str):  # why it did not tell
             problems.append(f"engine relay {url} did not tell its --release-holders: {value}")
         elif value != holders:
             problems.append(
@@ -128,32 +127,29 @@ def release_holder_problems(holders_of: dict[str, object], holders: int) -> list
     return problems
 
 
-def check_release_holders(relays: Sequence[str], holders: int, timeout_s: float = 30.0) -> None:
-    """Ask every engine relay for its ``--release-holders`` and raise ``ValueError`` naming each
-    one that does not wait for ``holders`` producers (``release_holder_problems``) or does not
-    answer. Every trainer rank calls it before its producer starts (the same answer on every
-    rank: each raises the same error)."""
+def relay_holders(relays: Sequence[str], timeout_s: float = 30.0) -> dict[str, object]:
+    """Each relay's ``--release-holders`` as its ``/relay_info`` reports it, or a sentence
+    saying why it did not (no answer, no such field). Local (one process asks; the trainer's
+    rank 0 does and broadcasts the answers, ``RLLoop``)."""
 
-    async def ask() -> dict[str, object]:
-        key = os.environ.get(API_KEY_ENV)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async def ask() -> list[object]:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        async with aiohttp.ClientSession(headers=auth_headers(), timeout=timeout) as session:
 
             async def one(url: str) -> object:
                 try:
                     async with session.get(f"{url.rstrip('/')}/relay_info") as resp:
                         resp.raise_for_status()
-                        return (await resp.json()).get("release_holders")
-                except (aiohttp.ClientError, TimeoutError) as err:
+                        info = await resp.json()
+                except (aiohttp.ClientError, TimeoutError, ValueError) as err:
                     return f"no answer from /relay_info ({type(err).__name__}: {err})"
+                if not isinstance(info, dict) or "release_holders" not in info:
+                    return "its /relay_info has no release_holders (not a megatron-earl relay?)"
+                return info["release_holders"]
 
-            values = await asyncio.gather(*(one(url) for url in relays))
-        return dict(zip(relays, values, strict=True))
+            return await asyncio.gather(*(one(url) for url in relays))
 
-    problems = release_holder_problems(asyncio.run(ask()), holders)
-    if problems:
-        raise ValueError("rollout.repack: " + "; ".join(problems))
+    return dict(zip(relays, asyncio.run(ask()), strict=True))
 
 
 class Placement:
@@ -188,19 +184,18 @@ class Placement:
         self.wait_s = 0.0
         self._released: dict[int, tuple[int, float]] = {}
         self._attached: set[int] = set()
-        """Engines whose relay acknowledged this holder's attach (``_attach``)."""
+        """Engines whose relay acknowledged this holder's attach (``_attach_all``)."""
         self._changed = asyncio.Event()
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._attacher: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
         self._timeline = timeline.open("a") if timeline is not None else None
 
     # -- what the producer calls ------------------------------------------------------------
     def start(self) -> None:
-        key = os.environ.get(API_KEY_ENV)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._session = aiohttp.ClientSession(
-            headers=headers, timeout=aiohttp.ClientTimeout(total=10, sock_connect=3)
+            headers=auth_headers(), timeout=aiohttp.ClientTimeout(total=10, sock_connect=3)
         )
         self._task = asyncio.create_task(self._run(), name="repack")
 
@@ -234,6 +229,10 @@ class Placement:
     async def close(self) -> None:
         """Stop planning and detach from every engine: this rank holds nothing any more, and
         later versions (the final evaluation's) must not wait for it."""
+        if self._attacher is not None:
+            self._attacher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._attacher
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -287,10 +286,7 @@ class Placement:
 
     # -- the periodic task ------------------------------------------------------------------
     async def _run(self) -> None:
-        # a holder that stopped earlier (a resumed run) holds its engines again; this rank
-        # holds nothing yet: every engine may take the first version
-        await self._attach()
-        await asyncio.gather(*(self._release(i) for i in self._attached), return_exceptions=True)
+        self._attacher = asyncio.create_task(self._attach_all(), name="repack-attach")
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.config.interval_s)
@@ -302,25 +298,40 @@ class Placement:
             except Exception as err:  # a relay or engine fault: try again next tick
                 log.warning("repack (%s): %s", self.holder, err)
 
-    async def _attach(self) -> None:
-        """Attach to the relay of every engine not attached yet (a holder that stopped earlier,
-        a resumed run, holds its engines again). Until its relay has acknowledged, an engine
-        takes none of this rank's trajectories (``_choose``): a detach left standing would let
-        the relay load it under them. Failed attaches are tried again at every tick."""
-        missing = [i for i in range(len(self.relays)) if i not in self._attached]
-        results = await asyncio.gather(
-            *(self._release(i, attach=True) for i in missing), return_exceptions=True
-        )
-        for i, result in zip(missing, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("repack (%s): attach to %s: %s", self.holder, self.relays[i], result)
-            else:
-                self._attached.add(i)
+    async def _attach_all(self) -> None:
+        """Attach to the relay of every engine (a holder that stopped earlier, a resumed run,
+        holds its engines again), then release it (this rank holds nothing on it yet, so it
+        may take the first version). Until its relay has acknowledged, an engine takes none
+        of this rank's trajectories (``_choose``): a detach left standing would let the relay
+        load it under them. Relays that failed are tried again every ``RELEASE_AGAIN_S``, in
+        this task (the ticks do not wait for them); each failing relay is logged once."""
+        warned: set[int] = set()
+        while True:
+            missing = [i for i in range(len(self.relays)) if i not in self._attached]
+            results = await asyncio.gather(
+                *(self._release(i, attach=True) for i in missing), return_exceptions=True
+            )
+            attached = [i for i, r in zip(missing, results, strict=True) if r is None]
+            for i, result in zip(missing, results, strict=True):
+                if result is not None and i not in warned:
+                    warned.add(i)
+                    log.warning(
+                        "repack (%s): attach to %s failed (%s); its engine takes none of this "
+                        "rank's trajectories until it answers",
+                        self.holder,
+                        self.relays[i],
+                        result,
+                    )
+            self._attached.update(attached)
+            await asyncio.gather(*(self._release(i) for i in attached), return_exceptions=True)
+            if attached:
+                self._notify()
+            if len(self._attached) == len(self.relays):
+                return
+            await asyncio.sleep(RELEASE_AGAIN_S)
 
     async def _tick(self) -> None:
         try:
-            if len(self._attached) < len(self.relays):
-                await self._attach()
             await self._plan_and_release()
         finally:
             self._notify()

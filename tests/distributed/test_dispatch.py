@@ -233,7 +233,8 @@ def _body_plan_cache() -> dict:
     out["counts"] = (cache.hits, cache.misses)
     # the other destination has the same dp: it reused the first plan's balance
     out["balances"] = (cache.balances.hits, cache.balances.misses)
-    out["same_balance"] = other.assignment == first.assignment
+    out["same_balance"] = other.assignment == first.assignment  # (also true without the memo:
+    # the balance is deterministic; the reuse itself is what ``balances`` counts)
     return out
 
 

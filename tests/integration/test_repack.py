@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import pytest
 
 from megatron_earl.config.repack import RepackConfig
@@ -22,11 +23,11 @@ from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.pool import EnginePool
-from megatron_earl.rollout.repack import Placement, check_release_holders
+from megatron_earl.rollout.repack import Placement, relay_holders, release_holder_problems
 from megatron_earl.rollout.sglang_client import SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.rollout.weight_sync import hf_named_tensors
-from megatron_earl.testing.distributed import free_port
+from megatron_earl.testing.distributed import free_port, run_distributed
 from tests.integration.test_relay import ENV, FAST, MODEL, PROMPT, weights
 
 pytestmark = pytest.mark.timeout(240)
@@ -168,42 +169,79 @@ def test_repack_frees_an_engine_for_the_new_version_without_mixing_versions(setu
     asyncio.run(run())
 
 
+def _check_relays(relays: list[str]) -> str:
+    from megatron_earl.orchestration.loop import check_engine_relays
+
+    try:
+        check_engine_relays(relays)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
 def test_relays_waiting_for_another_number_of_holders_are_refused(setup):
-    """The trainer's pre-flight (``check_release_holders``): every engine relay must wait for
-    one release per trainer process; each one that does not, or does not answer, is named."""
-    check_release_holders([setup["feed"]], 1)  # the feed waits for 1 holder: accepted
+    """The trainer's pre-flight (``check_engine_relays``): every engine relay must wait for
+    one release per trainer process; each one that does not, or does not answer, is named, and
+    every rank raises the same error (rank 0 asks, the answers are broadcast)."""
+    assert release_holder_problems(relay_holders([setup["feed"]]), 1) == []  # 1 holder: fine
     gone = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(ValueError) as err:
-        check_release_holders([setup["feed"], setup["root"], gone], 2, timeout_s=5)
-    message = str(err.value)
-    assert f"engine relay {setup['feed']} was started with --release-holders 1" in message
-    assert f"engine relay {setup['root']} was started with --release-holders 0" in message
-    assert f"engine relay {gone} did not tell its --release-holders: no answer" in message
-    assert message.count("needs 2 (one release per trainer process)") == 2
+    relays = [setup["feed"], setup["root"], gone]
+    first, second = run_distributed(_check_relays, 2, args=(relays,), timeout_s=120)
+    assert first == second  # the same error on every rank
+    assert f"engine relay {setup['feed']} was started with --release-holders 1" in first
+    assert f"engine relay {setup['root']} was started with --release-holders 0" in first
+    assert f"engine relay {gone} did not tell its --release-holders: no answer" in first
+    assert first.count("needs 2 (one release per trainer process)") == 2
 
 
 def test_an_engine_whose_relay_did_not_acknowledge_the_attach_takes_no_trajectory(setup):
     """A holder attaches to every engine's relay at start (a detach of an earlier run would
     otherwise stand); until a relay acknowledges, its engine takes none of this rank's
-    trajectories, and the attach is tried again at every tick."""
+    trajectories. The attach is tried again in the background: once the relay is up, the
+    engine is attached, released and takes trajectories."""
+    port = free_port()  # engine 1's relay: started only later
+    late_url = f"http://127.0.0.1:{port}"
+    late: list[RelayProcess] = []
+
+    def start_late() -> None:
+        launch = RelayLaunch(
+            port, engines=(setup["urls"][1],), extra_args=(*FAST, "--release-holders", "1")
+        )
+        late.append(RelayProcess(launch, log_path=str(setup["tmp"] / "late.log"), env=ENV))
+        late[0].wait_healthy(timeout_s=60, path="/health")
 
     async def run():
         version = await _publish(setup, 1)
         clients = [SGLangClient(u) for u in setup["urls"]]
         pool = EnginePool(clients)
         config = RepackConfig(policy="drain", below=2, interval_s=0.05)
-        gone = f"http://127.0.0.1:{free_port()}"  # engine 1's relay does not answer
-        placement = Placement(pool, [setup["feed"], gone], config, holder="rank0")
+        placement = Placement(pool, [setup["feed"], late_url], config, holder="rank0")
         placement.start()
         placement.set_newest(version)
         try:
             await wait_for_engines(clients, version, 60)
             chosen = [await placement.begin(u) for u in ("a", "b", "c")]
-            await asyncio.sleep(0.3)  # a few ticks: the attach to engine 1 is retried, fails
-            return chosen, set(placement._attached)
+            before = set(placement._attached)
+            await asyncio.to_thread(start_late)
+            # the next attach round (every RELEASE_AGAIN_S) reaches it; then "d" goes there
+            # (the engine with fewer of this rank's trajectories)
+            for _ in range(150):
+                if 1 in placement._attached:
+                    break
+                await asyncio.sleep(0.1)
+            chosen.append(await asyncio.wait_for(placement.begin("d"), 30))
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{late_url}/relay_info") as resp:
+                    info = await resp.json()
+            return chosen, before, info["engines"][setup["urls"][1]]["released_by"]
         finally:
             await placement.close()
             await pool.close()
 
-    chosen, attached = asyncio.run(run())
-    assert chosen == [0, 0, 0] and attached == {0}
+    try:
+        chosen, before, released_by = asyncio.run(run())
+    finally:
+        for proc in late:
+            proc.stop(stop_timeout_s=10)
+    assert before == {0} and chosen == [0, 0, 0, 1]
+    assert released_by == ["rank0"]  # attached, then released: it held nothing of rank 0

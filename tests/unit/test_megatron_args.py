@@ -78,6 +78,10 @@ def test_qwen25_7b_recipe_maps_onto_run_config(tmp_path):
     assert cfg.env.name == "python_sum" and cfg.rollout.max_turns == 8
     assert cfg.batch.samples_per_step == 256 and cfg.name == "qwen_rl"
     assert cfg.runtime.collective_timeout_s == 3600.0  # --distributed-timeout-minutes 60
+    with pytest.raises(ConfigError, match=r"--distributed-timeout-minutes 0: must be > 0"):
+        config_from_megatron_args(
+            _parse(QWEN25_7B_RECIPE.replace("minutes 60", "minutes 0") + EARL, load=tmp_path), 32
+        )
     assert cfg.rollout.sampling.max_new_tokens == 1024
     validate_run(cfg, world_size=32)
     # the resolved config of a Megatron-args run saves and loads like any other
