@@ -182,3 +182,12 @@ class RepackPolicy(Vocabulary):
     REPACK = "repack"
     """Drain, and the few trajectories left on a draining engine move to another engine on the
     same version, so the freed engine is loaded and starts new prompts."""
+
+
+class Fanout(Vocabulary):
+    """How the dispatcher sends one piece to several ranks (``dispatch.route.RouteConfig``)."""
+
+    NODE_RELAY = "node_relay"
+    """One copy per remote node, forwarded inside it by a leader (fast intra-node links)."""
+    DIRECT = "direct"
+    """One copy per consuming rank."""

@@ -49,6 +49,7 @@ import os
 import statistics
 import time
 
+from megatron_earl.config.vocab import Fanout
 from megatron_earl.dispatch.centralized import centralized_stages
 from megatron_earl.dispatch.netmodel import NetworkModel
 from megatron_earl.dispatch.plan import Destination, PlanConfig, SourceMeta, plan_dispatch
@@ -72,7 +73,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-per-node", type=int, default=None, help="local routing (None: 1 node)")
-    p.add_argument("--fanout", default="node_relay", choices=["node_relay", "direct"])
+    p.add_argument("--fanout", default=Fanout.NODE_RELAY, choices=list(Fanout))
     p.add_argument("--proj-layout", default="tp4cp2pp2", help="projection layout; dp fills")
     p.add_argument("--proj-gpus", default="8,16,32,64,128,256,512,1024")
     p.add_argument("--proj-samples-per-gpu", type=int, default=16)

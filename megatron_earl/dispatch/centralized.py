@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from megatron_earl.config.vocab import Fanout
 from megatron_earl.dispatch.plan import DispatchPlan, rank_needs
 from megatron_earl.dispatch.route import Piece, RouteConfig, Transfer, route
 
@@ -50,7 +51,7 @@ def centralized_stages(plan: DispatchPlan, root: int = 0) -> list[list[Transfer]
     else:
         needs = {me: plan.needs[me]}
     scattered = list(samples) if everything else sorted({p.sample_id for p in needs[me]})
-    direct = RouteConfig(fanout="direct")
+    direct = RouteConfig(fanout=Fanout.DIRECT)
     want = [p for sid in gathered for p in pieces(sid)]
     gather = route(dict(holdings), {root: want}, plan.schema, direct)
     have = [p for sid in scattered for p in pieces(sid)]

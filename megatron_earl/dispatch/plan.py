@@ -459,7 +459,7 @@ def stage_count(config: RouteConfig) -> int:
     """Stages of a forward rank view: 2 when TP fan-out may relay inside a node, else 1 (fixed
     from the config, so every rank's view has the same count; the whole plan drops an empty
     second stage)."""
-    return 2 if config.fanout == "node_relay" and config.ranks_per_node is not None else 1
+    return 2 if config.relays else 1
 
 
 def _consumer_classes(
@@ -592,7 +592,7 @@ def _held_pieces(
     ``needs``: what ``choose_source`` (the one holder) and ``fan_out`` give. A piece goes to
     every consumer on this rank's node, and to one leader (``dsts[sample_id % n]`` of the node's
     ``n`` consumers) on every other node, which forwards it in stage 1 (not this rank's)."""
-    relay = rc.fanout != "direct" and rc.ranks_per_node is not None
+    relay = rc.relays
     here = rc.node(rank)
     new = tuple.__new__  # Piece(...) without the named tuple's Python __new__
     groups: dict[int, list] = {}  # DP rank -> per class: [(consumers, relayed)] by node
@@ -640,7 +640,7 @@ def _own_pieces(
         return transfers, needs
     sid, n, holder = samples.id_array[rows], samples.length_array[rows], samples.owners[rows]
     k = rc.ranks_per_node
-    relay = rc.fanout != "direct" and k is not None
+    relay = rc.relays
     # a rank has one CP rank and one stage: at most a token class and a per-sample class. The
     # per-sample piece (start -1) sorts before the spans (ascending) but is needed after them
     columns = []  # per class and span, in the plan's order

@@ -27,9 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from megatron_earl.config.vocab import Fanout
 from megatron_earl.dispatch.batch import Schema
-
-FANOUTS = ("node_relay", "direct")
 
 
 class DispatchError(ValueError):
@@ -68,16 +67,24 @@ class Transfer(NamedTuple):
 class RouteConfig:
     """Source choice and fan-out policy."""
 
-    fanout: str = "node_relay"
+    fanout: Fanout = Fanout.NODE_RELAY
     """"node_relay": one copy per remote node, forwarded inside it; "direct": one copy per rank."""
     ranks_per_node: int | None = None
     """Consecutive ranks sharing a node (fast intra-node links); None = all ranks on one node."""
 
     def __post_init__(self) -> None:
-        if self.fanout not in FANOUTS:
-            raise DispatchError(f"fanout={self.fanout!r}; valid: {FANOUTS}")
+        try:
+            object.__setattr__(self, "fanout", Fanout(self.fanout))
+        except ValueError:
+            raise DispatchError(f"fanout={self.fanout!r}; valid: {tuple(Fanout)}") from None
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise DispatchError(f"ranks_per_node={self.ranks_per_node}; use >= 1 or None")
+
+    @property
+    def relays(self) -> bool:
+        """Whether a remote node gets one copy that a leader forwards inside it (node_relay with
+        known nodes)."""
+        return self.fanout == Fanout.NODE_RELAY and self.ranks_per_node is not None
 
     def node(self, rank: int) -> int:
         return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
@@ -183,7 +190,7 @@ def fan_out(
         by_node[config.node(d)].append(d)
     out = []
     for node, group in sorted(by_node.items()):
-        if config.fanout == "direct" or node == config.node(src) or len(group) == 1:
+        if config.fanout == Fanout.DIRECT or node == config.node(src) or len(group) == 1:
             out += [(0, Transfer(src, d, part)) for d in group]
             continue
         leader = group[part.sample_id % len(group)]
