@@ -64,8 +64,7 @@ def balance(
     balanced by ``config.cost``: greedy largest-first (the largest ``LPT_UNITS_PER_RANK * dp``
     units one by one, the rest in rounds of ``dp`` when ``dp >= ROUNDS_MIN_DP``), then moves/swaps
     between the heaviest and the lightest rank while that lowers the maximum (``_refine``)."""
-    n = lengths.astype(np.float64)
-    sample_cost = n + config.attention_weight * n * n / 1024
+    sample_cost = config.cost(lengths.astype(np.float64))
     if config.keep_groups:  # a unit is a group; its cost sums its samples' in id order
         unit_ids, unit_of = np.unique(groups, return_inverse=True)
         costs = np.bincount(unit_of, weights=sample_cost, minlength=len(unit_ids))

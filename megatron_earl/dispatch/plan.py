@@ -170,7 +170,9 @@ class PlanConfig:
         if self.attention_weight < 0:
             raise DispatchError(f"attention_weight={self.attention_weight}; use >= 0")
 
-    def cost(self, length: int) -> float:
+    def cost(self, length: float | np.ndarray) -> float | np.ndarray:
+        """A sample's balance cost: its tokens plus ``attention_weight`` x tokens^2 / 1024
+        (elementwise on an array of lengths)."""
         return length + self.attention_weight * length * length / 1024
 
 
