@@ -199,4 +199,7 @@ def _stop_job(message: str, peer) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_earl.compat.processes import skip_exit_gc
+
+    skip_exit_gc()
     sys.exit(main())
