@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from megatron_earl.compat.processes import die_with_parent
+from megatron_earl.compat.processes import die_with_parent, skip_exit_gc
 
 # subcommand -> module whose ``main(argv)`` implements it
 _MODULES = {
@@ -215,6 +215,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_exit_gc()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -104,4 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_earl.compat.processes import skip_exit_gc
+
+    skip_exit_gc()
     main()

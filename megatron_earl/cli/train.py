@@ -19,6 +19,7 @@ and a checkpoint (``orchestration.signals``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_earl.selector.decide import NoFeasibleLayout
     from megatron_earl.selector.oom import PhaseOutOfMemory
 
+    # What is loaded so far (modules, the config) lives until exit: out of the collector, so
+    # that its full collections (destroy_layouts' at the end: ~0.4 s less) scan only the run's.
+    gc.freeze()
     runtime.initialize(timeout_s=config.runtime.collective_timeout_s)
     stop = StopSignal.install() if config.checkpoint.on_signal else None
     if dist.get_rank() == 0:
@@ -199,4 +203,7 @@ def _stop_job(message: str, peer) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_earl.compat.processes import skip_exit_gc
+
+    skip_exit_gc()
     sys.exit(main())

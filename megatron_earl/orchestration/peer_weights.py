@@ -70,4 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_earl.compat.processes import skip_exit_gc
+
+    skip_exit_gc()
     sys.exit(main())

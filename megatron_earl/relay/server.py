@@ -550,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_earl.compat.processes import skip_exit_gc
+
+    skip_exit_gc()
     raise SystemExit(main())
 
 

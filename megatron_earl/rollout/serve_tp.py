@@ -295,6 +295,8 @@ def follower_main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Import the module by name (not this ``__main__`` copy) so that ``call`` steps pickled by
     # rank 0 (``megatron_earl.rollout.serve_tp._join_rank`` ...) find the same registry here.
+    from megatron_earl.compat.processes import skip_exit_gc
     from megatron_earl.rollout.serve_tp import follower_main as imported_main
 
+    skip_exit_gc()
     sys.exit(imported_main(sys.argv[1:]))

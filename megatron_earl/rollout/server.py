@@ -759,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run the imported module, not this ``__main__`` copy: ``serve_weights`` raises this
     # module's ``BadRequest``, which the middleware of a ``__main__`` copy would not catch.
+    from megatron_earl.compat.processes import skip_exit_gc
     from megatron_earl.rollout.server import main as imported_main
 
+    skip_exit_gc()
     sys.exit(imported_main())

@@ -67,8 +67,14 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    import gc
+
     import torch
 
+    # Everything so far (the forkserver's preloaded modules, the arguments) lives until exit:
+    # out of the collector, so that the full collections of teardown (``destroy_layouts``) scan
+    # only what the body made (~0.3-0.5 s less per rank and call).
+    gc.freeze()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         from megatron_earl import runtime

@@ -6,6 +6,7 @@ Megatron's 30 minutes."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +15,9 @@ from megatron_earl.testing.distributed import run_distributed
 TIMEOUT_S = 3
 
 
-def _lonely_collectives(separate_host: bool) -> list[tuple[str, float, str]]:
-    """Rank 0 all-reduces on each of tp2's groups alone (rank 1 waits, then leaves); returns
-    (group, seconds to fail, error) for each."""
+def _lonely_collectives(separate_host: bool, done: Path) -> list[tuple[str, float, str]]:
+    """Rank 0 all-reduces on each of tp2's groups alone (rank 1 waits until rank 0 has created
+    ``done``, then leaves); returns (group, seconds to fail, error) for each."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -40,8 +41,11 @@ def _lonely_collectives(separate_host: bool) -> list[tuple[str, float, str]]:
                 except RuntimeError as err:
                     error = str(err)
                 out.append((name, time.monotonic() - start, error))
-        else:
-            time.sleep(2 * (TIMEOUT_S + 2))
+            done.touch()
+        else:  # outside any collective (a file, not a group), so it cannot time out itself
+            deadline = time.monotonic() + 50
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         # both ranks leave together; the groups rank 0 timed out on are not used again
         dist.barrier(group=dist.new_group(backend="gloo"))
         destroy_layouts()
@@ -49,11 +53,11 @@ def _lonely_collectives(separate_host: bool) -> list[tuple[str, float, str]]:
 
 
 @pytest.mark.parametrize("separate_host", [True])  # device groups and their twins (CPU: one)
-def test_every_layout_group_times_out_after_the_configured_time(separate_host):
+def test_every_layout_group_times_out_after_the_configured_time(separate_host, tmp_path):
     results = run_distributed(
         _lonely_collectives,
         2,
-        args=(separate_host,),
+        args=(separate_host, tmp_path / "rank0_done"),
         timeout_s=60,
         env={"MEGATRON_EARL_PG_TIMEOUT": str(TIMEOUT_S)},
     )[0]

@@ -37,8 +37,11 @@ NEW_TOKENS = 40
 PACE_MS = 50  # a request decodes for >= 2 s
 
 
-@pytest.fixture
-def engines(tmp_path):
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Two paced engines shared by the tests of this file, in its order: the stop test leaves
+    both healthy (it waits for the resumed engine to rejoin); the kill test comes last."""
+    tmp_path = tmp_path_factory.mktemp("engines")
     (tmp_path / "model.json").write_text(json.dumps(MODEL.to_dict()))
     args = ("--model-config", str(tmp_path / "model.json"), "--seed", "3", "--max-seq-len", "64")
     procs = [
