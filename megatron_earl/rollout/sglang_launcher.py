@@ -209,8 +209,8 @@ class ServerProcess:
 
 
 def stop_all(servers: Sequence[ServerProcess], stop_timeout_s: float = 20.0) -> list[int]:
-    """``stop()`` every server at once (a server can take seconds to exit, most of it the
-    interpreter's teardown); their exit codes, in order."""
+    """``stop()`` every server at once (each waits for its process to exit; stopped one after
+    the other, their exits would add up); their exit codes, in order."""
     if not servers:
         return []
     with ThreadPoolExecutor(len(servers)) as pool:
