@@ -213,9 +213,9 @@ class BatchedForward:
 
     ``compile_decode``: decode steps run ``torch.compile`` of ``_decode`` (inductor: fused C++
     kernels for the norms, RoPE, cache writes, softmax and SwiGLU; matmuls stay library calls),
-    one graph with the row count and key length dynamic, compiled at the first decode step
-    (tens of seconds on a CPU; a step of one row compiles once more: sizes 0 and 1 are
-    specialised). TP 1 only (the graph holds no collectives)."""
+    one graph with the row count and key length dynamic plus one for a single row (sizes 0
+    and 1 are specialised), both compiled at the first decode step (tens of seconds on a CPU,
+    seconds from inductor's cache). TP 1 only (the graph holds no collectives)."""
 
     def __init__(
         self, model: nn.Module, max_batch_size: int, max_seq_len: int, compile_decode: bool = False
@@ -234,12 +234,15 @@ class BatchedForward:
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         weight = attn.linear_qkv.weight
         self.device = weight.device
+        self.max_seq_len = max_seq_len
+        # Compiled: one spare key position, so that no step's key length is the cache's whole
+        # length (a slice of the whole dimension would specialise the dynamic graph to it).
         self.cache = RowCache(
             len(self.layers),
             self.num_groups,
             self.head_dim,
             max_batch_size,
-            max_seq_len,
+            max_seq_len + 1 if compile_decode else max_seq_len,
             dtype=weight.dtype,
             device=weight.device,
         )
@@ -250,6 +253,8 @@ class BatchedForward:
                 f"tp={self.tp}; leave it off for a TP engine"
             )
         self._decode_compiled = torch.compile(self._decode) if compile_decode else None
+        self._compiled_ready = False
+        """Whether both compiled decode graphs exist (``_compile_every_row_count``)."""
 
     @torch.no_grad()
     def _rope_tables(self, max_seq_len: int, dtype: torch.dtype):
@@ -263,6 +268,31 @@ class BatchedForward:
         half = sin.size(-1) // 2
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos[:, None], signed[:, None]
+
+    def _compiled_decode(self, ids_n, pos_n, key_pos_L) -> torch.Tensor:
+        for t in (ids_n, pos_n, key_pos_L):  # one graph for every row count and length
+            torch._dynamo.mark_dynamic(t, 0)
+        return self._decode_compiled(ids_n, pos_n, key_pos_L)
+
+    def _compile_every_row_count(self) -> None:
+        """Compile the decode step's two graphs before the first real step: rows 2..max (the
+        dynamic one) and one row (sizes 0/1 are specialised), so a step that first runs a single
+        row later -- the end of a batch, a multi-turn session alone on its engine -- does not
+        pay a compilation mid-rollout. The warm-up steps write keys/values only at position
+        ``max_seq_len - 1`` of rows 0 and 1, which any real sequence writes itself (a decode or
+        prefill writes a position before it reads it) before attending to it."""
+        last = self.max_seq_len - 1
+        for n in (2, 1) if self.cache.max_batch_size >= 2 else (1,):
+            ids, pos, key_pos = (
+                runtime.to_device(t)
+                for t in (
+                    torch.zeros(n, dtype=torch.long),
+                    torch.full((n,), last, dtype=torch.long),
+                    torch.arange(last + 1),
+                )
+            )
+            self._compiled_decode(ids, pos, key_pos)
+        self._compiled_ready = True
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)
@@ -300,9 +330,9 @@ class BatchedForward:
             )
             if self._decode_compiled is None:
                 return self._decode(ids_n, pos_n, key_pos_L)
-            for t in (ids_n, pos_n, key_pos_L):  # one graph for every row count and length
-                torch._dynamo.mark_dynamic(t, 0)
-            return self._decode_compiled(ids_n, pos_n, key_pos_L)
+            if not self._compiled_ready:
+                self._compile_every_row_count()
+            return self._compiled_decode(ids_n, pos_n, key_pos_L)
         index = _StepIndex.build(batch)
         ids, pos_T, seq_T, local_T, last_k, key_len, new_len, rows_k, w_rows, w_pos, w_src = (
             runtime.to_device(t) for t in index.tensors

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
@@ -35,23 +36,30 @@ def _eager_vs_compiled(model):
     tokens = [eager(prefill).argmax(-1).tolist()]  # the prefill is eager in both
     lengths = [len(p) for p in prompts]
     mine, theirs = [], []
+    graphs = []  # compiled graphs after each decode step: none is added after the first
     for step in range(4 * len(prompts)):
         n = len(prompts) - step // 4
         batch = Batch.decode(lengths[:n], tokens[-1][:n])
         a, b = eager(batch), compiled(batch)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         worst = max(worst, float((a - b).abs().max()))
         mine.append(a.argmax(-1).tolist())
         theirs.append(b.argmax(-1).tolist())
         tokens.append(mine[-1])
         lengths = [length + 1 for length in lengths]
-    return worst, mine, theirs
+    return worst, mine, theirs, graphs
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN3_LIKE], ids=["qkv_bias", "qk_layernorm"])
 def test_compiled_decode_equals_eager(model):
-    worst, eager, compiled = run_distributed(_eager_vs_compiled, 1, args=(model,), timeout_s=600)[0]
+    """... and both graphs (rows 2..max, one row) are compiled at the first decode step: the
+    steps that shrink to a single row compile nothing more."""
+    worst, eager, compiled, graphs = run_distributed(
+        _eager_vs_compiled, 1, args=(model,), timeout_s=600
+    )[0]
     assert compiled == eager
     assert worst <= LOGITS_TOL
+    assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs), graphs
 
 
 def _engine_greedy(config_kwargs: dict):
