@@ -54,6 +54,10 @@ def engines(tmp_path_factory):
                     "256",
                     "--max-batch-size",
                     "4",
+                    # a decode step lasts >= 5 ms: a 120-token request runs >= 0.6 s, so the
+                    # failover test sees the victim hold requests however fast the machine is
+                    "--pace-decode-ms",
+                    "5",
                 ),
             ),
             log_path=str(tmp_path / f"engine{i}.log"),
@@ -113,6 +117,7 @@ def test_requests_through_the_router_survive_a_killed_engine(engines, tmp_path):
             while (held := await _load(engines[0].url)) == 0:  # the victim holds requests
                 failed = [t.exception() for t in tasks if t.done() and t.exception()]
                 assert not failed, f"requests failed before the kill: {failed[:2]}"
+                assert not all(t.done() for t in tasks), "every request ended before the kill"
                 loads = [await _load(e.url) for e in engines]
                 assert time.monotonic() < deadline, f"the victim got no request; loads {loads}"
                 await asyncio.sleep(0.02)
