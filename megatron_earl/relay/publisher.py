@@ -46,9 +46,6 @@ class RelayPublisher:
         """This publisher's generation (``versions``): its start in ms since the epoch, so a
         trainer resumed later publishes in a newer one."""
 
-    def _headers(self) -> dict[str, str]:
-        return auth_headers()
-
     async def publish(
         self, named: Iterable[NamedTensor], version: int, bucket_bytes: int
     ) -> PushStats:
@@ -60,7 +57,7 @@ class RelayPublisher:
         source = iter(iter_buckets(named, bucket_bytes))
         errors = []
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5)
-        async with aiohttp.ClientSession(headers=self._headers(), timeout=timeout) as session:
+        async with aiohttp.ClientSession(headers=auth_headers(), timeout=timeout) as session:
             for attempt, root in enumerate(self.roots):
                 if attempt:
                     self.failovers += 1

@@ -105,17 +105,18 @@ class EmbeddedBackend(RolloutBackend):
         use_layout(layout)
         if layout not in self.engines:
             self.policy.ensure(layout)
-            if self.config.rollout.embedded.compile_decode and layout.tp > 1:
-                if dist.get_rank() == 0:
-                    print(
-                        f"rollout.embedded.compile_decode: the engine of {layout} runs eagerly "
-                        "(compiled decode steps need tp = 1)",
-                        flush=True,
-                    )
+            settings = engine_config(self.config, layout)
+            eager = self.config.rollout.embedded.compile_decode and not settings.compile_decode
+            if eager and dist.get_rank() == 0:
+                print(
+                    f"rollout.embedded.compile_decode: the engine of {layout} runs eagerly "
+                    "(compiled decode steps need tp = 1)",
+                    flush=True,
+                )
             self.engines[layout] = EmbeddedEngine(
                 [unwrap_chunk(c) for c in self.policy.chunks(layout)],
                 self.config.model,
-                engine_config(self.config, layout),
+                settings,
                 detokenize=self.tokenizer.decode,
             )
         return self.engines[layout]
