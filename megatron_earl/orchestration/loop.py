@@ -50,7 +50,7 @@ from megatron_earl.config.vocab import Activity, EngineKind, Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
-from megatron_earl.models.gpt import pin_transformer_impl
+from megatron_earl.models.impl import pin_transformer_impl
 from megatron_earl.orchestration.async_rollout import (
     AsyncProducer,
     GroupPlan,

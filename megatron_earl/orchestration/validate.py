@@ -27,7 +27,7 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
 
 What the rollout engine kind needs (the embedded engine: a tp/dp rollout layout; SGLang engines:
 ``rollout.engine_urls``, no selected rollout layout) is checked by each kind's
-``RolloutBackend.problems`` (``orchestration.engines.rollout_backend_problems``), and whether the
+check (``orchestration.engines.checks.rollout_backend_problems``), and whether the
 selector's memory budget admits any layout by ``orchestration.selection.selector_problems``: the
 launchers call both next (``cli.train.checked_config``; this layer imports neither). They then call
 ``machine_problems``, the one check here that reads the machine rather than the config: what the
@@ -43,7 +43,7 @@ from pathlib import Path
 from megatron_earl.config.run import ConfigError, RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.envs import ENVS
-from megatron_earl.models.gpt import machine_facts, transformer_impl_problems
+from megatron_earl.models.impl import machine_facts, transformer_impl_problems
 from megatron_earl.parallel.layout import LayoutError, nearest_layout, phase_layout
 from megatron_earl.tokenizer.demo import DemoTokenizer
 from megatron_earl.training.advantages import build_estimator

@@ -158,7 +158,8 @@ def _initial_state(cfg: EngineBenchConfig, prompt: torch.Tensor):
     """One process (TP1): the seeded Megatron weights as a full state dict and the logits
     comparison with their HF conversion. World of one; no collective."""
     from megatron_earl import runtime
-    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import full_state_dict
@@ -179,7 +180,8 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
     builds the HF model and drives the measurement (``rollout/bench_driver.py``)."""
     import torch.distributed as dist
 
-    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import load_full_state_dict

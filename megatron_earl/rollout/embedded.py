@@ -53,7 +53,7 @@ from torch import nn
 from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import MemoryTag, TransformerImpl
-from megatron_earl.models.gpt import machine_transformer_impl
+from megatron_earl.models.impl import machine_transformer_impl
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.rollout.batched_forward import Batch, BatchedForward
 from megatron_earl.rollout.engine import (
@@ -228,7 +228,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
                 "explicit attention mask, which Megatron's TE attention drops), but "
                 f"model.transformer_impl={model_config.transformer_impl!r} builds Transformer "
                 "Engine layers here; set it to local, or pin auto with "
-                "models.gpt.pin_transformer_impl(model, embedded_engine=True) before build_model"
+                "models.impl.pin_transformer_impl(model, embedded_engine=True) before build_model"
             )
         self.model_chunks = list(model_chunks)
         self.model = self.model_chunks[0]

@@ -536,7 +536,8 @@ def build_engine(
     the engine: a world of one at TP1, with ``--tp-size N`` every rank of the world of N
     (``serve_tp``: the model is built whole, then in tp=N from its full state)."""
     from megatron_earl import runtime
-    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
 

@@ -106,9 +106,9 @@ class PhaseWorkload:
     ) -> PhaseWorkload:
         """The workload of the most loaded DP replica when a batch of sequence ``lengths`` is
         spread over ``dp`` replicas the way the dispatcher does (``dispatch.balance``) and packed
-        into micro-batches the way the train step / log-prob pass does
-        (``training.microbatch.plan_micro_batches``: per-rank ``token_budget`` after the CP
-        split, balanced token counts). A sequence above the budget is never split: it gets a
+        into micro-batches the way the train step / log-prob pass does (the planner of
+        ``training.microbatch.plan_micro_batches``: per-rank ``token_budget`` after the CP split,
+        balanced token counts). A sequence above the budget is never split: it gets a
         micro-batch of its own (the loop's dispatcher refuses it; the planner still sizes it)."""
         if not lengths:
             raise ValueError("lengths is empty: a phase needs at least one sequence")
@@ -128,9 +128,8 @@ def _packing(lengths: tuple[int, ...], token_budget: int, dp: int, cp: int) -> t
     """(micro-batches, tokens of the largest before the CP split) of the most loaded replica
     (``PhaseWorkload.for_lengths``); memoised: the selector re-evaluates the same batches."""
     from megatron_earl.dispatch.balance import assign_samples
-    from megatron_earl.dispatch.plan import PlanConfig
+    from megatron_earl.dispatch.plan import PlanConfig, balance_micro_batches
     from megatron_earl.parallel.cp import cp_padded_length
-    from megatron_earl.training.microbatch import plan_micro_batches
 
     table = {i: int(n) for i, n in enumerate(lengths)}
     if dp > 1 and len(table) >= dp:
@@ -142,7 +141,9 @@ def _packing(lengths: tuple[int, ...], token_budget: int, dp: int, cp: int) -> t
         mine = list(table.values())
     padded = [cp_padded_length(n, cp) for n in mine]
     budget = max(token_budget, max(padded) // cp)
-    bins = plan_micro_batches(mine, budget, cp)
+    # the train step's packing (training.microbatch.plan_micro_batches); the budget fits every
+    # sequence, so its over-budget check has nothing to refuse
+    bins = balance_micro_batches(range(len(mine)), dict(enumerate(mine)), cp, budget)
     loads = [sum(padded[i] for i in b) for b in bins]
     return len(bins), max(max(loads), max(lengths))
 

@@ -37,7 +37,7 @@ def _run_on_host(layout, model, weights, batches):
 
 def _auto_impl():
     from megatron_earl.config.model import ModelConfig
-    from megatron_earl.models.gpt import machine_transformer_impl, pin_transformer_impl
+    from megatron_earl.models.impl import machine_transformer_impl, pin_transformer_impl
 
     auto = ModelConfig()
     return (

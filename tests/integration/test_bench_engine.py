@@ -72,7 +72,8 @@ def test_bench_engine_end_to_end():
 def _wrong_conversion_diff() -> tuple[float, float]:
     """Logits diff when layer 0's fused QKV rows are read as a plain [Q; K; V] concatenation."""
     from megatron_earl import runtime
-    from megatron_earl.models.gpt import build_model, pin_transformer_impl
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import full_state_dict

@@ -172,3 +172,32 @@ def test_launch_scripts_pre_flight_makes_the_engine_checks(capsys):
     assert "the embedded engine generates with tp and dp only" in capsys.readouterr().err
     assert pre_flight(demo) == 0
     assert "config ok" in capsys.readouterr().out
+
+
+def test_every_kind_has_a_module_and_checks():
+    from megatron_earl.config.vocab import EngineKind
+    from megatron_earl.orchestration.engines.base import BACKEND_MODULES
+    from megatron_earl.orchestration.engines.checks import CHECKS
+
+    assert set(BACKEND_MODULES) == set(CHECKS) == set(EngineKind)
+
+
+def test_the_pre_flight_imports_no_megatron_or_engine_runtime():
+    """``megatron-earl train`` checks the config in its launcher before torchrun: that must not
+    pay Megatron-Core's import (~3.5 s here) or the engines' HTTP stacks."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_earl.cli.train import checked_config\n"
+        f"for engine in ({DEMO!r}, 'rollout.engine=sglang'):\n"
+        f"    extra = [] if engine == {DEMO!r} else [engine, {URLS!r}]\n"
+        f"    checked_config(['--config', {DEMO!r}, *extra], 2)\n"
+        "heavy = ('megatron.core', 'aiohttp', 'transformers')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

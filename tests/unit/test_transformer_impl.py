@@ -1,8 +1,8 @@
-"""Which layer implementation a model is built with (``models.gpt.resolve_transformer_impl``), the
+"""Which layer implementation a model is built with (``models.impl.resolve_transformer_impl``), the
 start-up errors for Transformer Engine and TE-only options on a machine without TE or CUDA, and the
 extras of setup.py (none installs PyPI's unrelated ``apex``). Transformer Engine is not installable
 here: the machine's facts are arguments of the pure functions, or faked through the probe
-(``compat.optional`` via ``models.gpt.has_transformer_engine``) and ``runtime.policy``."""
+(``compat.optional`` via ``models.impl.has_transformer_engine``) and ``runtime.policy``."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.config.model import ModelConfig, ModelConfigError
 from megatron_earl.config.run import ConfigError
 from megatron_earl.config.vocab import TransformerImpl
-from megatron_earl.models import gpt
-from megatron_earl.models.gpt import (
+from megatron_earl.models import gpt, impl
+from megatron_earl.models.impl import (
     machine_transformer_impl,
     pin_transformer_impl,
     resolve_transformer_impl,
@@ -105,7 +105,7 @@ def test_transformer_impl_is_a_vocabulary_member():
 
 def _fake_machine(monkeypatch, *, te: bool, cuda: bool) -> None:
     """The probe and the device policy as on a machine with/without TE and CUDA."""
-    monkeypatch.setattr(gpt, "has_transformer_engine", lambda: te)
+    monkeypatch.setattr(impl, "has_transformer_engine", lambda: te)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     policy = runtime.DevicePolicy(device, "nccl" if cuda else "gloo")
     monkeypatch.setattr(runtime, "policy", lambda: policy)

@@ -11,8 +11,9 @@ methods whatever the kind (``docs/engines.md``):
     backend.close()                               # end of the run
 
 A new kind is one module with a ``RolloutBackend`` subclass decorated with
-``@register_rollout_backend`` (imported by ``orchestration.engines``) and the engine name added to
-``rollout.engine``'s valid names.
+``@register_rollout_backend``, its path in ``BACKEND_MODULES`` (imported the first time the kind
+is asked for, so the start-up checks never load an engine's runtime code), its start-up checks in
+``engines.checks`` and the engine name added to ``rollout.engine``'s valid names.
 
 Which ranks call: every method except the class methods is called by every rank of the world
 with the same arguments (SPMD).
@@ -20,11 +21,13 @@ with the same arguments (SPMD).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from megatron_earl.config.run import ConfigError, RunConfig
+from megatron_earl.config.vocab import EngineKind
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.rollout.agent.loop import AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
@@ -61,12 +64,6 @@ class RolloutBackend(ABC):
         """Counters of this rank's last rollout, summed over ranks into ``rollout/<name>``
         metrics (the same keys on every rank); none by default."""
         return {}
-
-    @classmethod
-    def problems(cls, config: RunConfig) -> list[str]:
-        """Why ``config`` cannot run with this kind (empty when it can). Pure; run at start-up
-        before any process group (``cli.train.checked_config``)."""
-        return []
 
     @classmethod
     def policy_layouts(cls, layouts: dict[str, ParallelLayout]) -> dict[str, ParallelLayout]:
@@ -106,6 +103,12 @@ class RolloutBackend(ABC):
         """Release what the backend holds outside this process (end of the run). Every rank."""
 
 
+BACKEND_MODULES: dict[str, str] = {
+    EngineKind.EMBEDDED: "megatron_earl.orchestration.engines.embedded",
+    EngineKind.SGLANG: "megatron_earl.orchestration.engines.sglang",
+}
+"""The module of each engine kind, by ``rollout.engine`` name; importing it registers the kind."""
+
 _REGISTRY: dict[str, type[RolloutBackend]] = {}
 
 
@@ -118,25 +121,16 @@ def register_rollout_backend(cls: type[RolloutBackend]) -> type[RolloutBackend]:
 
 
 def available_rollout_backends() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(BACKEND_MODULES))
 
 
 def rollout_backend_class(name: str) -> type[RolloutBackend]:
-    """The backend registered as ``name`` (``rollout.engine``); ``ConfigError`` naming the
-    registered ones otherwise."""
-    if name not in _REGISTRY:
+    """The backend registered as ``name`` (``rollout.engine``; its module is imported on first
+    use); ``ConfigError`` naming the valid ones otherwise."""
+    if name not in BACKEND_MODULES:
         raise ConfigError(
             f"rollout.engine {name!r} is not a registered rollout engine; valid: "
             f"{available_rollout_backends()}"
         )
+    importlib.import_module(BACKEND_MODULES[name])
     return _REGISTRY[name]
-
-
-def rollout_backend_problems(config: RunConfig) -> list[str]:
-    """Why ``config`` cannot start with its engine kind (``RolloutBackend.problems``); an
-    unknown kind is one problem naming the registered ones. Pure."""
-    try:
-        kind = rollout_backend_class(config.rollout.engine)
-    except ConfigError as err:
-        return [str(err)]
-    return kind.problems(config)

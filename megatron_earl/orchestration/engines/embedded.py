@@ -59,11 +59,6 @@ def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineCo
     )
 
 
-def _selects_rollout(config: RunConfig) -> bool:
-    """Whether the selector chooses the rollout layout per step (else it is pinned)."""
-    return config.selector.enabled and Phase.ROLLOUT in config.selector.phases
-
-
 @register_rollout_backend
 class EmbeddedBackend(RolloutBackend):
     """Embedded engines over the policy's copies in the rollout layouts (module docstring)."""
@@ -74,26 +69,6 @@ class EmbeddedBackend(RolloutBackend):
         super().__init__(config, policy, tokenizer)
         self.engines: dict[ParallelLayout, EmbeddedEngine] = {}
         self.switch(phase_layout(config.layouts, Phase.ROLLOUT))
-
-    @classmethod
-    def problems(cls, config: RunConfig) -> list[str]:
-        rollout = phase_layout(config.layouts, Phase.ROLLOUT)
-        problems = []
-        if rollout.pp > 1 or rollout.cp > 1:
-            problems.append(
-                f"layouts.rollout '{rollout}': the embedded engine generates with tp and dp only "
-                f"(pp={rollout.pp}, cp={rollout.cp}); use e.g. "
-                f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
-            )
-        compiled = config.rollout.embedded.compile_decode
-        if compiled and rollout.tp > 1 and not _selects_rollout(config):
-            problems.append(
-                f"rollout.embedded.compile_decode needs a tp1 rollout layout (the compiled step "
-                f"holds no TP collectives), got layouts.rollout '{rollout}'; use "
-                f"'tp1cp1pp1dp{rollout.world_size}', let the selector choose the rollout layout, "
-                "or set compile_decode: false"
-            )
-        return problems
 
     def switch(self, layout: ParallelLayout) -> None:
         """Activate ``layout``; build the policy's copy there and its engine if needed."""

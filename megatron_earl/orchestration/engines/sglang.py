@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase, WeightUpdate
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.orchestration.engines.base import (
@@ -129,23 +128,6 @@ class SGLangBackend(RolloutBackend):
                 f"SGLang engines not reachable at start-up (GET /health): {down}; check "
                 "rollout.engine_urls / rollout.sglang.router_url and that the servers are up"
             )
-
-    @classmethod
-    def problems(cls, config: RunConfig) -> list[str]:
-        problems = []
-        if config.selector.enabled and Phase.ROLLOUT in config.selector.phases:
-            problems.append(
-                f"selector.phases {list(config.selector.phases)} selects the rollout layout, "
-                f"which needs rollout.engine=embedded (got {config.rollout.engine!r}); select "
-                "'experience' only with SGLang engines"
-            )
-        if not config.rollout.engine_urls:
-            problems.append(
-                "rollout.engine=sglang needs rollout.engine_urls (the SGLang servers to drive, "
-                "e.g. from scripts/slurm_disaggregated.sbatch); the trainer does not start "
-                "colocated SGLang servers itself"
-            )
-        return problems
 
     @classmethod
     def policy_layouts(cls, layouts: dict[str, ParallelLayout]) -> dict[str, ParallelLayout]:
