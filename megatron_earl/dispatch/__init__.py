@@ -8,17 +8,14 @@ naive reference). Communicating: ``execute`` (forward), ``reverse`` (results bac
 
 from megatron_earl.dispatch.batch import Batch, BatchError, FieldSpec, Schema
 from megatron_earl.dispatch.plan import (
-    Destination,
-    DispatchError,
     DispatchPlan,
-    PlanConfig,
-    SourceMeta,
     cp_chunk_bounds,
     cp_padded_length,
     plan_dispatch,
     plan_return,
 )
-from megatron_earl.dispatch.route import RouteConfig
+from megatron_earl.dispatch.route import DispatchError, RouteConfig
+from megatron_earl.dispatch.spec import Destination, PlanConfig, SourceMeta
 
 __all__ = [
     "Batch",

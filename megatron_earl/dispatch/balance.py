@@ -21,7 +21,7 @@ import numpy as np
 from megatron_earl.dispatch.route import DispatchError
 
 if TYPE_CHECKING:
-    from megatron_earl.dispatch.plan import PlanConfig
+    from megatron_earl.dispatch.spec import PlanConfig
 
 REFINE_TOLERANCE = 1e-4
 """Local search stops once the heaviest DP rank is within this fraction of the mean cost."""

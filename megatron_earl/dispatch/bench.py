@@ -52,9 +52,10 @@ import time
 from megatron_earl.config.vocab import Fanout
 from megatron_earl.dispatch.centralized import centralized_stages
 from megatron_earl.dispatch.netmodel import NetworkModel
-from megatron_earl.dispatch.plan import Destination, PlanConfig, SourceMeta, plan_dispatch
+from megatron_earl.dispatch.plan import plan_dispatch
 from megatron_earl.dispatch.reference import agentic_lengths, agentic_schema, make_batches
 from megatron_earl.dispatch.route import RouteConfig
+from megatron_earl.dispatch.spec import Destination, PlanConfig, SourceMeta
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 

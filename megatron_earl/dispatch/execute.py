@@ -33,16 +33,9 @@ import torch.distributed as dist
 from megatron_earl.dispatch.balance import BalanceMemo
 from megatron_earl.dispatch.batch import Batch, FieldSpec, Schema
 from megatron_earl.dispatch.centralized import centralized_stages
-from megatron_earl.dispatch.plan import (
-    Destination,
-    DispatchError,
-    DispatchPlan,
-    PlanConfig,
-    SourceMeta,
-    cp_chunk_bounds,
-    plan_dispatch,
-)
-from megatron_earl.dispatch.route import Piece, Transfer
+from megatron_earl.dispatch.plan import DispatchPlan, cp_chunk_bounds, plan_dispatch
+from megatron_earl.dispatch.route import DispatchError, Piece, Transfer
+from megatron_earl.dispatch.spec import Destination, PlanConfig, SourceMeta
 from megatron_earl.parallel.groups import host_group, prepare_p2p
 
 TRANSPORTS = ("p2p", "all_to_all")

@@ -15,7 +15,7 @@ import numpy as np
 from megatron_earl.dispatch.route import DispatchError
 
 if TYPE_CHECKING:
-    from megatron_earl.dispatch.plan import SourceMeta
+    from megatron_earl.dispatch.spec import SourceMeta
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ def _packing(lengths: tuple[int, ...], token_budget: int, dp: int, cp: int) -> t
     """(micro-batches, tokens of the largest before the CP split) of the most loaded replica
     (``PhaseWorkload.for_lengths``); memoised: the selector re-evaluates the same batches."""
     from megatron_earl.dispatch.balance import assign_samples
-    from megatron_earl.dispatch.plan import PlanConfig, balance_micro_batches
+    from megatron_earl.dispatch.plan import balance_micro_batches
+    from megatron_earl.dispatch.spec import PlanConfig
     from megatron_earl.parallel.cp import cp_padded_length
 
     table = {i: int(n) for i, n in enumerate(lengths)}

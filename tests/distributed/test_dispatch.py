@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 from megatron_earl.dispatch.batch import Batch, FieldSpec, tensors_equal
 from megatron_earl.dispatch.execute import execute, plan_for
-from megatron_earl.dispatch.plan import Destination, DispatchError, PlanConfig
 from megatron_earl.dispatch.reference import (
     agentic_lengths,
     agentic_schema,
@@ -17,7 +16,8 @@ from megatron_earl.dispatch.reference import (
     make_batches,
 )
 from megatron_earl.dispatch.reverse import return_results
-from megatron_earl.dispatch.route import RouteConfig
+from megatron_earl.dispatch.route import DispatchError, RouteConfig
+from megatron_earl.dispatch.spec import Destination, PlanConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
 

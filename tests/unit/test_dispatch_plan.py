@@ -15,10 +15,6 @@ from megatron_earl.dispatch.batch import Batch, BatchError, FieldSpec, tensors_e
 from megatron_earl.dispatch.centralized import centralized_stages
 from megatron_earl.dispatch.execute import _Store, assemble, simulate
 from megatron_earl.dispatch.plan import (
-    Destination,
-    DispatchError,
-    PlanConfig,
-    SourceMeta,
     assign_samples,
     cp_chunk_bounds,
     cp_padded_length,
@@ -26,8 +22,8 @@ from megatron_earl.dispatch.plan import (
     plan_dispatch,
     plan_micro_batches,
     plan_return,
-    stage_count,
 )
+from megatron_earl.dispatch.rank_view import stage_count
 from megatron_earl.dispatch.reference import (
     agentic_lengths,
     agentic_schema,
@@ -35,7 +31,8 @@ from megatron_earl.dispatch.reference import (
     make_batches,
 )
 from megatron_earl.dispatch.reverse import _store_local
-from megatron_earl.dispatch.route import Piece, RouteConfig
+from megatron_earl.dispatch.route import DispatchError, Piece, RouteConfig
+from megatron_earl.dispatch.spec import Destination, PlanConfig, SourceMeta
 from megatron_earl.parallel.layout import ParallelLayout
 
 # ---------------------------------------------------------------------- CP chunks

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.dispatch.balance import assign_samples
-from megatron_earl.dispatch.plan import PlanConfig
+from megatron_earl.dispatch.spec import PlanConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.calibrate import CalibrationPoint, errors, fit
 from megatron_earl.selector.memory import MemoryModel, MemorySettings, PhaseWorkload
