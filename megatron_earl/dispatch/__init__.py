@@ -1,7 +1,8 @@
 """Data dispatcher: layout-aware, decentralized redistribution of RL batches (docs/dispatch.md).
 
-Pure: ``batch`` (packed variable-length batch), ``plan`` (CP chunks, micro-batches, needs per
-rank), ``balance`` (DP assignment), ``route`` (sources, TP fan-out, transfer stages),
+Pure: ``batch`` (packed variable-length batch), ``spec`` (the planner's inputs), ``plan`` (CP
+chunks, micro-batches, needs per rank), ``rank_view`` (one rank's view of a plan), ``table``
+(the sample table), ``balance`` (DP assignment), ``route`` (sources, TP fan-out, transfer stages),
 ``centralized`` (baseline stages), ``netmodel`` (cluster projection), ``reference`` (test data and
 naive reference). Communicating: ``execute`` (forward), ``reverse`` (results back), ``bench``.
 """

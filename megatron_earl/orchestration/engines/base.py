@@ -13,7 +13,8 @@ methods whatever the kind (``docs/engines.md``):
 A new kind is one module with a ``RolloutBackend`` subclass decorated with
 ``@register_rollout_backend``, its path in ``BACKEND_MODULES`` (imported the first time the kind
 is asked for, so the start-up checks never load an engine's runtime code), its start-up checks in
-``engines.checks`` and the engine name added to ``rollout.engine``'s valid names.
+``engines.checks`` and a member of ``config.vocab.EngineKind`` (``rollout.engine``'s valid names;
+``tests/unit/test_rollout_backends.py`` requires the three to name the same kinds).
 
 Which ranks call: every method except the class methods is called by every rank of the world
 with the same arguments (SPMD).

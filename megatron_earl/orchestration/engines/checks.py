@@ -1,6 +1,7 @@
 """Each rollout engine kind's start-up checks: why a config cannot run with it, before any process
-group (``cli.train.check_run``, also the launcher's pre-flight). Pure; imports none of the
-engines' runtime code (Megatron, HTTP clients), so a bad config fails in about a second.
+group (``cli.train.check_run``: ``megatron-earl train`` before torchrun, every rank, and the launch
+scripts' ``cli.check``). Pure; imports none of the engines' runtime code (Megatron-Core, the HTTP
+clients), so the launcher's pre-flight does not pay for it.
 
     problems = rollout_backend_problems(config)       # [] when config.rollout.engine can run it
 """
@@ -66,12 +67,6 @@ CHECKS: dict[str, Callable[[RunConfig], list[str]]] = {
 
 
 def rollout_backend_problems(config: RunConfig) -> list[str]:
-    """Why ``config`` cannot start with its engine kind; an unknown kind is one problem naming
-    the valid ones. Pure."""
-    check = CHECKS.get(config.rollout.engine)
-    if check is None:
-        return [
-            f"rollout.engine {config.rollout.engine!r} is not a registered rollout engine; "
-            f"valid: {tuple(sorted(CHECKS))}"
-        ]
-    return check(config)
+    """Why ``config`` cannot start with its engine kind (``rollout.engine`` is an ``EngineKind``:
+    the config refuses other names). Pure."""
+    return CHECKS[config.rollout.engine](config)
