@@ -79,6 +79,9 @@ class EngineBenchConfig:
     compile_decode: bool = False
     """Our engine's ``EmbeddedEngineConfig.compile_decode`` (``torch.compile`` of the decode
     step; its compilation happens in the untimed warm-up and is reported as ``ours_warmup_s``)."""
+    decode_threads: int = 1
+    """Our engine's ``EmbeddedEngineConfig.decode_threads``: torch threads of its decode steps (0:
+    the prefill's, i.e. every core, as HF gets)."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -92,6 +95,10 @@ class EngineBenchConfig:
         }
         if small:
             raise ValueError(f"these values must be >= 1: {small}")
+        if self.decode_threads < 0:
+            raise ValueError(
+                f"decode_threads must be >= 0 (0: the prefill's threads), got {self.decode_threads}"
+            )
 
 
 @dataclass(frozen=True)
@@ -200,6 +207,7 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
         max_prefills_per_step=biggest,
         seed=cfg.seed,
         compile_decode=cfg.compile_decode,
+        decode_threads=cfg.decode_threads,
     )
     engine = EmbeddedEngine(chunks, model, engine_config)
     hf = bench_hf.hf_model(full, model) if dist.get_rank() == 0 else None
@@ -308,6 +316,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="torch.compile our engine's decode step (compiled in the warm-up, time reported)",
     )
+    p.add_argument(
+        "--decode-threads",
+        type=int,
+        default=1,
+        help="torch threads of our engine's decode steps (0: every core, as HF gets; default 1)",
+    )
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
     return p.parse_args(argv)
 
@@ -330,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         group_size=args.group_size,
         compile_decode=args.compile_decode,
+        decode_threads=args.decode_threads,
     )
     result = measure(cfg)
     print(json.dumps(dataclasses.asdict(result)) if args.json else format_report(result))

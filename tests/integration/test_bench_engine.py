@@ -41,7 +41,15 @@ def test_demo_model_is_the_demo_config():
 
 
 @pytest.mark.parametrize(
-    "bad", [{"new_tokens": 1}, {"batches": ()}, {"batches": (0, 2)}, {"repeats": 0}, {"tp": 0}]
+    "bad",
+    [
+        {"new_tokens": 1},
+        {"batches": ()},
+        {"batches": (0, 2)},
+        {"repeats": 0},
+        {"tp": 0},
+        {"decode_threads": -1},
+    ],
 )
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="must be"):
@@ -63,6 +71,7 @@ def test_bench_engine_end_to_end():
     assert a.first_logprob_max_diff <= LOGPROB_TOL
     assert a.greedy_tokens_compared == 2 * 4 and 0 <= a.greedy_tokens_agree <= 8
     assert result.settings["ours_processes"] == 1 and result.settings["hf_processes"] == 1
+    assert result.settings["ours_decode_threads"] == 1  # the default: one decode thread
     report = format_report(result)
     assert "greedy tokens agreeing" in report
     assert sum(line.lstrip().startswith("2 ") for line in report.splitlines()) == 2
