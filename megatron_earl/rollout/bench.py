@@ -80,8 +80,8 @@ class EngineBenchConfig:
     """Our engine's ``EmbeddedEngineConfig.compile_decode`` (``torch.compile`` of the decode
     step; its compilation happens in the untimed warm-up and is reported as ``ours_warmup_s``)."""
     decode_threads: int = 1
-    """Our engine's ``EmbeddedEngineConfig.decode_threads``: torch threads of its decode steps (0:
-    the prefill's, i.e. every core, as HF gets)."""
+    """Our engine's ``EmbeddedEngineConfig.decode_threads`` (the engine's default here): torch
+    threads of its decode steps (0: the prefill's, i.e. every core, as HF gets)."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -95,10 +95,9 @@ class EngineBenchConfig:
         }
         if small:
             raise ValueError(f"these values must be >= 1: {small}")
-        if self.decode_threads < 0:
-            raise ValueError(
-                f"decode_threads must be >= 0 (0: the prefill's threads), got {self.decode_threads}"
-            )
+        from megatron_earl.rollout.embedded import EmbeddedEngineConfig
+
+        EmbeddedEngineConfig(decode_threads=self.decode_threads)  # the engine's own check, up front
 
 
 @dataclass(frozen=True)
@@ -319,7 +318,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--decode-threads",
         type=int,
-        default=1,
+        default=EngineBenchConfig.decode_threads,
         help="torch threads of our engine's decode steps (0: every core, as HF gets; default 1)",
     )
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
@@ -334,18 +333,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"--batches must be comma-separated integers, got {args.batches!r}"
         ) from None
-    cfg = EngineBenchConfig(
-        model=demo_model(args.config, args.overrides),
-        batches=batches,
-        prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens,
-        repeats=args.repeats,
-        tp=args.tp,
-        seed=args.seed,
-        group_size=args.group_size,
-        compile_decode=args.compile_decode,
-        decode_threads=args.decode_threads,
-    )
+    model = demo_model(args.config, args.overrides)
+    try:
+        cfg = EngineBenchConfig(
+            model=model,
+            batches=batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            tp=args.tp,
+            seed=args.seed,
+            group_size=args.group_size,
+            compile_decode=args.compile_decode,
+            decode_threads=args.decode_threads,
+        )
+    except ValueError as err:  # a bad flag value: its message, no traceback
+        raise SystemExit(f"bench engine: {err}") from None
     result = measure(cfg)
     print(json.dumps(dataclasses.asdict(result)) if args.json else format_report(result))
     return 0

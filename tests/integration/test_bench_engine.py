@@ -106,3 +106,11 @@ def _wrong_conversion_diff() -> tuple[float, float]:
 def test_logits_check_detects_a_wrong_conversion():
     right, bad = run_distributed(_wrong_conversion_diff, 1, timeout_s=300)[0]
     assert right <= LOGITS_TOL < bad
+
+
+@pytest.mark.parametrize("flags", [["--decode-threads", "-1"], ["--repeats", "0"]])
+def test_a_bad_flag_ends_with_its_message(flags):
+    from megatron_earl.rollout.bench import main
+
+    with pytest.raises(SystemExit, match=r"^bench engine: .*(decode_threads|repeats)"):
+        main(flags)
