@@ -375,6 +375,11 @@ class TrainConfig(OptimConfig):
     train pass's own log-probs before the update (``RunConfig.old_logprobs_pass``), else the
     loss takes those (ratio exactly 1) and the step saves a forward pass; "always": every
     step."""
+    prefix_sharing: bool = True
+    """Pack the prompt a group's samples share once per micro-batch in the train and log-prob
+    passes (``training.prefix_tree``: the same results as packing every sample whole, fewer
+    tokens computed). Applies where the phase's layout has cp = 1 and the model runs the local
+    spec's SDPA attention; elsewhere every sample is packed whole."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -137,6 +137,9 @@ class SDPAttention(MegatronModule):
     def _forward_packed(
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
+        tree = getattr(params, "prefix_tree", None)
+        if tree is not None:
+            return self._forward_tree(query, key, value, tree)
         bounds = packed_bounds(params, type(self).__name__)
         segments = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
         out = torch.zeros_like(query)
@@ -161,6 +164,38 @@ class SDPAttention(MegatronModule):
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
             out[tokens] = self._attend(q, k, v, None).transpose(1, 2)[seq, local]
         return out.reshape(query.size(0), -1)
+
+    def _forward_tree(self, query: Tensor, key: Tensor, value: Tensor, tree) -> Tensor:
+        """A prefix-tree row (``models.tree_attention``): each batch of rows is gathered into
+        [R, h, W, d] queries and [R, g, K, d] keys/values, attended under its mask in one call;
+        large rows one by one."""
+        out = torch.zeros_like(query)
+        for batch in tree.batches:
+            q = query[batch.queries].transpose(1, 2)
+            k, v = (x[batch.keys].transpose(1, 2) for x in (key, value))
+            attended = self._attend(q, k, v, batch.mask).transpose(1, 2)
+            out[batch.tokens] = attended.flatten(0, 1)[batch.picks]
+        for row in tree.large:
+            self._attend_row(query, key, value, row, out)
+        return out.reshape(query.size(0), -1)
+
+    def _attend_row(self, query: Tensor, key: Tensor, value: Tensor, row, out: Tensor) -> None:
+        """One large tree row: its queries over ``[prefix keys; own keys]``, bottom-right causal,
+        in chunks whose [rows, keys] mask stays within ``MASK_ELEMENTS``."""
+        (p0, p1), (a, b) = row.prefix, row.own
+        q = query[a:b].transpose(0, 1).unsqueeze(0)
+        k, v = (torch.cat([x[p0:p1], x[a:b]]).transpose(0, 1).unsqueeze(0) for x in (key, value))
+        f, n = p1 - p0, b - a
+        step = n if f == 0 else max(1, MASK_ELEMENTS // (f + n))  # f = 0: SDPA's own causal
+        parts = []
+        for j in range(0, n, step):
+            keys = slice(0, f + j + step)
+            parts.append(self._attend(q[:, :, j : j + step], k[:, :, keys], v[:, :, keys], None))
+        out[a:b] = torch.cat(parts, dim=2).squeeze(0).transpose(0, 1)
+
+
+MASK_ELEMENTS = 1 << 22
+"""Most [queries, keys] mask elements of one tree-row attention call (16 MiB as fp32)."""
 
 
 def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:

@@ -15,19 +15,50 @@ import copy
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import GPTModel as MegatronGPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig, ModelConfigError, build_transformer_config
 from megatron_earl.config.vocab import TransformerImpl
+from megatron_earl.models.attention import SDPAttention
 from megatron_earl.models.impl import (
     machine_facts,
     resolve_transformer_impl,
     transformer_impl_problems,
 )
 from megatron_earl.models.norms import HeadRMSNorm, HiddenRMSNorm
+from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.patches import cpu_redirect
+
+
+class GPTModel(MegatronGPTModel):
+    """Megatron-Core's GPTModel, with RoPE at per-token positions for a prefix-tree micro-batch.
+
+    A tree row (``training.prefix_tree``) is one ``thd`` sequence whose tokens sit at positions
+    of their own samples (a branch continues its prefix). ``_preprocess`` builds Megatron's
+    rotary table as usual and, when ``packed_seq_params.token_positions`` is given, hands the
+    attention one row per token instead; Megatron's thd RoPE maps a table of one row per packed
+    token to the tokens one to one (``rope_utils._apply_rotary_pos_emb_thd``, "exact mapping",
+    megatron-core 0.16). Every other input runs Megatron's code unchanged."""
+
+    def _preprocess(self, *args, **kwargs):
+        out = super()._preprocess(*args, **kwargs)
+        positions = getattr(kwargs.get("packed_seq_params"), "token_positions", None)
+        if positions is None or out[1] is None:
+            return out
+        return (out[0], out[1][positions], *out[2:])
+
+
+def tree_ready(chunks) -> bool:
+    """Whether built model ``chunks`` run prefix-tree micro-batches: this module's GPTModel with
+    the local spec's SDPAttention at cp = 1 in every layer (not TE's attention, not the CP
+    variant, which read only ``cu_seqlens``)."""
+    models = [unwrap_chunk(c) for c in chunks]
+    cores = [m for g in models for m in g.modules() if hasattr(m, "core_attention")]
+    return all(isinstance(g, GPTModel) for g in models) and all(
+        type(m.core_attention) is SDPAttention for m in cores
+    )
 
 
 def layer_spec(model: ModelConfig, cp: int = 1) -> ModuleSpec:

@@ -50,6 +50,7 @@ from megatron_earl.config.vocab import Activity, EngineKind, Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
+from megatron_earl.models.gpt import tree_ready
 from megatron_earl.models.impl import pin_transformer_impl
 from megatron_earl.orchestration.async_rollout import (
     AsyncProducer,
@@ -259,14 +260,18 @@ class RLLoop:
         if self.old_logprobs:
             self.policy.sync(layout)
         fields = ("tokens", "labels", "loss_mask")
+        used = [self.policy.chunks(layout)] if self.old_logprobs else []
+        if self.reference is not None:
+            used.append(self.reference.chunks)
+        share = self._share_prefix(layout, used)
         plan = plan_for(
             batch,
             every_stage(layout, Phase.EXPERIENCE, fields),
-            consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch),
+            consumer_plan(layout, self.config.batch.max_tokens_per_micro_batch, 1, share),
             cache=self.plan_cache,
         )
         local = execute(plan, batch)
-        inputs = model_inputs(local.micro_batches, fields, layout.cp, self._sp(layout))
+        inputs = model_inputs(local.micro_batches, fields, layout.cp, self._sp(layout), share)
         names = []
         if self.old_logprobs:
             out = micro_batch_logprobs(
@@ -308,10 +313,11 @@ class RLLoop:
         budget = self.config.batch.max_tokens_per_micro_batch
         n = self.config.batch.num_mini_batches
         fields = tuple(sorted(batch.token_fields))
+        share = self._share_prefix(layout, [self.policy.ddp_chunks])
         plan = plan_for(
             batch,
             every_stage(layout, Phase.TRAIN, fields),
-            consumer_plan(layout, budget, n),
+            consumer_plan(layout, budget, n, share),
             cache=self.plan_cache,
         )
         local = execute(plan, batch)
@@ -327,7 +333,7 @@ class RLLoop:
         for i in range(progress.done, n):
             if update:  # the schedule's rate at this RL optimizer step (SFT steps not counted)
                 set_lr_step(self._lr_scheduler(), self.policy.version - self.config.sft.steps)
-            whole = model_inputs(local.mini_batch(i), fields, layout.cp, self._sp(layout))
+            whole = model_inputs(local.mini_batch(i), fields, layout.cp, self._sp(layout), share)
             progress.metrics = train_micro_batches(
                 self.policy.ddp_chunks, optimizer, whole, step_config
             )
@@ -335,6 +341,15 @@ class RLLoop:
                 self.policy.version += 1
             progress.done = i + 1
         return progress.metrics
+
+    def _share_prefix(self, layout: ParallelLayout, chunk_lists) -> bool:
+        """Whether a phase in ``layout`` running the models ``chunk_lists`` packs prefix trees:
+        ``train.prefix_sharing``, cp = 1 and attention that reads trees (``gpt.tree_ready``)."""
+        return (
+            self.config.train.prefix_sharing
+            and layout.cp == 1
+            and all(tree_ready(chunks) for chunks in chunk_lists)
+        )
 
     def _sp(self, layout: ParallelLayout) -> int:
         """Ranks that split a packed micro-batch's sequence in ``layout`` (tp under sequence

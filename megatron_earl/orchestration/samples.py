@@ -35,6 +35,7 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.training.advantages import AdvantageEstimator, AdvantageInputs
 from megatron_earl.training.microbatch import next_token_sample, thd_micro_batch
+from megatron_earl.training.prefix_tree import tree_micro_batch
 
 TOKEN_FIELDS = {
     "tokens": torch.int64,
@@ -117,22 +118,39 @@ def trajectories_to_batch(
     )
 
 
-def consumer_plan(layout: ParallelLayout, budget: int, num_mini_batches: int = 1) -> PlanConfig:
+def consumer_plan(
+    layout: ParallelLayout, budget: int, num_mini_batches: int = 1, keep_groups: bool = False
+) -> PlanConfig:
     """The dispatch plan config whose micro-batches the consumer in ``layout`` runs as they are:
-    ``budget`` tokens per rank after its own CP split, grouped into ``num_mini_batches``."""
+    ``budget`` tokens per rank after its own CP split, grouped into ``num_mini_batches``; with
+    ``keep_groups`` a group's samples go to one DP rank (where prefix-shared packing computes
+    their prompt once)."""
     return PlanConfig(
         max_tokens_per_micro_batch=budget,
         num_mini_batches=num_mini_batches,
         consumer_cp=layout.cp,
+        keep_groups=keep_groups,
     )
 
 
 def model_inputs(
-    micro_batches: Sequence[MicroBatch], fields: Sequence[str], cp: int, sp: int = 1
+    micro_batches: Sequence[MicroBatch],
+    fields: Sequence[str],
+    cp: int,
+    sp: int = 1,
+    share_prefix: bool = False,
 ) -> list[dict[str, object]]:
     """The model's packed (thd, not CP-split) form of dispatched micro-batches (whole samples):
     their per-token ``fields``, padded for ``cp`` and sequence parallelism over ``sp`` ranks
-    (views of the received tensors when nothing is padded), labelled by sample id."""
+    (views of the received tensors when nothing is padded), labelled by sample id. With
+    ``share_prefix`` (cp = 1) each micro-batch is a prefix tree (``training.prefix_tree``)."""
+    if share_prefix and cp != 1:
+        raise ValueError(f"prefix-shared packing needs cp = 1, got cp = {cp}")
+    if share_prefix:
+        return [
+            tree_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, mb.sample_ids, sp)
+            for mb in micro_batches
+        ]
     return [
         thd_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, cp, mb.sample_ids, sp)
         for mb in micro_batches

@@ -225,11 +225,24 @@ def build_micro_batches(
     return [pack_micro_batch(samples, mb, cp, sp) for mb in plan]
 
 
+def sample_tokens(micro_batch: Mapping[str, object]) -> int:
+    """The tokens of a packed micro-batch's samples, padding excluded (a tree row's counted as
+    if packed whole)."""
+    params = micro_batch["packed_seq_params"]
+    assert isinstance(params, PackedSeqParams)
+    if getattr(params, "unshared_index", None) is not None:
+        return sum(params.sample_lengths)
+    return int(params.cu_seqlens_q[-1])
+
+
 def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torch.Tensor:
     """The real tokens ``[sum(lengths)]`` (CP padding dropped, packed order) of a per-token
     result ``[1, t]`` of the whole micro-batch: the per-token field form of a dispatched batch."""
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
+    unshared = getattr(params, "unshared_index", None)
+    if unshared is not None:  # a tree row (training.prefix_tree)
+        return values.reshape(-1)[unshared]
     if torch.equal(params.cu_seqlens_q, params.cu_seqlens_q_padded):
         return values.reshape(-1)
     return torch.cat(unpack_per_sample(values, micro_batch))
@@ -242,6 +255,8 @@ def unpack_per_sample(
     result ``[1, t]`` of the whole micro-batch (merge CP ranks' results first: ``merge_cp``)."""
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
+    if getattr(params, "unshared_index", None) is not None:  # a tree row: gathered per sample
+        return list(torch.split(real_tokens(values, micro_batch), list(params.sample_lengths)))
     starts = params.cu_seqlens_q_padded.tolist()
     lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
     row = values.reshape(-1)

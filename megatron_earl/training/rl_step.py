@@ -72,6 +72,7 @@ from megatron_earl.training.microbatch import (
     check_samples,
     merge_cp,
     real_tokens,
+    sample_tokens,
     split_micro_batch,
     unpack_per_sample,
 )
@@ -384,7 +385,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
         )
         counts[1] += len(per_sample)
         counts[2] += float((per_sample == 0).sum())
-        counts[4] += float(mb["packed_seq_params"].cu_seqlens_q[-1])
+        counts[4] += sample_tokens(mb)
     counts[3] = num_bad
     dp_group = parallel_state.get_data_parallel_group()
     num_mb_max = torch.tensor([float(len(whole))], device="cpu")

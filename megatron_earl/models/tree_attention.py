@@ -1,0 +1,145 @@
+"""The attention plan of a prefix-tree row (``training.prefix_tree``), made once per micro-batch.
+
+A tree row is a list of attention **rows**: each has its own tokens (a span of the packed row)
+and a prefix span it continues (empty for a plain sample or a shared prefix itself). A row's
+queries are its own tokens; its keys are the prefix's tokens then its own, causal aligned
+bottom-right: own token j sees the prefix and own tokens 0..j.
+
+The plan gathers rows into padded batches, one SDPA call each (``SDPAttention`` runs them): row
+r of a batch reads queries ``query[queries[r]]`` [W] and keys ``key[keys[r]]`` [K] with
+``mask[r]`` [W, K] (True = attend); a shared prefix's keys are gathered into every row that
+continues it, so their gradients sum over those rows. Rows with a prefix and rows without are
+batched apart (the latter need no mask: SDPA's causal one is theirs); rows are grouped by key
+length with at most ``max_waste`` padding (``attention.padding_groups``) and a batch holds at
+most ``attention.MASK_ELEMENTS`` [query, key] pairs; a row with more is ``large`` and runs
+alone, its queries in chunks (``SDPAttention._attend_row``), so long contexts never build a big
+mask.
+
+Every index is built here on the host from Python ints and moved to the compute device once per
+micro-batch (boundary "packing metadata", docs/devices.md); the layers only gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_earl import runtime
+from megatron_earl.models import attention
+
+Span = tuple[int, int]
+"""``[start, end)`` of tokens in a packed row."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One attention row: ``own`` tokens attend ``prefix`` then themselves causally."""
+
+    prefix: Span
+    own: Span
+
+    @property
+    def num_keys(self) -> int:
+        return (self.prefix[1] - self.prefix[0]) + (self.own[1] - self.own[0])
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Rows attended in one padded SDPA call (R rows, W queries, K keys each)."""
+
+    queries: torch.Tensor
+    """[R, W] int64: packed index of each row's queries (padding repeats a real index)."""
+    keys: torch.Tensor
+    """[R, K] int64: packed index of each row's keys (prefix, then own; padding as above)."""
+    mask: torch.Tensor | None
+    """[R, 1, W, K] bool: True where the query attends the key; None when no row has a prefix
+    (then W = K and SDPA's own causal masking is the mask: padding only follows real tokens)."""
+    picks: torch.Tensor
+    """[n] int64: flat ``r * W + j`` of every real query."""
+    tokens: torch.Tensor
+    """[n] int64: its packed index (where the output goes)."""
+
+    def to_device(self) -> AttentionBatch:
+        mask = None if self.mask is None else runtime.to_device(self.mask)
+        return AttentionBatch(
+            runtime.to_device(self.queries),
+            runtime.to_device(self.keys),
+            mask,
+            runtime.to_device(self.picks),
+            runtime.to_device(self.tokens),
+        )
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """The attention plan of a tree row."""
+
+    batches: tuple[AttentionBatch, ...]
+    large: tuple[Row, ...]
+    """Rows too large for a batch: attended one by one, queries chunked."""
+
+    def to_device(self) -> TreeAttention:
+        return TreeAttention(tuple(b.to_device() for b in self.batches), self.large)
+
+
+def _batch(rows: list[Row]) -> AttentionBatch:
+    width = max(r.own[1] - r.own[0] for r in rows)
+    num_keys = max(r.num_keys for r in rows)
+    queries = torch.empty(len(rows), width, dtype=torch.long)
+    keys = torch.empty(len(rows), num_keys, dtype=torch.long)
+    limit = torch.empty(len(rows), width, dtype=torch.long)
+    picks, tokens = [], []
+    for i, r in enumerate(rows):
+        own = torch.arange(*r.own)
+        f, n = r.prefix[1] - r.prefix[0], own.numel()
+        queries[i] = own[torch.arange(width).clamp(max=n - 1)]
+        row_keys = torch.cat([torch.arange(*r.prefix), own])
+        keys[i] = row_keys[torch.arange(num_keys).clamp(max=f + n - 1)]
+        limit[i] = f + torch.arange(width)
+        picks.append(i * width + torch.arange(n))
+        tokens.append(own)
+    mask = None
+    if any(r.prefix[1] > r.prefix[0] for r in rows):
+        mask = (torch.arange(num_keys)[None, None, :] <= limit[:, :, None]).unsqueeze(1)
+    return AttentionBatch(queries, keys, mask, torch.cat(picks), torch.cat(tokens))
+
+
+def plan_tree_attention(rows: list[Row]) -> TreeAttention:
+    """Batches of ``rows`` (module doc): grouped by key length, each batch's mask within
+    ``attention.MASK_ELEMENTS``; a row whose own mask exceeds it is ``large``."""
+    max_elements = attention.MASK_ELEMENTS
+    rows = [r for r in rows if r.own[1] > r.own[0]]
+    batches: list[AttentionBatch] = []
+    large: list[Row] = []
+    plain = [r for r in rows if r.prefix[1] == r.prefix[0]]
+    branches = [r for r in rows if r.prefix[1] > r.prefix[0]]
+    for kind in (plain, branches):  # a batch of plain rows needs no mask
+        for group in attention.padding_groups([r.num_keys for r in kind]):
+            _fill(kind, group, max_elements, batches, large)
+    return TreeAttention(tuple(batches), tuple(large))
+
+
+def _fill(
+    rows: list[Row],
+    group: list[int],
+    max_elements: int,
+    batches: list[AttentionBatch],
+    large: list[Row],
+) -> None:
+    """Batches of ``rows[i] for i in group`` within ``max_elements`` each (rows alone over it go
+    to ``large``)."""
+    chosen: list[Row] = []
+    for r in (rows[i] for i in group):
+        if (r.own[1] - r.own[0]) * r.num_keys > max_elements:
+            large.append(r)
+            continue
+        candidate = [*chosen, r]
+        width = max(c.own[1] - c.own[0] for c in candidate)
+        keys = max(c.num_keys for c in candidate)
+        if chosen and len(candidate) * width * keys > max_elements:
+            batches.append(_batch(chosen))
+            candidate = [r]
+        chosen = candidate
+    if chosen:
+        batches.append(_batch(chosen))

@@ -1,0 +1,233 @@
+"""Prefix-shared (tree) micro-batches (``training.prefix_tree``) give the unshared packing's
+results: the forward-only log-probs of every sample token, and two RL train steps' metrics and
+updated parameters (fp32, tolerance 1e-5), on one process with each RoPE kind, and at tp 2 with
+sequence parallelism (the row padded for it); the tree row really is shorter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.testing.distributed import run_distributed
+from tests.distributed.test_rl_step import MODEL, TOL, _config, _setup
+
+PROMPTS = ((5, 9, 2, 17, 33), (7, 1, 60, 4), (8, 8))
+"""Groups: 3 samples of prompt 0, 2 of prompt 1, 1 of prompt 2, then one with nothing to train."""
+
+
+def _samples(seed: int = 5):
+    from megatron_earl.training.microbatch import next_token_sample
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for prompt, answer_lengths in zip(PROMPTS, ((6, 3, 9), (5, 1), (4,)), strict=True):
+        for n in answer_lengths:
+            answer = torch.randint(0, MODEL.vocab_size, (n,), generator=gen)
+            tokens = torch.cat([torch.tensor(prompt), answer])
+            generated = torch.arange(tokens.numel()) >= len(prompt)
+            out.append(_with_fields(next_token_sample(tokens, generated), gen))
+    tokens = torch.tensor(PROMPTS[0] + (3, 3))  # same prompt, nothing generated: packed whole
+    out.append(_with_fields(next_token_sample(tokens, torch.zeros(7, dtype=torch.bool)), gen))
+    return out
+
+
+def _with_fields(sample, gen):
+    n = sample["tokens"].numel()
+    for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        sample[name] = -4.6 + 0.3 * torch.randn(n, generator=gen)
+    sample["advantages"] = torch.randn(1, generator=gen).expand(n).clone()
+    return sample
+
+
+def _run(layout: ParallelLayout, weights, model, tree: bool, mask_elements: int | None = None):
+    from megatron_earl.models import attention
+    from megatron_earl.models.gpt import tree_ready
+    from megatron_earl.redistribute.geometry import full_state_dict, shard_pieces
+    from megatron_earl.training.microbatch import thd_micro_batch
+    from megatron_earl.training.prefix_tree import tree_micro_batch
+    from megatron_earl.training.rl_step import micro_batch_logprobs, train_micro_batches
+
+    if mask_elements is not None:  # rows over it attend alone, their queries in chunks
+        attention.MASK_ELEMENTS = mask_elements
+    chunks, ddp, optimizer, weights = _setup(layout, weights, model)
+    samples = _samples()
+    fields = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
+    lengths = [s["tokens"].numel() for s in samples]
+    sp = layout.tp if model.sequence_parallel else 1
+    pack = tree_micro_batch if tree else thd_micro_batch
+    whole = [pack(fields, lengths, sp=sp)]
+    logprobs = micro_batch_logprobs(chunks, whole)
+    config = _config()
+    metrics = [train_micro_batches(ddp, optimizer, whole, config) for _ in range(2)]
+    return {
+        "weights": weights,
+        "ready": tree_ready(chunks),
+        "row": whole[0]["tokens"].numel(),
+        "logprobs": logprobs,
+        "metrics": metrics,
+        "params": [(p.key, p.region, p.local.detach().clone()) for p in shard_pieces(chunks)],
+        "final": full_state_dict(chunks) if layout.world_size == 1 else None,
+    }
+
+
+def _assert_same(got, want):
+    for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+    for a, b in zip(got["metrics"], want["metrics"], strict=True):
+        for key in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "num_tokens"):
+            assert a[key] == pytest.approx(b[key], abs=TOL), key
+        assert a["num_samples"] == b["num_samples"]
+    for (key, region, a), (_, _, b) in zip(got["params"], want["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL, msg=f"{key} {region}")
+
+
+ROPES = {
+    "rope": MODEL,
+    "llama3": dataclasses.replace(
+        MODEL, rope_type="llama3", rope_scaling_factor=8.0, rope_original_max_position_embeddings=64
+    ),
+    "yarn": dataclasses.replace(
+        MODEL, rope_type="yarn", rope_scaling_factor=4.0, rope_original_max_position_embeddings=64
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "rope, mask_elements", [("rope", None), ("llama3", None), ("yarn", None), ("rope", 30)]
+)
+def test_tree_equals_unshared_packing(rope, mask_elements):
+    model = ROPES[rope]
+    (plain,) = run_distributed(_run, 1, args=(ParallelLayout(), None, model, False), timeout_s=180)
+    args = (ParallelLayout(), plain["weights"], model, True, mask_elements)
+    (tree,) = run_distributed(_run, 1, args=args, timeout_s=180)
+    assert tree["ready"]
+    # prompt 0 once for 3 samples (4 shared tokens, twice saved), prompt 1 once for 2 (3 saved)
+    assert tree["row"] == plain["row"] - 2 * 4 - 3
+    _assert_same(tree, plain)
+
+
+def test_tree_under_sequence_parallelism_equals_unshared_packing():
+    model = dataclasses.replace(MODEL, sequence_parallel=True)
+    layout = ParallelLayout(tp=2)
+    plain = run_distributed(_run, 2, args=(layout, None, model, False), timeout_s=180)
+    tree = run_distributed(_run, 2, args=(layout, None, model, True), timeout_s=180)
+    for got, want in zip(tree, plain, strict=True):
+        assert got["ready"] and got["row"] % 2 == 0
+        _assert_same(got, want)
+
+
+LOOP_OVERRIDES = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.vocab_size=320",
+    "model.make_vocab_size_divisible_by=64",
+    "layouts.rollout=tp1cp1pp1dp2",
+    "layouts.experience=tp1cp1pp1dp2",
+    "layouts.train=tp1cp1pp1dp2",
+    "batch.prompts_per_step=2",
+    "batch.samples_per_prompt=3",
+    "batch.max_tokens_per_micro_batch=96",
+    # Adam's first step is lr * g / (|g| + eps): on entries with |g| near eps a rounding-level
+    # gradient difference moves the weight by up to lr / eps times it, so lr stays small
+    "train.lr=1e-3",
+    "train.loss.kl_coef=0.1",
+    "train.old_logprobs=always",
+]
+
+
+def _loop_batch(rank: int):
+    """Two groups of 3 samples (each group's prompt shared), spread over both ranks."""
+    from megatron_earl.dispatch import Batch
+    from megatron_earl.training.microbatch import next_token_sample
+
+    gen = torch.Generator().manual_seed(9)
+    samples, groups = [], []
+    for group, prompt_length in enumerate((7, 4)):
+        prompt = torch.randint(0, 320, (prompt_length,), generator=gen)
+        for answer in (5, 9, 2):
+            tokens = torch.cat([prompt, torch.randint(0, 320, (answer,), generator=gen)])
+            n = tokens.numel()
+            s = next_token_sample(
+                tokens,
+                torch.arange(n) >= prompt_length,
+                rollout_logprobs=-5.8 + 0.3 * torch.randn(n, generator=gen),
+            )
+            s["advantages"] = torch.randn(1, generator=gen).expand(n) * s["loss_mask"]
+            samples.append(s)
+            groups.append(group)
+    mine = list(range(rank, len(samples), 2))
+    names = ("tokens", "labels", "loss_mask", "rollout_logprobs", "advantages")
+    return Batch(
+        [100 * rank + i for i in mine],
+        [samples[i]["tokens"].numel() for i in mine],
+        {k: torch.cat([samples[i][k] for i in mine]) for k in names},
+        {
+            "reward": torch.zeros(len(mine)),
+            "policy_version": torch.zeros(len(mine), dtype=torch.int64),
+        },
+        group_ids=[groups[i] for i in mine],
+    )
+
+
+def _loop_step(share: bool):
+    """One experience (old and reference log-probs) and train step of the RL loop at dp 2."""
+    import torch.distributed as dist
+
+    from megatron_earl.config import load_config
+    from megatron_earl.orchestration.loop import RLLoop
+    from megatron_earl.redistribute.geometry import shard_pieces
+    from megatron_earl.tokenizer import build_tokenizer
+    from megatron_earl.orchestration import samples
+
+    config = load_config(overrides=[*LOOP_OVERRIDES, f"train.prefix_sharing={str(share).lower()}"])
+    loop = RLLoop(config, build_tokenizer(config.tokenizer))
+    rows = []
+    pack = samples.tree_micro_batch
+
+    def counted(fields, lengths, *args):
+        out = pack(fields, lengths, *args)
+        rows.append((sum(lengths), out["tokens"].numel()))
+        return out
+
+    samples.tree_micro_batch = counted
+    try:
+        after = loop.experience(_loop_batch(dist.get_rank()))
+        metrics = dict(loop.train(after))
+    finally:
+        samples.tree_micro_batch = pack
+    return {
+        "rows": rows,
+        "old": after.token_fields["old_logprobs"].clone(),
+        "ref": after.token_fields["ref_logprobs"].clone(),
+        "metrics": metrics,
+        "weights": {p.key: p.local.detach().clone() for p in shard_pieces(loop.policy.ddp_chunks)},
+    }
+
+
+def _loop_both():
+    return {share: _loop_step(share) for share in (False, True)}
+
+
+def test_rl_loop_with_prefix_sharing_equals_without():
+    """The loop keeps each group on one DP rank and packs it as a tree in the experience and
+    train phases; old and reference log-probs, train metrics and weights equal the unshared
+    run's (1e-5)."""
+    for res in run_distributed(_loop_both, 2, timeout_s=300):
+        off, on = res[False], res[True]
+        assert off["rows"] == []
+        # experience and train: one group of 3 per rank, its prompt (6 or 3 tokens) saved twice
+        assert len(on["rows"]) == 2
+        assert all(whole - row in (12, 6) for whole, row in on["rows"])
+        for key in ("old", "ref"):
+            torch.testing.assert_close(on[key], off[key], rtol=0, atol=TOL)
+        for key in ("loss", "pg_loss", "kl_loss", "grad_norm", "num_tokens", "logprob_mismatch"):
+            assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=TOL, abs=TOL), key
+        assert off["metrics"]["grad_norm"] > 0
+        for key, value in off["weights"].items():
+            torch.testing.assert_close(on["weights"][key], value, rtol=0, atol=TOL, msg=key)
