@@ -378,8 +378,9 @@ class TrainConfig(OptimConfig):
     prefix_sharing: bool = True
     """Pack the prompt a group's samples share once per micro-batch in the train and log-prob
     passes (``training.prefix_tree``: the same results as packing every sample whole, fewer
-    tokens computed). Applies where the phase's layout has cp = 1 and the model runs the local
-    spec's SDPA attention; elsewhere every sample is packed whole."""
+    tokens computed). Applies where the phase's layout has cp = 1, the model has no dropout and
+    runs the local spec's SDPA attention; elsewhere every sample is packed whole. The dispatcher
+    then keeps a group's samples on one DP rank when there are 2 groups per rank or more."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,7 +2,8 @@
 
 Greedy largest-first (LPT) on a per-sample cost, then local search: move one unit, or swap two,
 between the heaviest and the lightest rank while that lowers the maximum. A unit is a sample, or a
-whole group (the samples of one prompt) with ``keep_groups``. On long-tailed agentic lengths this
+whole group (the samples of one prompt) with ``keep_groups`` (or ``prefer_groups`` when there
+are at least ``PREFER_GROUPS_PER_RANK`` groups per DP rank). On long-tailed agentic lengths this
 keeps max/mean tokens per DP rank within a few percent (tests/unit/test_dispatch_plan.py).
 
 ``balance`` works on numpy arrays of the samples (what the planner holds), ``assign_samples`` on
@@ -33,6 +34,11 @@ ROUNDS_MIN_DP = 16
 ``dp`` heap steps)."""
 
 
+PREFER_GROUPS_PER_RANK = 2
+"""``prefer_groups`` balances by groups only with at least this many groups per DP rank (with
+fewer, whole groups leave the balance little freedom; it balances samples)."""
+
+
 def assign_samples(
     lengths: dict[int, int], groups: dict[int, int], dp: int, config: PlanConfig
 ) -> list[list[int]]:
@@ -41,7 +47,7 @@ def assign_samples(
     lens = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
     grps = (
         np.fromiter((groups[s] for s in lengths), dtype=np.int64, count=len(lengths))
-        if config.keep_groups
+        if config.keep_groups or config.prefer_groups
         else ids
     )
     order = np.argsort(ids, kind="stable")
@@ -65,18 +71,21 @@ def balance(
     units one by one, the rest in rounds of ``dp`` when ``dp >= ROUNDS_MIN_DP``), then moves/swaps
     between the heaviest and the lightest rank while that lowers the maximum (``_refine``)."""
     sample_cost = config.cost(lengths.astype(np.float64))
-    if config.keep_groups:  # a unit is a group; its cost sums its samples' in id order
+    by_group = config.keep_groups or (
+        config.prefer_groups and np.unique(groups).size >= PREFER_GROUPS_PER_RANK * dp
+    )
+    if by_group:  # a unit is a group; its cost sums its samples' in id order
         unit_ids, unit_of = np.unique(groups, return_inverse=True)
         costs = np.bincount(unit_of, weights=sample_cost, minlength=len(unit_ids))
     else:  # every sample is a unit
         unit_ids, unit_of, costs = ids, None, sample_cost
-    what = "groups" if config.keep_groups else "samples"
+    what = "groups" if by_group else "samples"
     if len(unit_ids) < dp:
         raise DispatchError(
             f"{len(unit_ids)} {what} cannot fill dp={dp} ranks (every DP rank needs at least "
             f"one); dispatch at least {dp} {what} or use a layout with dp <= {len(unit_ids)}"
         )
-    by_cost = _descending(costs, None if config.keep_groups else lengths)
+    by_cost = _descending(costs, None if by_group else lengths)
     ordered = costs[by_cost]
     owner = np.empty(len(ordered), dtype=np.int64)  # DP rank per unit, in by_cost order
     head = len(ordered) if dp < ROUNDS_MIN_DP else min(len(ordered), LPT_UNITS_PER_RANK * dp)
@@ -112,9 +121,9 @@ class BalanceMemo:
     """Balances (``balance``'s DP rank of every sample) by their exact inputs, so the plans of
     one batch to destinations of the same dp (e.g. the experience and train phases of a step, to
     different layouts or fields) balance it once. The key is the samples' ids and lengths (and
-    groups with ``keep_groups``) as bytes, dp and the cost settings: a balance is never reused
-    for inputs that differ in any of them. Least recently used balances are dropped beyond
-    ``size``."""
+    groups with ``keep_groups`` or ``prefer_groups``) as bytes, dp and the cost settings: a
+    balance is never reused for inputs that differ in any of them. Least recently used balances
+    are dropped beyond ``size``."""
 
     def __init__(self, size: int = 8) -> None:
         if size < 1:
@@ -134,10 +143,11 @@ class BalanceMemo:
         key = (
             ids.tobytes(),
             lengths.tobytes(),
-            groups.tobytes() if config.keep_groups else b"",
+            groups.tobytes() if config.keep_groups or config.prefer_groups else b"",
             dp,
             config.attention_weight,
             config.keep_groups,
+            config.prefer_groups,
         )
         if key in self.owners:
             self.hits += 1

@@ -92,6 +92,10 @@ class PlanConfig:
     > 0 also balances quadratic attention work of long sequences."""
     keep_groups: bool = False
     """Keep all samples of a group on the same DP rank (e.g. group-normalised losses)."""
+    prefer_groups: bool = False
+    """Keep a group's samples on one DP rank when there are at least 2 groups per DP rank
+    (``balance.PREFER_GROUPS_PER_RANK``), else balance samples (prefix-shared packing: sharing
+    a group's prompt is a gain, not a requirement)."""
     route: RouteConfig = field(default_factory=RouteConfig)
     """Source choice and TP fan-out (see ``route.RouteConfig``)."""
     num_mini_batches: int = 1

@@ -10,7 +10,10 @@ Shapes (Megatron's conventions; legend: s = sequence, b = batch, t = packed toke
 np = query heads per TP rank, ng = query groups per TP rank, hn = head dim):
 - sbhd: query [s, b, np, hn], key/value [s, b, ng, hn] -> [s, b, np * hn]
 - thd (packed, ``packed_seq_params.qkv_format == "thd"``): query [t, np, hn] -> [t, np * hn];
-  sequence boundaries from ``cu_seqlens_q`` (padded variants preferred when given).
+  sequence boundaries from ``cu_seqlens_q`` (padded variants preferred when given); a
+  prefix-tree row (``tree_attention.TreePackedSeqParams``, ``training.prefix_tree``) instead
+  follows its precomputed plan: batches of rows gathered and attended under their masks, each
+  branch over its shared prefix then itself.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
+
+from megatron_earl.models import tree_attention
+from megatron_earl.models.tree_attention import TreeAttention, padding_groups
 
 
 def packed_bounds(params: PackedSeqParams, who: str) -> list[int]:
@@ -82,10 +88,11 @@ class SDPAttention(MegatronModule):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""
-        rep = q.size(1) // k.size(1)
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        k, v = _repeat_kv(q, k, v)
+        return self._attend_repeated(q, k, v, mask)
+
+    def _attend_repeated(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """``_attend`` with k/v already at np heads."""
         dropout_p = self._dropout_p()
         if dropout_p > 0:
             from megatron.core import tensor_parallel
@@ -137,9 +144,8 @@ class SDPAttention(MegatronModule):
     def _forward_packed(
         self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams
     ) -> Tensor:
-        tree = getattr(params, "prefix_tree", None)
-        if tree is not None:
-            return self._forward_tree(query, key, value, tree)
+        if tree_attention.is_tree(params):
+            return self._forward_tree(query, key, value, params.prefix_tree)
         bounds = packed_bounds(params, type(self).__name__)
         segments = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
         out = torch.zeros_like(query)
@@ -165,7 +171,9 @@ class SDPAttention(MegatronModule):
             out[tokens] = self._attend(q, k, v, None).transpose(1, 2)[seq, local]
         return out.reshape(query.size(0), -1)
 
-    def _forward_tree(self, query: Tensor, key: Tensor, value: Tensor, tree) -> Tensor:
+    def _forward_tree(
+        self, query: Tensor, key: Tensor, value: Tensor, tree: TreeAttention
+    ) -> Tensor:
         """A prefix-tree row (``models.tree_attention``): each batch of rows is gathered into
         [R, h, W, d] queries and [R, g, K, d] keys/values, attended under its mask in one call;
         large rows one by one."""
@@ -179,39 +187,30 @@ class SDPAttention(MegatronModule):
             self._attend_row(query, key, value, row, out)
         return out.reshape(query.size(0), -1)
 
-    def _attend_row(self, query: Tensor, key: Tensor, value: Tensor, row, out: Tensor) -> None:
+    def _attend_row(
+        self, query: Tensor, key: Tensor, value: Tensor, row: tree_attention.Row, out: Tensor
+    ) -> None:
         """One large tree row: its queries over ``[prefix keys; own keys]``, bottom-right causal,
-        in chunks whose [rows, keys] mask stays within ``MASK_ELEMENTS``."""
+        in chunks whose [rows, keys] mask stays within ``tree_attention.MASK_ELEMENTS``; the keys
+        and values are repeated to the query heads once (chunks slice views of them)."""
         (p0, p1), (a, b) = row.prefix, row.own
         q = query[a:b].transpose(0, 1).unsqueeze(0)
         k, v = (torch.cat([x[p0:p1], x[a:b]]).transpose(0, 1).unsqueeze(0) for x in (key, value))
+        k, v = _repeat_kv(q, k, v)
         f, n = p1 - p0, b - a
-        step = n if f == 0 else max(1, MASK_ELEMENTS // (f + n))  # f = 0: SDPA's own causal
+        step = n if f == 0 else max(1, tree_attention.MASK_ELEMENTS // (f + n))  # f = 0: causal
         parts = []
         for j in range(0, n, step):
             keys = slice(0, f + j + step)
-            parts.append(self._attend(q[:, :, j : j + step], k[:, :, keys], v[:, :, keys], None))
+            rows = q[:, :, j : j + step]
+            parts.append(self._attend_repeated(rows, k[:, :, keys], v[:, :, keys], None))
         out[a:b] = torch.cat(parts, dim=2).squeeze(0).transpose(0, 1)
 
 
-MASK_ELEMENTS = 1 << 22
-"""Most [queries, keys] mask elements of one tree-row attention call (16 MiB as fp32)."""
-
-
-def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
-    """Indices of ``lengths`` grouped for padded batched attention: longest first, a sequence
-    joins the current group while the group's padded tokens stay within ``1 + max_waste`` of its
-    real tokens (a long-tail sequence is attended alone; equal lengths are one group)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        if groups:
-            width = lengths[groups[-1][0]]
-            if width * (len(groups[-1]) + 1) <= (1 + max_waste) * (real + lengths[i]):
-                groups[-1].append(i)
-                real += lengths[i]
-                continue
-        groups.append([i])
-        real = lengths[i]
-    return groups
+def _repeat_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k/v [b, ng, sk, hn] repeated to q's np heads (GQA)."""
+    rep = q.size(1) // k.size(1)
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return k, v

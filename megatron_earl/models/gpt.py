@@ -12,11 +12,13 @@ Call after ``megatron.core.parallel_state`` describes the layout (``megatron_ear
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel as MegatronGPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig, ModelConfigError, build_transformer_config
@@ -28,6 +30,7 @@ from megatron_earl.models.impl import (
     transformer_impl_problems,
 )
 from megatron_earl.models.norms import HeadRMSNorm, HiddenRMSNorm
+from megatron_earl.models.tree_attention import is_tree
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.patches import cpu_redirect
 
@@ -44,13 +47,13 @@ class GPTModel(MegatronGPTModel):
 
     def _preprocess(self, *args, **kwargs):
         out = super()._preprocess(*args, **kwargs)
-        positions = getattr(kwargs.get("packed_seq_params"), "token_positions", None)
-        if positions is None or out[1] is None:
+        params = kwargs.get("packed_seq_params")
+        if not is_tree(params) or out[1] is None:
             return out
-        return (out[0], out[1][positions], *out[2:])
+        return (out[0], out[1][params.token_positions], *out[2:])
 
 
-def tree_ready(chunks) -> bool:
+def tree_ready(chunks: Sequence[nn.Module]) -> bool:
     """Whether built model ``chunks`` run prefix-tree micro-batches: this module's GPTModel with
     the local spec's SDPAttention at cp = 1 in every layer (not TE's attention, not the CP
     variant, which read only ``cu_seqlens``)."""

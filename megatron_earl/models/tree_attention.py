@@ -10,13 +10,17 @@ r of a batch reads queries ``query[queries[r]]`` [W] and keys ``key[keys[r]]`` [
 ``mask[r]`` [W, K] (True = attend); a shared prefix's keys are gathered into every row that
 continues it, so their gradients sum over those rows. Rows with a prefix and rows without are
 batched apart (the latter need no mask: SDPA's causal one is theirs); rows are grouped by key
-length with at most ``max_waste`` padding (``attention.padding_groups``) and a batch holds at
-most ``attention.MASK_ELEMENTS`` [query, key] pairs; a row with more is ``large`` and runs
+length with at most ``max_waste`` padding (``padding_groups``) and a batch holds at most
+``MASK_ELEMENTS`` [query, key] pairs; a row with more is ``large`` and runs
 alone, its queries in chunks (``SDPAttention._attend_row``), so long contexts never build a big
 mask.
 
 Every index is built here on the host from Python ints and moved to the compute device once per
 micro-batch (boundary "packing metadata", docs/devices.md); the layers only gather.
+
+A tree row reaches the model as ``TreePackedSeqParams`` (``is_tree``): Megatron's
+``PackedSeqParams`` with one ``thd`` sequence of the whole row (what Megatron's RoPE reads), plus
+this plan, the tokens' positions and the way back to the samples.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_earl import runtime
-from megatron_earl.models import attention
+
+MASK_ELEMENTS = 1 << 22
+"""Most [query, key] pairs of one tree attention call (a mask of 16 MiB as fp32)."""
 
 Span = tuple[int, int]
 """``[start, end)`` of tokens in a packed row."""
@@ -107,15 +114,15 @@ def _batch(rows: list[Row]) -> AttentionBatch:
 
 def plan_tree_attention(rows: list[Row]) -> TreeAttention:
     """Batches of ``rows`` (module doc): grouped by key length, each batch's mask within
-    ``attention.MASK_ELEMENTS``; a row whose own mask exceeds it is ``large``."""
-    max_elements = attention.MASK_ELEMENTS
+    ``MASK_ELEMENTS``; a row whose own mask exceeds it is ``large``."""
+    max_elements = MASK_ELEMENTS
     rows = [r for r in rows if r.own[1] > r.own[0]]
     batches: list[AttentionBatch] = []
     large: list[Row] = []
     plain = [r for r in rows if r.prefix[1] == r.prefix[0]]
     branches = [r for r in rows if r.prefix[1] > r.prefix[0]]
     for kind in (plain, branches):  # a batch of plain rows needs no mask
-        for group in attention.padding_groups([r.num_keys for r in kind]):
+        for group in padding_groups([r.num_keys for r in kind]):
             _fill(kind, group, max_elements, batches, large)
     return TreeAttention(tuple(batches), tuple(large))
 
@@ -143,3 +150,43 @@ def _fill(
         chosen = candidate
     if chosen:
         batches.append(_batch(chosen))
+
+
+@dataclass(kw_only=True)
+class TreePackedSeqParams(PackedSeqParams):
+    """Megatron's ``PackedSeqParams`` of a tree row (``cu_seqlens`` ``[0, t]``: one ``thd``
+    sequence for RoPE) with what the tree adds; built by ``training.prefix_tree``."""
+
+    prefix_tree: TreeAttention
+    """Which tokens attend which (``attention.SDPAttention`` reads it)."""
+    token_positions: torch.Tensor
+    """[t] int64: every token's position in its sample (``gpt.GPTModel`` reads it)."""
+    unshared_index: torch.Tensor
+    """[sum(sample_lengths)] int64: each sample token's row position, in unshared packed order
+    (``training.microbatch.real_tokens`` reads results through it)."""
+    sample_lengths: tuple[int, ...]
+    """The samples' lengths, in micro-batch order."""
+
+
+def is_tree(params: PackedSeqParams | None) -> bool:
+    """Whether ``params`` describe a prefix-tree row."""
+    return isinstance(params, TreePackedSeqParams)
+
+
+def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for padded batched attention: longest first, a sequence
+    joins the current group while the group's padded tokens stay within ``1 + max_waste`` of its
+    real tokens (a long-tail sequence is attended alone; equal lengths are one group)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups:
+            width = lengths[groups[-1][0]]
+            if width * (len(groups[-1]) + 1) <= (1 + max_waste) * (real + lengths[i]):
+                groups[-1].append(i)
+                real += lengths[i]
+                continue
+        groups.append([i])
+        real = lengths[i]
+    return groups

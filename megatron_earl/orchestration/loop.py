@@ -50,7 +50,6 @@ from megatron_earl.config.vocab import Activity, EngineKind, Phase
 from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
-from megatron_earl.models.gpt import tree_ready
 from megatron_earl.models.impl import pin_transformer_impl
 from megatron_earl.orchestration.async_rollout import (
     AsyncProducer,
@@ -67,6 +66,7 @@ from megatron_earl.orchestration.samples import (
     model_inputs,
     replica_layout,
     schema_batch,
+    shares_prefixes,
     trajectories_to_batch,
     with_token_field,
 )
@@ -263,7 +263,7 @@ class RLLoop:
         used = [self.policy.chunks(layout)] if self.old_logprobs else []
         if self.reference is not None:
             used.append(self.reference.chunks)
-        share = self._share_prefix(layout, used)
+        share = shares_prefixes(self.config, layout, used)
         plan = plan_for(
             batch,
             every_stage(layout, Phase.EXPERIENCE, fields),
@@ -313,7 +313,7 @@ class RLLoop:
         budget = self.config.batch.max_tokens_per_micro_batch
         n = self.config.batch.num_mini_batches
         fields = tuple(sorted(batch.token_fields))
-        share = self._share_prefix(layout, [self.policy.ddp_chunks])
+        share = shares_prefixes(self.config, layout, [self.policy.ddp_chunks])
         plan = plan_for(
             batch,
             every_stage(layout, Phase.TRAIN, fields),
@@ -341,15 +341,6 @@ class RLLoop:
                 self.policy.version += 1
             progress.done = i + 1
         return progress.metrics
-
-    def _share_prefix(self, layout: ParallelLayout, chunk_lists) -> bool:
-        """Whether a phase in ``layout`` running the models ``chunk_lists`` packs prefix trees:
-        ``train.prefix_sharing``, cp = 1 and attention that reads trees (``gpt.tree_ready``)."""
-        return (
-            self.config.train.prefix_sharing
-            and layout.cp == 1
-            and all(tree_ready(chunks) for chunks in chunk_lists)
-        )
 
     def _sp(self, layout: ParallelLayout) -> int:
         """Ranks that split a packed micro-batch's sequence in ``layout`` (tp under sequence

@@ -16,7 +16,8 @@ Per-sample fields: ``reward`` (float32), ``policy_version`` (int64: the oldest t
 Consuming layouts: the dispatcher sends whole samples to every rank of a DP replica (the
 destination it is given folds CP into the TP axis, see ``replica_layout``), already planned into
 the micro-batches (and mini-batches) the consumer runs (``consumer_plan``); ``model_inputs``
-turns each dispatched micro-batch into the model's packed form (views when cp = 1), and the train
+turns each dispatched micro-batch into the model's packed form (views when cp = 1 and nothing is
+shared; a prefix tree, gathered, under ``train.prefix_sharing``: ``shares_prefixes``), and the train
 step and the log-prob pass split for context parallelism themselves. Results go back as per-token
 fields of the same micro-batches (the dispatcher's reverse path). Nothing is unpacked into
 per-sample lists and packed again on the way.
@@ -27,10 +28,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from megatron_earl import runtime
+from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Batch, PlanConfig
 from megatron_earl.dispatch.execute import MicroBatch
+from megatron_earl.models.gpt import tree_ready
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.training.advantages import AdvantageEstimator, AdvantageInputs
@@ -119,17 +123,33 @@ def trajectories_to_batch(
 
 
 def consumer_plan(
-    layout: ParallelLayout, budget: int, num_mini_batches: int = 1, keep_groups: bool = False
+    layout: ParallelLayout, budget: int, num_mini_batches: int = 1, prefer_groups: bool = False
 ) -> PlanConfig:
     """The dispatch plan config whose micro-batches the consumer in ``layout`` runs as they are:
     ``budget`` tokens per rank after its own CP split, grouped into ``num_mini_batches``; with
-    ``keep_groups`` a group's samples go to one DP rank (where prefix-shared packing computes
-    their prompt once)."""
+    ``prefer_groups`` a group's samples go to one DP rank when there are enough groups
+    (``PlanConfig.prefer_groups``; prefix-shared packing then computes their prompt once)."""
     return PlanConfig(
         max_tokens_per_micro_batch=budget,
         num_mini_batches=num_mini_batches,
         consumer_cp=layout.cp,
-        keep_groups=keep_groups,
+        prefer_groups=prefer_groups,
+    )
+
+
+def shares_prefixes(
+    config: RunConfig, layout: ParallelLayout, models: Sequence[Sequence[nn.Module]]
+) -> bool:
+    """Whether a phase in ``layout`` running ``models`` (each a list of chunks) packs prefix
+    trees (``training.prefix_tree``): ``train.prefix_sharing``, cp = 1, no dropout (a tree
+    draws one dropout mask for a shared prompt, unshared packing one per sample) and attention
+    that reads trees in every model (``models.gpt.tree_ready``)."""
+    return (
+        config.train.prefix_sharing
+        and layout.cp == 1
+        and config.model.attention_dropout == 0
+        and config.model.hidden_dropout == 0
+        and all(tree_ready(chunks) for chunks in models)
     )
 
 

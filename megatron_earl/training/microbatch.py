@@ -18,7 +18,8 @@ one first-fit-decreasing packing needs, then samples are re-spread over that man
 largest-first onto the lightest one, so the micro-batches carry similar token counts. A sample is
 never split across micro-batches (attention needs it whole). In the RL loop the dispatcher has
 already planned and packed the micro-batches on the consuming rank; the loop turns each into the
-model's form with ``thd_micro_batch`` (views when cp = 1), never unpacking it into samples.
+model's form with ``thd_micro_batch`` (views when cp = 1), or as a prefix tree
+(``training.prefix_tree``, gathered), never unpacking it into samples.
 
 ``thd_micro_batch`` makes packed per-token fields (samples back to back) one row ``[1, t]`` with
 ``PackedSeqParams(qkv_format="thd")``; with cp > 1 every sample is padded to a multiple of
@@ -46,6 +47,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_earl import runtime
 from megatron_earl.dispatch.plan import balance_micro_batches
+from megatron_earl.models.tree_attention import is_tree
 from megatron_earl.parallel.cp import (
     cp_padded_length,
     merge_cp_shards,
@@ -225,12 +227,12 @@ def build_micro_batches(
     return [pack_micro_batch(samples, mb, cp, sp) for mb in plan]
 
 
-def sample_tokens(micro_batch: Mapping[str, object]) -> int:
+def num_sample_tokens(micro_batch: Mapping[str, object]) -> int:
     """The tokens of a packed micro-batch's samples, padding excluded (a tree row's counted as
     if packed whole)."""
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
-    if getattr(params, "unshared_index", None) is not None:
+    if is_tree(params):
         return sum(params.sample_lengths)
     return int(params.cu_seqlens_q[-1])
 
@@ -240,9 +242,8 @@ def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torc
     result ``[1, t]`` of the whole micro-batch: the per-token field form of a dispatched batch."""
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
-    unshared = getattr(params, "unshared_index", None)
-    if unshared is not None:  # a tree row (training.prefix_tree)
-        return values.reshape(-1)[unshared]
+    if is_tree(params):  # a tree row (training.prefix_tree)
+        return values.reshape(-1)[params.unshared_index]
     if torch.equal(params.cu_seqlens_q, params.cu_seqlens_q_padded):
         return values.reshape(-1)
     return torch.cat(unpack_per_sample(values, micro_batch))
@@ -255,7 +256,7 @@ def unpack_per_sample(
     result ``[1, t]`` of the whole micro-batch (merge CP ranks' results first: ``merge_cp``)."""
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
-    if getattr(params, "unshared_index", None) is not None:  # a tree row: gathered per sample
+    if is_tree(params):  # a tree row: gathered per sample
         return list(torch.split(real_tokens(values, micro_batch), list(params.sample_lengths)))
     starts = params.cu_seqlens_q_padded.tolist()
     lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()

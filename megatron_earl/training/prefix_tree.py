@@ -37,31 +37,14 @@ local spec's ``SDPAttention``; sequence parallelism pads the row's end like ``th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_earl import runtime
-from megatron_earl.models.tree_attention import Row, TreeAttention, plan_tree_attention
+from megatron_earl.models.tree_attention import Row, TreePackedSeqParams, plan_tree_attention
 from megatron_earl.parallel.cp import sequence_parallel_padding
-from megatron_earl.training.microbatch import INT_FIELDS
-
-
-@dataclass
-class TreePackedSeqParams(PackedSeqParams):
-    """Megatron's ``PackedSeqParams`` of a tree row (one ``thd`` sequence for RoPE) with the tree
-    for the attention and every token's position for RoPE."""
-
-    prefix_tree: TreeAttention = field(default_factory=lambda: TreeAttention((), ()))
-    """Which tokens attend which (``models.attention.SDPAttention`` reads it)."""
-    token_positions: torch.Tensor | None = None
-    """[t] int64: every token's position in its sample (``models.gpt.GPTModel`` reads it)."""
-    unshared_index: torch.Tensor | None = None
-    """[sum(sample_lengths)] int64: each sample token's row position, in unshared packed order
-    (``microbatch.real_tokens`` reads results through it)."""
-    sample_lengths: tuple[int, ...] = ()
-    """The samples' lengths, in micro-batch order."""
+from megatron_earl.training.microbatch import INT_FIELDS, MicroBatchError
 
 
 @dataclass(frozen=True)
@@ -184,7 +167,7 @@ def tree_micro_batch(
     row's end so it splits over ``sp`` sequence-parallel ranks (token 0, mask 0, zeros).
     """
     if not lengths:
-        raise ValueError("a micro-batch needs at least one sample")
+        raise MicroBatchError("a micro-batch needs at least one sample")
     # The plan is read by Python from the host copy of two fields ("packing metadata",
     # docs/devices.md); the fields themselves are gathered on their device.
     groups, prefix = shared_prefixes(

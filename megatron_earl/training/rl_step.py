@@ -71,8 +71,8 @@ from megatron_earl.training.microbatch import (
     build_micro_batches,
     check_samples,
     merge_cp,
+    num_sample_tokens,
     real_tokens,
-    sample_tokens,
     split_micro_batch,
     unpack_per_sample,
 )
@@ -385,7 +385,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
         )
         counts[1] += len(per_sample)
         counts[2] += float((per_sample == 0).sum())
-        counts[4] += sample_tokens(mb)
+        counts[4] += num_sample_tokens(mb)
     counts[3] = num_bad
     dp_group = parallel_state.get_data_parallel_group()
     num_mb_max = torch.tensor([float(len(whole))], device="cpu")

@@ -6,6 +6,7 @@ sequence parallelism (the row padded for it); the tree row really is shorter."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -42,8 +43,15 @@ def _with_fields(sample, gen):
     return sample
 
 
-def _run(layout: ParallelLayout, weights, model, tree: bool, mask_elements: int | None = None):
-    from megatron_earl.models import attention
+def _run(
+    layout: ParallelLayout,
+    weights,
+    model,
+    tree: bool,
+    mask_elements: int | None = None,
+    loss: dict | None = None,
+):
+    from megatron_earl.models import tree_attention
     from megatron_earl.models.gpt import tree_ready
     from megatron_earl.redistribute.geometry import full_state_dict, shard_pieces
     from megatron_earl.training.microbatch import thd_micro_batch
@@ -51,7 +59,7 @@ def _run(layout: ParallelLayout, weights, model, tree: bool, mask_elements: int 
     from megatron_earl.training.rl_step import micro_batch_logprobs, train_micro_batches
 
     if mask_elements is not None:  # rows over it attend alone, their queries in chunks
-        attention.MASK_ELEMENTS = mask_elements
+        tree_attention.MASK_ELEMENTS = mask_elements
     chunks, ddp, optimizer, weights = _setup(layout, weights, model)
     samples = _samples()
     fields = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
@@ -60,7 +68,7 @@ def _run(layout: ParallelLayout, weights, model, tree: bool, mask_elements: int 
     pack = tree_micro_batch if tree else thd_micro_batch
     whole = [pack(fields, lengths, sp=sp)]
     logprobs = micro_batch_logprobs(chunks, whole)
-    config = _config()
+    config = _config(loss)
     metrics = [train_micro_batches(ddp, optimizer, whole, config) for _ in range(2)]
     return {
         "weights": weights,
@@ -74,7 +82,8 @@ def _run(layout: ParallelLayout, weights, model, tree: bool, mask_elements: int 
 
 
 def _assert_same(got, want):
-    for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+    assert (got["logprobs"] is None) == (want["logprobs"] is None)  # None off the last stage
+    for a, b in zip(got["logprobs"] or [], want["logprobs"] or [], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
     for a, b in zip(got["metrics"], want["metrics"], strict=True):
         for key in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "num_tokens"):
@@ -86,6 +95,7 @@ def _assert_same(got, want):
 
 ROPES = {
     "rope": MODEL,
+    "linear": dataclasses.replace(MODEL, rope_type="linear", rope_scaling_factor=2.0),
     "llama3": dataclasses.replace(
         MODEL, rope_type="llama3", rope_scaling_factor=8.0, rope_original_max_position_embeddings=64
     ),
@@ -96,7 +106,8 @@ ROPES = {
 
 
 @pytest.mark.parametrize(
-    "rope, mask_elements", [("rope", None), ("llama3", None), ("yarn", None), ("rope", 30)]
+    "rope, mask_elements",
+    [("rope", None), ("linear", None), ("llama3", None), ("yarn", None), ("rope", 30)],
 )
 def test_tree_equals_unshared_packing(rope, mask_elements):
     model = ROPES[rope]
@@ -109,13 +120,19 @@ def test_tree_equals_unshared_packing(rope, mask_elements):
     _assert_same(tree, plain)
 
 
-def test_tree_under_sequence_parallelism_equals_unshared_packing():
-    model = dataclasses.replace(MODEL, sequence_parallel=True)
-    layout = ParallelLayout(tp=2)
-    plain = run_distributed(_run, 2, args=(layout, None, model, False), timeout_s=180)
-    tree = run_distributed(_run, 2, args=(layout, None, model, True), timeout_s=180)
+@pytest.mark.parametrize(
+    "layout, sequence_parallel, loss",
+    [(ParallelLayout(tp=2), True, None), (ParallelLayout(pp=2), False, {"loss_type": "gspo"})],
+    ids=["tp2-sp", "pp2-gspo"],
+)
+def test_tree_in_model_parallel_layouts_equals_unshared_packing(layout, sequence_parallel, loss):
+    """tp 2 with sequence parallelism (the row padded to an even length) and pp 2 (every stage
+    reads the tree, the last the loss) under GSPO's sequence-level ratios (per-sample sums)."""
+    model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel)
+    plain = run_distributed(_run, 2, args=(layout, None, model, False, None, loss), timeout_s=180)
+    tree = run_distributed(_run, 2, args=(layout, None, model, True, None, loss), timeout_s=180)
     for got, want in zip(tree, plain, strict=True):
-        assert got["ready"] and got["row"] % 2 == 0
+        assert got["ready"] and (got["row"] % 2 == 0 or not sequence_parallel)
         _assert_same(got, want)
 
 
@@ -130,7 +147,7 @@ LOOP_OVERRIDES = [
     "layouts.rollout=tp1cp1pp1dp2",
     "layouts.experience=tp1cp1pp1dp2",
     "layouts.train=tp1cp1pp1dp2",
-    "batch.prompts_per_step=2",
+    "batch.prompts_per_step=4",
     "batch.samples_per_prompt=3",
     "batch.max_tokens_per_micro_batch=96",
     # Adam's first step is lr * g / (|g| + eps): on entries with |g| near eps a rounding-level
@@ -141,14 +158,17 @@ LOOP_OVERRIDES = [
 ]
 
 
+PROMPT_LENGTHS = (7, 4, 6, 5)
+
+
 def _loop_batch(rank: int):
-    """Two groups of 3 samples (each group's prompt shared), spread over both ranks."""
+    """Four groups of 3 samples (each group's prompt shared), spread over both ranks."""
     from megatron_earl.dispatch import Batch
     from megatron_earl.training.microbatch import next_token_sample
 
     gen = torch.Generator().manual_seed(9)
     samples, groups = [], []
-    for group, prompt_length in enumerate((7, 4)):
+    for group, prompt_length in enumerate(PROMPT_LENGTHS):
         prompt = torch.randint(0, 320, (prompt_length,), generator=gen)
         for answer in (5, 9, 2):
             tokens = torch.cat([prompt, torch.randint(0, 320, (answer,), generator=gen)])
@@ -180,10 +200,10 @@ def _loop_step(share: bool):
     import torch.distributed as dist
 
     from megatron_earl.config import load_config
+    from megatron_earl.orchestration import samples
     from megatron_earl.orchestration.loop import RLLoop
     from megatron_earl.redistribute.geometry import shard_pieces
     from megatron_earl.tokenizer import build_tokenizer
-    from megatron_earl.orchestration import samples
 
     config = load_config(overrides=[*LOOP_OVERRIDES, f"train.prefix_sharing={str(share).lower()}"])
     loop = RLLoop(config, build_tokenizer(config.tokenizer))
@@ -221,9 +241,11 @@ def test_rl_loop_with_prefix_sharing_equals_without():
     for res in run_distributed(_loop_both, 2, timeout_s=300):
         off, on = res[False], res[True]
         assert off["rows"] == []
-        # experience and train: one group of 3 per rank, its prompt (6 or 3 tokens) saved twice
-        assert len(on["rows"]) == 2
-        assert all(whole - row in (12, 6) for whole, row in on["rows"])
+        # experience and train: the same two groups of 3 per rank, each saving its prompt
+        # without the last token (f = prompt length - 1) twice
+        assert len(on["rows"]) == 2 and on["rows"][0] == on["rows"][1]
+        saved = {2 * (a - 1) + 2 * (b - 1) for a, b in itertools.combinations(PROMPT_LENGTHS, 2)}
+        assert on["rows"][0][0] - on["rows"][0][1] in saved
         for key in ("old", "ref"):
             torch.testing.assert_close(on[key], off[key], rtol=0, atol=TOL)
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm", "num_tokens", "logprob_mismatch"):

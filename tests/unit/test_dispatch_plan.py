@@ -88,6 +88,17 @@ def test_keep_groups_and_attention_cost():
     assert max(cost) / (sum(cost) / 4) <= 1.10
 
 
+def test_prefer_groups_keeps_groups_when_every_rank_gets_one_else_balances_samples():
+    lengths = dict(enumerate(agentic_lengths(16, seed=5)))
+    cfg = PlanConfig(prefer_groups=True)
+    groups = {s: s // 4 for s in lengths}  # 4 groups over dp 4: one group per rank
+    bins = assign_samples(lengths, groups, 4, cfg)
+    assert sorted(sorted(groups[s] for s in b) for b in bins) == [[g] * 4 for g in range(4)]
+    groups = {s: s // 8 for s in lengths}  # 2 groups cannot fill dp 4: by samples, no error
+    bins = assign_samples(lengths, groups, 4, cfg)
+    assert assign_samples(lengths, groups, 4, PlanConfig()) == bins
+
+
 def test_micro_batches_respect_budget():
     lengths = dict(enumerate(agentic_lengths(40, max_len=4096, seed=1)))
     mbs = pack_micro_batches(sorted(lengths), lengths, cp=2, budget=4096)
