@@ -120,12 +120,18 @@ def balance_micro_batches(
     cp: int,
     budget: int | None,
     packed: list[list[int]] | None = None,
+    groups: dict[int, int] | None = None,
 ) -> list[list[int]]:
     """The micro-batches a consumer runs: as many as first-fit-decreasing needs
     (``pack_micro_batches``, which raises for a sample above the budget), with the samples then
     spread largest-first onto the lightest micro-batch that has room, so micro-batches carry
     similar token counts. Inside a micro-batch, samples keep their order in ``sample_ids``.
     Where the balanced spread does not fit that many micro-batches, FFD's packing is kept.
+
+    ``groups`` (sample id -> group; prefix-shared packing): the spread places each group's
+    samples here whole, onto the lightest micro-batch with room for all of them (members of a
+    group that fits nowhere whole are placed one by one), so a group shares its prompt in one
+    micro-batch; where that does not fit, the spread of single samples is tried next.
 
     ``packed``: FFD's packing of the same samples at this ``cp`` and ``budget`` when the caller
     has it and ``sample_ids`` is its concatenation (``plan_micro_batches`` with one mini-batch):
@@ -144,18 +150,43 @@ def balance_micro_batches(
         position = {s: i for i, s in enumerate(ids)}
         ffd = [[position[s] for s in b] for b in packed]
     cost = [cp_padded_length(at[i], cp) // cp for i in range(len(ids))]
-    bins: list[list[int]] = [[] for _ in ffd]
-    loads = [0] * len(ffd)
-    for i in sorted(range(len(ids)), key=lambda i: (-cost[i], i)):
-        fits = [b for b in range(len(bins)) if loads[b] + cost[i] <= budget]
-        if not fits:
-            break
-        b = min(fits, key=lambda b: (loads[b], b))
-        bins[b].append(i)
-        loads[b] += cost[i]
-    else:
-        ffd = bins
+    units = [[i] for i in range(len(ids))]
+    tries = [units]
+    if groups is not None:
+        members: dict[int, list[int]] = {}
+        for i, s in enumerate(ids):
+            members.setdefault(groups[s], []).append(i)
+        tries.insert(0, list(members.values()))
+    for attempt in tries:
+        bins = _spread(attempt, cost, len(ffd), budget)
+        if bins is not None:
+            return [[ids[i] for i in sorted(b)] for b in bins]
     return [[ids[i] for i in sorted(b)] for b in ffd]
+
+
+def _spread(
+    units: list[list[int]], cost: list[int], num_bins: int, budget: int
+) -> list[list[int]] | None:
+    """``units`` (lists of positions, ``cost`` each) spread largest-first onto the lightest of
+    ``num_bins`` bins with room for the whole unit; a unit that fits nowhere whole is spread one
+    position at a time. None when a single position fits nowhere."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+
+    def place(unit: list[int]) -> bool:
+        need = sum(cost[i] for i in unit)
+        fits = [b for b in range(num_bins) if loads[b] + need <= budget]
+        if not fits:
+            return len(unit) > 1 and all(place([i]) for i in sorted(unit, key=lambda i: -cost[i]))
+        b = min(fits, key=lambda b: (loads[b], b))
+        bins[b].extend(unit)
+        loads[b] += need
+        return True
+
+    for unit in sorted(units, key=lambda u: (-sum(cost[i] for i in u), u[0])):
+        if not place(unit):
+            return None
+    return bins
 
 
 def plan_micro_batches(
@@ -164,6 +195,7 @@ def plan_micro_batches(
     cp: int,
     config: PlanConfig,
     consumer_cp: int | None = None,
+    groups: dict[int, int] | None = None,
 ) -> list[list[list[int]]]:
     """One DP rank's mini-batches, each a list of micro-batches (sample ids): the one plan of
     what the consumer runs, so it consumes the dispatched micro-batches as they arrive.
@@ -172,7 +204,9 @@ def plan_micro_batches(
     (``pack_micro_batches``; an empty DP rank has none), mini-batch ``i`` holds every
     ``num_mini_batches``-th of them from the ``i``-th, and each mini-batch is balanced into
     micro-batches at ``consumer_cp`` (default ``cp``) under the same budget
-    (``balance_micro_batches``; with one mini-batch at ``cp`` it reuses the packing above)."""
+    (``balance_micro_batches``; with one mini-batch at ``cp`` it reuses the packing above), a
+    group's samples kept in one micro-batch where they fit with ``config.prefer_groups``
+    (``groups``: sample id -> group)."""
     budget = config.max_tokens_per_micro_batch
     ffd = pack_micro_batches(sample_ids, lengths, cp, budget)
     order = [s for mb in ffd for s in mb]
@@ -180,8 +214,10 @@ def plan_micro_batches(
     consumer_cp = consumer_cp or cp
     # one mini-batch at the same cp: the FFD above is the one balancing needs (run it once)
     packed = ffd if n == 1 and consumer_cp == cp else None
+    by_group = groups if config.prefer_groups else None
     return [
-        balance_micro_batches(order[i::n], lengths, consumer_cp, budget, packed) for i in range(n)
+        balance_micro_batches(order[i::n], lengths, consumer_cp, budget, packed, by_group)
+        for i in range(n)
     ]
 
 
@@ -285,13 +321,18 @@ def plan_dispatch(
     assignment = split_by_owner(ids, owner, dp)
     _check_budget(samples, layout.cp, config)
     own_dp = None if rank is None else layout.coord(rank).dp
+    groups = None
     if rank is None:
         lengths = dict(zip(samples.ids, samples.lengths))
+        if config.prefer_groups:
+            groups = dict(zip(samples.ids, samples.group_array.tolist()))
     else:  # the lengths this view reads: its DP rank's samples and the samples it holds
         rows = np.r_[np.flatnonzero(owner == own_dp), samples.rows(sources[rank].sample_ids)]
         lengths = dict(zip(ids[rows].tolist(), samples.length_array[rows].tolist()))
+        if config.prefer_groups:
+            groups = dict(zip(ids[rows].tolist(), samples.group_array[rows].tolist()))
     minis = [
-        plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp)
+        plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp, groups)
         if own_dp in (None, d)
         else []
         for d, a in enumerate(assignment)

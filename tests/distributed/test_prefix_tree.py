@@ -195,7 +195,7 @@ def _loop_batch(rank: int):
     )
 
 
-def _loop_step(share: bool):
+def _loop_step(share: bool, budget: int):
     """One experience (old and reference log-probs) and train step of the RL loop at dp 2."""
     import torch.distributed as dist
 
@@ -205,7 +205,9 @@ def _loop_step(share: bool):
     from megatron_earl.redistribute.geometry import shard_pieces
     from megatron_earl.tokenizer import build_tokenizer
 
-    config = load_config(overrides=[*LOOP_OVERRIDES, f"train.prefix_sharing={str(share).lower()}"])
+    flag = str(share).lower()
+    overrides = [f"train.prefix_sharing={flag}", f"batch.max_tokens_per_micro_batch={budget}"]
+    config = load_config(overrides=[*LOOP_OVERRIDES, *overrides])
     loop = RLLoop(config, build_tokenizer(config.tokenizer))
     rows = []
     pack = samples.tree_micro_batch
@@ -230,22 +232,27 @@ def _loop_step(share: bool):
     }
 
 
-def _loop_both():
-    return {share: _loop_step(share) for share in (False, True)}
+def _loop_both(budget: int):
+    return {share: _loop_step(share, budget) for share in (False, True)}
 
 
-def test_rl_loop_with_prefix_sharing_equals_without():
-    """The loop keeps each group on one DP rank and packs it as a tree in the experience and
-    train phases; old and reference log-probs, train metrics and weights equal the unshared
-    run's (1e-5)."""
-    for res in run_distributed(_loop_both, 2, timeout_s=300):
+@pytest.mark.parametrize("budget", [96, 48])
+def test_rl_loop_with_prefix_sharing_equals_without(budget):
+    """The loop keeps each group on one DP rank (and, with a budget of 48 tokens, each group in
+    one of the rank's two micro-batches) and packs it as a tree in the experience and train
+    phases; old and reference log-probs, train metrics and weights equal the unshared run's
+    (1e-5)."""
+    for res in run_distributed(_loop_both, 2, args=(budget,), timeout_s=300):
         off, on = res[False], res[True]
         assert off["rows"] == []
-        # experience and train: the same two groups of 3 per rank, each saving its prompt
+        # experience, then train: the same two groups of 3 on each rank, each saving its prompt
         # without the last token (f = prompt length - 1) twice
-        assert len(on["rows"]) == 2 and on["rows"][0] == on["rows"][1]
-        saved = {2 * (a - 1) + 2 * (b - 1) for a, b in itertools.combinations(PROMPT_LENGTHS, 2)}
-        assert on["rows"][0][0] - on["rows"][0][1] in saved
+        num_mb = 1 if budget == 96 else 2
+        assert len(on["rows"]) == 2 * num_mb and on["rows"][:num_mb] == on["rows"][num_mb:]
+        saved = sum(whole - row for whole, row in on["rows"][:num_mb])
+        assert saved in {2 * (a + b - 2) for a, b in itertools.combinations(PROMPT_LENGTHS, 2)}
+        if num_mb == 2:  # one whole group per micro-batch
+            assert all((whole - row) // 2 + 1 in PROMPT_LENGTHS for whole, row in on["rows"])
         for key in ("old", "ref"):
             torch.testing.assert_close(on[key], off[key], rtol=0, atol=TOL)
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm", "num_tokens", "logprob_mismatch"):

@@ -16,6 +16,7 @@ from megatron_earl.dispatch.centralized import centralized_stages
 from megatron_earl.dispatch.execute import _Store, assemble, simulate
 from megatron_earl.dispatch.plan import (
     assign_samples,
+    balance_micro_batches,
     cp_chunk_bounds,
     cp_padded_length,
     pack_micro_batches,
@@ -88,15 +89,32 @@ def test_keep_groups_and_attention_cost():
     assert max(cost) / (sum(cost) / 4) <= 1.10
 
 
-def test_prefer_groups_keeps_groups_when_every_rank_gets_one_else_balances_samples():
+def test_prefer_groups_keeps_groups_with_two_per_rank_else_balances_samples():
     lengths = dict(enumerate(agentic_lengths(16, seed=5)))
     cfg = PlanConfig(prefer_groups=True)
-    groups = {s: s // 4 for s in lengths}  # 4 groups over dp 4: one group per rank
+    groups = {s: s // 2 for s in lengths}  # 8 groups over dp 4: whole groups
     bins = assign_samples(lengths, groups, 4, cfg)
-    assert sorted(sorted(groups[s] for s in b) for b in bins) == [[g] * 4 for g in range(4)]
-    groups = {s: s // 8 for s in lengths}  # 2 groups cannot fill dp 4: by samples, no error
+    assert all(len({groups[s] for s in b}) * 2 == len(b) for b in bins)
+    assert assign_samples(lengths, groups, 4, PlanConfig(keep_groups=True)) == bins
+    groups = {s: s // 4 for s in lengths}  # 4 groups over dp 4: by samples, as without groups
     bins = assign_samples(lengths, groups, 4, cfg)
     assert assign_samples(lengths, groups, 4, PlanConfig()) == bins
+
+
+def test_micro_batches_keep_a_group_together_where_it_fits():
+    lengths = {s: 10 + (s * 7) % 13 for s in range(24)}
+    groups = {s: s % 6 for s in lengths}  # 6 groups of 4 samples, interleaved ids
+    plain = balance_micro_batches(sorted(lengths), lengths, 1, 140)
+    bins = balance_micro_batches(sorted(lengths), lengths, 1, 140, groups=groups)
+    assert len(bins) == len(plain) == 3  # as many micro-batches as without groups
+    assert sorted(s for b in bins for s in b) == sorted(lengths)
+    assert all(sum(lengths[s] for s in b) <= 140 and b == sorted(b) for b in bins)
+    assert all(len({groups[s] for s in b}) == 2 for b in bins)  # two whole groups each
+    assert any(len({groups[s] for s in b}) > 2 for b in plain)
+    # a group larger than the budget is spread over micro-batches, nothing fails
+    bins = balance_micro_batches(sorted(lengths), lengths, 1, 40, groups=groups)
+    assert sorted(s for b in bins for s in b) == sorted(lengths)
+    assert all(sum(lengths[s] for s in b) <= 40 for b in bins)
 
 
 def test_micro_batches_respect_budget():
