@@ -10,7 +10,8 @@ r of a batch reads queries ``query[queries[r]]`` [W] and keys ``key[keys[r]]`` [
 ``mask[r]`` [W, K] (True = attend); a shared prefix's keys are gathered into every row that
 continues it, so their gradients sum over those rows. Rows with a prefix and rows without are
 batched apart (the latter need no mask: SDPA's causal one is theirs); rows are grouped by key
-length with at most ``max_waste`` padding (``padding_groups``) and a batch holds at most
+length, then by query length, each with at most ``max_waste`` padding (``padding_groups``), and a
+batch holds at most
 ``MASK_ELEMENTS`` [query, key] pairs; a row with more is ``large`` and runs
 alone, its queries in chunks (``SDPAttention._attend_row``), so long contexts never build a big
 mask.
@@ -122,8 +123,10 @@ def plan_tree_attention(rows: list[Row]) -> TreeAttention:
     plain = [r for r in rows if r.prefix[1] == r.prefix[0]]
     branches = [r for r in rows if r.prefix[1] > r.prefix[0]]
     for kind in (plain, branches):  # a batch of plain rows needs no mask
-        for group in padding_groups([r.num_keys for r in kind]):
-            _fill(kind, group, max_elements, batches, large)
+        for by_keys in padding_groups([r.num_keys for r in kind]):
+            similar = [kind[i] for i in by_keys]  # then by queries (a plain row's are its keys)
+            for group in padding_groups([r.own[1] - r.own[0] for r in similar]):
+                _fill(similar, group, max_elements, batches, large)
     return TreeAttention(tuple(batches), tuple(large))
 
 
