@@ -169,6 +169,9 @@ class TreePackedSeqParams(PackedSeqParams):
     (``training.microbatch.real_tokens`` reads results through it)."""
     sample_lengths: tuple[int, ...]
     """The samples' lengths, in micro-batch order."""
+    shared_tokens: int
+    """Tokens of the samples the row holds once instead of once per sample (sum(sample_lengths)
+    minus the row's tokens, padding excluded)."""
 
 
 def is_tree(params: PackedSeqParams | None) -> bool:

@@ -237,6 +237,13 @@ def num_sample_tokens(micro_batch: Mapping[str, object]) -> int:
     return int(params.cu_seqlens_q[-1])
 
 
+def num_shared_tokens(micro_batch: Mapping[str, object]) -> int:
+    """Sample tokens a packed micro-batch holds once for several samples (a prefix tree's shared
+    prompts, ``training.prefix_tree``); 0 for whole samples."""
+    params = micro_batch["packed_seq_params"]
+    return params.shared_tokens if is_tree(params) else 0
+
+
 def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torch.Tensor:
     """The real tokens ``[sum(lengths)]`` (CP padding dropped, packed order) of a per-token
     result ``[1, t]`` of the whole micro-batch: the per-token field form of a dispatched batch."""

@@ -36,7 +36,8 @@ log-probs before the update; 0 without ``rollout_logprobs``); ratio_min/max, is_
 is_seq_clip_frac, is_seq_mask_frac (fractions of the samples with a trainable token whose
 sequence-level behaviour weight was truncated / masked); num_tokens (trainable), num_samples,
 num_empty_samples, num_nonfinite_samples, num_micro_batches (max over ranks), grad_norm,
-skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time).
+skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time), shared_prompt_tokens
+(tokens a prefix tree did not compute, ``training.prefix_tree``; 0 for whole samples).
 
 Which ranks call: every rank of the world, each with its DP rank's samples.
 """
@@ -72,6 +73,7 @@ from megatron_earl.training.microbatch import (
     check_samples,
     merge_cp,
     num_sample_tokens,
+    num_shared_tokens,
     real_tokens,
     split_micro_batch,
     unpack_per_sample,
@@ -376,7 +378,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
 
     # Global normaliser and counts from the whole (pre-CP-split) micro-batches, summed over DP
     # (host metadata: the host twin of the DP group).
-    counts = torch.zeros(5, dtype=torch.float64, device="cpu")
+    counts = torch.zeros(6, dtype=torch.float64, device="cpu")
     for mb in whole:
         ids = mb["seq_ids"]
         counts[0] += float(local_normaliser(mb["loss_mask"], config.loss.aggregation, ids))
@@ -386,6 +388,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
         counts[1] += len(per_sample)
         counts[2] += float((per_sample == 0).sum())
         counts[4] += num_sample_tokens(mb)
+        counts[5] += num_shared_tokens(mb)
     counts[3] = num_bad
     dp_group = parallel_state.get_data_parallel_group()
     num_mb_max = torch.tensor([float(len(whole))], device="cpu")
@@ -421,6 +424,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
         skipped_step=0.0 if finite else 1.0,
         update_ok=float(bool(update_ok)),
         tokens_per_s=float(counts[4]) / max(time.perf_counter() - start, 1e-9),
+        shared_prompt_tokens=float(counts[5]),
     )
     return metrics
 

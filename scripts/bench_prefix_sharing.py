@@ -1,0 +1,134 @@
+"""Prefix-shared (tree) packing against whole-sample packing: one RL train step and one
+forward-only log-prob pass on the same GRPO-shaped micro-batch, interleaved in one process.
+
+    python scripts/bench_prefix_sharing.py [--rounds 5] [--cases 13:43:8:4,512:64:8:2]
+
+A case is ``prompt:completion:group_size:groups``: ``groups`` prompts of ``prompt`` tokens, each
+with ``group_size`` completions of up to ``completion`` tokens (lengths spread over the upper
+half, as sampled rollouts are), one micro-batch. Model: the demo's shape (4 layers, hidden 128,
+ffn 256, 4 heads, 2 KV groups, vocab 320, fp32), 1 process x 1 thread, random weights. Each
+timed call includes its packing (``thd_micro_batch`` or ``tree_micro_batch``: the prefix
+detection and the attention plan too). Prints per case the tokens each packing computes and the
+median seconds of each (train step: forward, backward, optimizer step; log-probs: forward only),
+with the ratio whole / tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatron_earl.config.model import ModelConfig
+from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.testing.distributed import run_distributed
+
+MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=320,
+    make_vocab_size_divisible_by=64,
+    max_position_embeddings=4096,
+)
+
+
+def _fields(prompt: int, completion: int, group_size: int, groups: int):
+    from megatron_earl.training.microbatch import next_token_sample
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(groups):
+        head = torch.randint(0, MODEL.vocab_size, (prompt,), generator=gen)
+        for _ in range(group_size):
+            n = int(torch.randint(completion // 2, completion + 1, (1,), generator=gen))
+            tokens = torch.cat([head, torch.randint(0, MODEL.vocab_size, (n,), generator=gen)])
+            s = next_token_sample(tokens, torch.arange(tokens.numel()) >= prompt)
+            s["advantages"] = torch.randn(1, generator=gen).expand(tokens.numel()).clone()
+            samples.append(s)
+    fields = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
+    return fields, [s["tokens"].numel() for s in samples]
+
+
+def _job(cases: list[tuple[int, int, int, int]], rounds: int) -> list[dict]:
+    torch.set_num_threads(1)
+    from megatron_earl import runtime
+    from megatron_earl.config.loss import PolicyLossConfig
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.training.microbatch import thd_micro_batch
+    from megatron_earl.training.prefix_tree import tree_micro_batch
+    from megatron_earl.training.rl_step import (
+        RLStepConfig,
+        micro_batch_logprobs,
+        train_micro_batches,
+    )
+    from megatron_earl.training.setup import (
+        OptimConfig,
+        build_optimizer,
+        wire_schedule_hooks,
+        wrap_ddp,
+    )
+
+    initialize_layout(ParallelLayout())
+    runtime.seed(11)
+    chunks = build_model(MODEL)
+    optim = OptimConfig(lr=1e-5)
+    ddp = wrap_ddp(chunks, optim)
+    optimizer = build_optimizer(ddp, optim)
+    wire_schedule_hooks(ddp, optimizer)
+    config = RLStepConfig(loss=PolicyLossConfig(), vocab_size=MODEL.vocab_size)
+    packings = {"whole": thd_micro_batch, "tree": tree_micro_batch}
+    out = []
+    for case in cases:
+        fields, lengths = _fields(*case)
+        times: dict[str, list[float]] = {f"{p} {k}": [] for p in packings for k in ("train", "lp")}
+        tokens = {p: pack(fields, lengths)["tokens"].numel() for p, pack in packings.items()}
+        for r in range(rounds + 1):  # round 0 warms up
+            for name, pack in packings.items():
+                start = time.perf_counter()
+                train_micro_batches(ddp, optimizer, [pack(fields, lengths)], config)
+                middle = time.perf_counter()
+                with torch.no_grad():
+                    micro_batch_logprobs(chunks, [pack(fields, lengths)])
+                end = time.perf_counter()
+                if r:
+                    times[f"{name} train"].append(middle - start)
+                    times[f"{name} lp"].append(end - middle)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        out.append({"case": case, "tokens": tokens, "medians": medians})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case")
+    parser.add_argument("--cases", default="13:43:8:4,512:64:8:2", help="p:c:group_size:groups")
+    args = parser.parse_args(argv)
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",") if c]
+    if args.rounds < 1 or any(len(c) != 4 or min(c) < 1 for c in cases):
+        parser.error(f"--rounds {args.rounds} < 1 or --cases {args.cases!r} not p:c:g:n >= 1")
+    (results,) = run_distributed(_job, 1, args=(cases, args.rounds), timeout_s=1800)
+    print(
+        f"model {MODEL.num_layers} layers x hidden {MODEL.hidden_size}, fp32, 1 process x 1 "
+        f"thread, median of {args.rounds} interleaved rounds, packing included"
+    )
+    for res in results:
+        p, c, g, n = res["case"]
+        m, t = res["medians"], res["tokens"]
+        print(
+            f"prompt {p}, completions <= {c}, {n} groups x {g}: tokens whole {t['whole']}, tree "
+            f"{t['tree']} ({t['tree'] / t['whole']:.2f}); train step whole {m['whole train']:.4f} "
+            f"s, tree {m['tree train']:.4f} s ({m['whole train'] / m['tree train']:.2f}x); "
+            f"log-probs whole {m['whole lp']:.4f} s, tree {m['tree lp']:.4f} s "
+            f"({m['whole lp'] / m['tree lp']:.2f}x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
