@@ -5,8 +5,8 @@ forward-only log-prob pass on the same GRPO-shaped micro-batch, interleaved in o
 
 A case is ``prompt:completion:group_size:groups``: ``groups`` prompts of ``prompt`` tokens, each
 with ``group_size`` completions of up to ``completion`` tokens (lengths spread over the upper
-half, as sampled rollouts are), one micro-batch. Model: the demo's shape (4 layers, hidden 128,
-ffn 256, 4 heads, 2 KV groups, vocab 320, fp32), 1 process x 1 thread, random weights. Each
+half, as sampled rollouts are), one micro-batch. Model: ``configs/demo_cpu.yaml``'s (4 layers,
+hidden 128, fp32 today), 1 process x 1 thread, random weights. Each
 timed call includes its packing (``thd_micro_batch`` or ``tree_micro_batch``: the prefix
 detection and the attention plan too). Prints per case the tokens each packing computes and the
 median seconds of each (train step: forward, backward, optimizer step; log-probs: forward only),
@@ -16,25 +16,22 @@ with the ratio whole / tree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from megatron_earl.config.model import ModelConfig
+from megatron_earl.config import load_config
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
 
-MODEL = ModelConfig(
-    num_layers=4,
-    hidden_size=128,
-    ffn_hidden_size=256,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=320,
-    make_vocab_size_divisible_by=64,
-    max_position_embeddings=4096,
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dataclasses.replace(
+    load_config(ROOT / "configs" / "demo_cpu.yaml").model, max_position_embeddings=4096
 )
+"""The demo's model (its shape, fp32), with room for the long-prompt case."""
 
 
 def _fields(prompt: int, completion: int, group_size: int, groups: int):

@@ -131,7 +131,9 @@ def balance_micro_batches(
     ``groups`` (sample id -> group; prefix-shared packing): the spread places each group's
     samples here whole, onto the lightest micro-batch with room for all of them (members of a
     group that fits nowhere whole are placed one by one), so a group shares its prompt in one
-    micro-batch; where that does not fit, the spread of single samples is tried next.
+    micro-batch; where that does not fit, the spread of single samples is tried next. Whole
+    groups may need fewer micro-batches than FFD's count (fewer groups than micro-batches): the
+    empty ones are dropped, so there are at most that many.
 
     ``packed``: FFD's packing of the same samples at this ``cp`` and ``budget`` when the caller
     has it and ``sample_ids`` is its concatenation (``plan_micro_batches`` with one mini-batch):
@@ -159,8 +161,8 @@ def balance_micro_batches(
         tries.insert(0, list(members.values()))
     for attempt in tries:
         bins = _spread(attempt, cost, len(ffd), budget)
-        if bins is not None:
-            return [[ids[i] for i in sorted(b)] for b in bins]
+        if bins is not None:  # whole groups may leave a micro-batch empty: it is dropped
+            return [[ids[i] for i in sorted(b)] for b in bins if b]
     return [[ids[i] for i in sorted(b)] for b in ffd]
 
 
@@ -206,7 +208,7 @@ def plan_micro_batches(
     micro-batches at ``consumer_cp`` (default ``cp``) under the same budget
     (``balance_micro_batches``; with one mini-batch at ``cp`` it reuses the packing above), a
     group's samples kept in one micro-batch where they fit with ``config.prefer_groups``
-    (``groups``: sample id -> group)."""
+    (``groups``: sample id -> group, read only then)."""
     budget = config.max_tokens_per_micro_batch
     ffd = pack_micro_batches(sample_ids, lengths, cp, budget)
     order = [s for mb in ffd for s in mb]
@@ -321,16 +323,15 @@ def plan_dispatch(
     assignment = split_by_owner(ids, owner, dp)
     _check_budget(samples, layout.cp, config)
     own_dp = None if rank is None else layout.coord(rank).dp
-    groups = None
     if rank is None:
-        lengths = dict(zip(samples.ids, samples.lengths))
-        if config.prefer_groups:
-            groups = dict(zip(samples.ids, samples.group_array.tolist()))
-    else:  # the lengths this view reads: its DP rank's samples and the samples it holds
-        rows = np.r_[np.flatnonzero(owner == own_dp), samples.rows(sources[rank].sample_ids)]
-        lengths = dict(zip(ids[rows].tolist(), samples.length_array[rows].tolist()))
-        if config.prefer_groups:
-            groups = dict(zip(ids[rows].tolist(), samples.group_array[rows].tolist()))
+        read = slice(None)
+    else:  # the samples this view reads: its DP rank's and the ones it holds
+        read = np.r_[np.flatnonzero(owner == own_dp), samples.rows(sources[rank].sample_ids)]
+    read_ids = ids[read].tolist()
+    lengths = dict(zip(read_ids, samples.length_array[read].tolist()))
+    groups = (
+        dict(zip(read_ids, samples.group_array[read].tolist())) if config.prefer_groups else None
+    )
     minis = [
         plan_micro_batches(a, lengths, layout.cp, config, config.consumer_cp, groups)
         if own_dp in (None, d)

@@ -9,12 +9,11 @@ The plan gathers rows into padded batches, one SDPA call each (``SDPAttention`` 
 r of a batch reads queries ``query[queries[r]]`` [W] and keys ``key[keys[r]]`` [K] with
 ``mask[r]`` [W, K] (True = attend); a shared prefix's keys are gathered into every row that
 continues it, so their gradients sum over those rows. Rows with a prefix and rows without are
-batched apart (the latter need no mask: SDPA's causal one is theirs); rows are grouped by key
-length, then by query length, each with at most ``max_waste`` padding (``padding_groups``), and a
-batch holds at most
-``MASK_ELEMENTS`` [query, key] pairs; a row with more is ``large`` and runs
-alone, its queries in chunks (``SDPAttention._attend_row``), so long contexts never build a big
-mask.
+batched apart (the latter need no mask: SDPA's causal one is theirs). Rows are grouped by key
+length, then each group by query length, each step with at most ``max_waste`` padding
+(``padding_groups``; the second step can leave a batch more key padding than that), and a batch
+holds at most ``MASK_ELEMENTS`` [query, key] pairs; a row with more is ``large`` and runs alone,
+its queries in chunks (``SDPAttention._attend_row``), so long contexts never build a big mask.
 
 Every index is built here on the host from Python ints and moved to the compute device once per
 micro-batch (boundary "packing metadata", docs/devices.md); the layers only gather.
@@ -114,8 +113,8 @@ def _batch(rows: list[Row]) -> AttentionBatch:
 
 
 def plan_tree_attention(rows: list[Row]) -> TreeAttention:
-    """Batches of ``rows`` (module doc): grouped by key length, each batch's mask within
-    ``MASK_ELEMENTS``; a row whose own mask exceeds it is ``large``."""
+    """Batches of ``rows`` (module doc): grouped by key length, then by query length, each
+    batch's mask within ``MASK_ELEMENTS``; a row whose own mask exceeds it is ``large``."""
     max_elements = MASK_ELEMENTS
     rows = [r for r in rows if r.own[1] > r.own[0]]
     batches: list[AttentionBatch] = []
@@ -169,7 +168,7 @@ class TreePackedSeqParams(PackedSeqParams):
     (``training.microbatch.real_tokens`` reads results through it)."""
     sample_lengths: tuple[int, ...]
     """The samples' lengths, in micro-batch order."""
-    shared_tokens: int
+    num_shared_tokens: int
     """Tokens of the samples the row holds once instead of once per sample (sum(sample_lengths)
     minus the row's tokens, padding excluded)."""
 

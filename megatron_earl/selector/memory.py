@@ -109,7 +109,11 @@ class PhaseWorkload:
         into micro-batches the way the train step / log-prob pass does (the planner of
         ``training.microbatch.plan_micro_batches``: per-rank ``token_budget`` after the CP split,
         balanced token counts). A sequence above the budget is never split: it gets a
-        micro-batch of its own (the loop's dispatcher refuses it; the planner still sizes it)."""
+        micro-batch of its own (the loop's dispatcher refuses it; the planner still sizes it).
+        Under prefix-shared packing the dispatcher balances whole groups and keeps a group in
+        one micro-batch (``PlanConfig.prefer_groups``), which this model does not follow: its
+        largest micro-batch may be fuller (up to the budget) and its rows shorter than this
+        model's (docs/training.md, "Memory"); the selector re-fits from measured peaks."""
         if not lengths:
             raise ValueError("lengths is empty: a phase needs at least one sequence")
         key = (tuple(int(n) for n in lengths), token_budget, dp, cp)

@@ -241,7 +241,7 @@ def num_shared_tokens(micro_batch: Mapping[str, object]) -> int:
     """Sample tokens a packed micro-batch holds once for several samples (a prefix tree's shared
     prompts, ``training.prefix_tree``); 0 for whole samples."""
     params = micro_batch["packed_seq_params"]
-    return params.shared_tokens if is_tree(params) else 0
+    return params.num_shared_tokens if is_tree(params) else 0
 
 
 def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torch.Tensor:

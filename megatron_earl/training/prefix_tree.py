@@ -200,7 +200,7 @@ def tree_micro_batch(
         token_positions=positions,
         unshared_index=runtime.to_device(layout.unshared_index),
         sample_lengths=tuple(lengths),
-        shared_tokens=num_shared,
+        num_shared_tokens=num_shared,
     )
     index = range(len(lengths)) if sample_index is None else sample_index
     out["sample_index"] = torch.tensor(list(index), dtype=torch.long)

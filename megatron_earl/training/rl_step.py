@@ -36,7 +36,7 @@ log-probs before the update; 0 without ``rollout_logprobs``); ratio_min/max, is_
 is_seq_clip_frac, is_seq_mask_frac (fractions of the samples with a trainable token whose
 sequence-level behaviour weight was truncated / masked); num_tokens (trainable), num_samples,
 num_empty_samples, num_nonfinite_samples, num_micro_batches (max over ranks), grad_norm,
-skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time), shared_prompt_tokens
+skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time), num_shared_tokens
 (tokens a prefix tree did not compute, ``training.prefix_tree``; 0 for whole samples).
 
 Which ranks call: every rank of the world, each with its DP rank's samples.
@@ -424,7 +424,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
         skipped_step=0.0 if finite else 1.0,
         update_ok=float(bool(update_ok)),
         tokens_per_s=float(counts[4]) / max(time.perf_counter() - start, 1e-9),
-        shared_prompt_tokens=float(counts[5]),
+        num_shared_tokens=float(counts[5]),
     )
     return metrics
 

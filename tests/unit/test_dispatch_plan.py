@@ -111,6 +111,10 @@ def test_micro_batches_keep_a_group_together_where_it_fits():
     assert all(sum(lengths[s] for s in b) <= 140 and b == sorted(b) for b in bins)
     assert all(len({groups[s] for s in b}) == 2 for b in bins)  # two whole groups each
     assert any(len({groups[s] for s in b}) > 2 for b in plain)
+    # fewer whole groups than FFD's micro-batches: no empty micro-batch
+    few = {0: 4, 1: 3, 2: 3, 3: 4, 4: 3, 5: 3}
+    bins = balance_micro_batches(sorted(few), few, 1, 10, groups={s: s // 3 for s in few})
+    assert bins == [[0, 1, 2], [3, 4, 5]]
     # a group larger than the budget is spread over micro-batches, nothing fails
     bins = balance_micro_batches(sorted(lengths), lengths, 1, 40, groups=groups)
     assert sorted(s for b in bins for s in b) == sorted(lengths)
@@ -306,6 +310,7 @@ def test_random_plans_match_reference(case):
     cfg = PlanConfig(
         max_tokens_per_micro_batch=budget,
         keep_groups=bool(case % 2),
+        prefer_groups=case % 4 == 2,
         route=RouteConfig(fanout=rng.choice(["node_relay", "direct"]), ranks_per_node=2),
     )
     metas = [SourceMeta(tuple(b.sample_ids), tuple(b.lengths), tuple(b.group_ids)) for b in batches]
