@@ -46,6 +46,10 @@ TINY = [
     "rollout.max_context=512",
     "selector.enabled=true",
     "train.old_logprobs=always",  # an experience phase to select for (auto skips it here)
+    # the budgets below sit between the peaks of whole-sample packing (safety margin 0), which
+    # the selector's start-up profiling measures; prefix-tree rows move the peaks by a few
+    # percent (docs/training.md, "Memory"), so these tests pin the packing they were sized for
+    "train.prefix_sharing=false",
 ]
 
 
@@ -126,9 +130,6 @@ def test_train_phase_out_of_budget_reruns_the_same_batch_in_the_next_layout(tmp_
     6.4 MiB: that run exceeds the budget before its optimizer step, and the same batch trains in
     the next layout (the master moves there); later steps use the re-fitted model."""
     budget = ["selector.budget_mb=6.4", "selector.safety_margin=0.0", "selector.profile=false"]
-    # 6.4 MiB sits between the peaks of whole-sample packing (pp2 6.5, tp2 5.5 MiB); prefix-tree
-    # rows move them (pp2 6.9 MiB), so this test of the retry pins the packing it was sized for
-    budget.append("train.prefix_sharing=false")
     result = _train([*TINY, *budget, f"output_dir={tmp_path}", "name=oom"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(tmp_path / "oom")
