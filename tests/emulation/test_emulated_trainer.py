@@ -4,9 +4,10 @@ multi-turn rollouts on the embedded engine in dp2, dispatch to tp2, experience, 
 reshard back and the weight push to the engine. Every tensor path runs on the device and every
 collective on a group of the right role, or the run fails.
 
-Checked: the run completes and says it ran on the emulated device; the engine's log-probs after
-the first update match the trainer's (so the pushed weights reached the engine); the final
-checkpoint is written from device tensors.
+Checked: the run completes and says it ran on the emulated device; the train step packed prefix
+trees (``train/num_shared_tokens`` > 0); the engine's log-probs after the first update match the
+trainer's (so the pushed weights reached the engine); the final checkpoint is written from device
+tensors.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def test_demo_rl_steps_run_on_the_emulated_device(tmp_path):
     assert last["layout/rollout"] == "tp1cp1pp1dp2" and last["layout/train"] == "tp2cp1pp1dp1"
     assert last["weight_version"] == records[0]["weight_version"] + 1  # one push per step
     assert all(math.isfinite(last[k]) for k in ("train/loss", "train/grad_norm", "adv/std"))
+    # each group's prompt packed once (prefix-shared tree rows) on the device
+    assert all(r["train/num_shared_tokens"] > 0 for r in records)
     # Rollout log-probs (engine, after the step-1 weight push) against the trainer's.
     assert last["rollout/logprob_mismatch"] < 1e-3
     check_documented(records, {"eval"})
