@@ -78,15 +78,23 @@ def shared_prefixes(
     packed whole): samples with equal ``tokens[:f + 1]`` where ``f >= 1`` is each one's first
     trainable position.
     """
-    trainable = (loss_mask != 0).tolist()
-    token_list = tokens.tolist()
+    # each sample's first trainable position, vectorised (0 when it has none)
+    counts = torch.tensor(list(lengths))
+    starts = torch.cumsum(counts, 0) - counts
+    local = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+    never = int(counts.max())
+    first = torch.full((len(lengths),), never).scatter_reduce(
+        0,
+        torch.repeat_interleave(torch.arange(len(lengths)), counts),
+        local.masked_fill(loss_mask == 0, never),
+        "amin",
+    )
+    first = first.masked_fill(first == never, 0).tolist()
+    token_bytes = tokens.to(torch.int64).numpy()
     members: dict[object, list[int]] = {}
-    start = 0
-    for slot, n in enumerate(lengths):
-        first = next((t for t in range(n) if trainable[start + t]), 0)
-        key = (first, tuple(token_list[start : start + first + 1])) if first >= 1 else slot
+    for slot, (start, f) in enumerate(zip(starts.tolist(), first, strict=True)):
+        key = (f, token_bytes[start : start + f + 1].tobytes()) if f >= 1 else slot
         members.setdefault(key, []).append(slot)
-        start += n
     pairs = sorted(
         (group, key[0] if isinstance(key, tuple) and len(group) > 1 else 0)
         for key, group in members.items()
