@@ -13,6 +13,7 @@ import torch
 
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
+from tests.distributed.test_old_logprobs import _overrides
 from tests.distributed.test_rl_step import MODEL, TOL, _config, _setup
 
 PROMPTS = ((5, 9, 2, 17, 33), (7, 1, 60, 4), (8, 8))
@@ -139,16 +140,7 @@ def test_tree_in_model_parallel_layouts_equals_unshared_packing(layout, sequence
 
 
 LOOP_OVERRIDES = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.ffn_hidden_size=128",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.vocab_size=320",
-    "model.make_vocab_size_divisible_by=64",
-    "layouts.rollout=tp1cp1pp1dp2",
-    "layouts.experience=tp1cp1pp1dp2",
-    "layouts.train=tp1cp1pp1dp2",
+    *_overrides("tp1cp1pp1dp2"),  # the old-log-prob tests' tiny model, every phase in dp2
     "batch.prompts_per_step=4",
     "batch.samples_per_prompt=3",
     "batch.max_tokens_per_micro_batch=96",
