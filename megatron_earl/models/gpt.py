@@ -40,10 +40,10 @@ class GPTModel(MegatronGPTModel):
 
     A tree row (``training.prefix_tree``) is one ``thd`` sequence whose tokens sit at positions
     of their own samples (a branch continues its prefix). ``_preprocess`` builds Megatron's
-    rotary table as usual and, when ``packed_seq_params.token_positions`` is given, hands the
-    attention one row per token instead; Megatron's thd RoPE maps a table of one row per packed
-    token to the tokens one to one (``rope_utils._apply_rotary_pos_emb_thd``, "exact mapping",
-    megatron-core 0.16). Every other input runs Megatron's code unchanged."""
+    rotary table as usual and, for a tree row (``tree_attention.is_tree``), hands the attention
+    one row per token, indexed by its ``token_positions``; Megatron's thd RoPE maps a table of
+    one row per packed token to the tokens one to one (``rope_utils._apply_rotary_pos_emb_thd``,
+    "exact mapping", megatron-core 0.16). Every other input runs Megatron's code unchanged."""
 
     def _preprocess(self, *args, **kwargs):
         out = super()._preprocess(*args, **kwargs)

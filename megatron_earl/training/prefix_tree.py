@@ -29,9 +29,10 @@ the tree row. Prefix tokens belong to the group's first sample (``seq_ids``); th
 samples in their unshared packed order, its position in the tree row (``unshared_index``:
 ``microbatch.real_tokens`` and ``unpack_per_sample`` read results through it).
 
-Where it applies: cp = 1 (with cp > 1 every sample is cut into CP chunks; trees are not) on the
-local spec's ``SDPAttention``; sequence parallelism pads the row's end like ``thd_micro_batch``.
-``tree_ready`` says whether a built model runs trees; the loop packs unshared otherwise.
+Where it applies: cp = 1 (with cp > 1 every sample is cut into CP chunks; trees are not), no
+dropout, on the local spec's ``SDPAttention``; sequence parallelism pads the row's end like
+``thd_micro_batch``. ``orchestration.samples.shares_prefixes`` decides per phase (with
+``models.gpt.tree_ready`` for the built model); the loop packs whole samples otherwise.
 """
 
 from __future__ import annotations
