@@ -207,6 +207,7 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
         seed=cfg.seed,
         compile_decode=cfg.compile_decode,
         decode_threads=cfg.decode_threads,
+        step_thread=False,  # as the trainer's rollouts run it
     )
     engine = EmbeddedEngine(chunks, model, engine_config)
     hf = bench_hf.hf_model(full, model) if dist.get_rank() == 0 else None
@@ -274,7 +275,8 @@ def format_report(result: EngineBenchResult) -> str:
         f"model: {s['model']}",
         f"ours: {s['ours_processes']} process(es) (tp={s['ours_processes']}) x "
         f"{s['ours_threads_per_process']} torch threads (decode steps: "
-        f"{s['ours_decode_threads']}), compile_decode {'on' if s['ours_compile_decode'] else 'off'}"
+        f"{s['ours_decode_threads']}), steps on the event loop's thread (as the trainer's "
+        f"rollouts), compile_decode {'on' if s['ours_compile_decode'] else 'off'}"
         f" (untimed warm-up incl. any compilation: {s['ours_warmup_s']:.1f} s); "
         f"HF: 1 process x {s['hf_threads']} torch "
         f"threads, {s['hf_attention']} attention, transformers {s['transformers']}; torch "

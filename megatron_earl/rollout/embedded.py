@@ -114,6 +114,14 @@ class EmbeddedEngineConfig:
     """``torch.compile`` the decode step (``BatchedForward``; tp 1 only): fewer, fused kernels
     per step, paid for by a compilation at the first decode step (docs/engines.md)."""
 
+    step_thread: bool = True
+    """Run each step in a worker thread, so the event loop stays responsive while a step
+    computes (``serve``: its HTTP server accepts and streams meanwhile). False: on the event
+    loop's own thread, which yields once before each step (the tasks the last step woke --
+    agent loops queueing their next turn -- run then) and waits during it; no per-step thread
+    hand-off (~0.3 ms of a ~2 ms decode step on this CPU). The trainer's rollouts use False:
+    their loop runs only agent loops, which wait on the engine anyway (docs/engines.md)."""
+
     def __post_init__(self) -> None:
         if self.decode_threads < 0:
             raise ValueError(
@@ -270,6 +278,9 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self._step_lock: asyncio.Lock | None = None
         self._task: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop_threads: int | None = None
+        """The event loop thread's torch threads, restored at shutdown (steps on that thread
+        set their own)."""
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -409,8 +420,8 @@ class EmbeddedEngine(StepResults, EngineMemory):
         return _assemble(await self.call(functools.partial(_host_pieces, keys=keys)))
 
     async def call(self, fn: Callable[[EmbeddedEngine], Any]) -> list[Any]:
-        """Run ``fn(engine)`` on every rank of the TP group between steps (in the engine's step
-        thread) and return each rank's result, TP rank 0 first. A rank whose ``fn`` raises is
+        """Run ``fn(engine)`` on every rank of the TP group between steps (on the thread that runs
+        steps) and return each rank's result, TP rank 0 first. A rank whose ``fn`` raises is
         reported in one ``RuntimeError`` naming it (the peers go on following)."""
         async with self._step_lock:
             results = await self._run(Step("call", fn=fn))
@@ -434,7 +445,10 @@ class EmbeddedEngine(StepResults, EngineMemory):
             raise RuntimeError("only TP rank 0 schedules; the other ranks call follow()")
         self._wake = asyncio.Event()
         self._step_lock = asyncio.Lock()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        if self.config.step_thread:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        else:
+            self._loop_threads = torch.get_num_threads()
         self._task = asyncio.create_task(self._loop())
 
     async def shutdown(self) -> None:
@@ -448,7 +462,11 @@ class EmbeddedEngine(StepResults, EngineMemory):
             await asyncio.gather(self._task, return_exceptions=True)
             if self._tp > 1:
                 await self._run(Step("stop"))
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._loop_threads is not None and torch.get_num_threads() != self._loop_threads:
+            torch.set_num_threads(self._loop_threads)
         self._task = None
 
     def follow(self) -> None:
@@ -495,6 +513,9 @@ class EmbeddedEngine(StepResults, EngineMemory):
             raise
 
     async def _run(self, step: Step) -> torch.Tensor | None:
+        if self._executor is None:  # on the loop's thread (``EmbeddedEngineConfig.step_thread``)
+            await asyncio.sleep(0)  # the tasks the last step woke run first
+            return self._broadcast_and_execute(step)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._broadcast_and_execute, step)
 

@@ -165,14 +165,19 @@ def _mixed_requests(prompts, stop_id):
     return [GenerateRequest(p, s) for p, s in zip(prompts, settings, strict=True)]
 
 
-def _mixed_run(layout, weights, prompts, stop_id):
-    """The same requests one at a time, then all at once through 3 KV rows (the rest wait)."""
+def _mixed_run(layout, weights, prompts, stop_id, step_thread=True):
+    """The same requests one at a time, then all at once through 3 KV rows (the rest wait);
+    and the event loop thread's torch threads after the engine stopped (2 before it; the
+    decode steps run on 1)."""
     import asyncio
 
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
 
+    torch.set_num_threads(2)
     chunks, _ = _build(layout, weights)
-    config = EmbeddedEngineConfig(max_batch_size=3, max_seq_len=MAX_SEQ, max_prefill_tokens=30)
+    config = EmbeddedEngineConfig(
+        max_batch_size=3, max_seq_len=MAX_SEQ, max_prefill_tokens=30, step_thread=step_thread
+    )
     engine = EmbeddedEngine(chunks, MODEL, config)
     requests = _mixed_requests(prompts, stop_id)
 
@@ -185,19 +190,26 @@ def _mixed_run(layout, weights, prompts, stop_id):
             await asyncio.sleep(0)
         return alone, [t.result() for t in tasks], max(running)
 
-    return run_engine(engine, driver)
+    out = run_engine(engine, driver)
+    return out, torch.get_num_threads()
 
 
-@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2)], ids=str)
-def test_mixed_batch_equals_one_request_at_a_time(reference, layout):
+@pytest.mark.parametrize(
+    "layout, step_thread",
+    [(ParallelLayout(), True), (ParallelLayout(tp=2), True), (ParallelLayout(), False)],
+    ids=["tp1", "tp2", "tp1-steps-on-loop-thread"],
+)
+def test_mixed_batch_equals_one_request_at_a_time(reference, layout, step_thread):
     """Mixed prompt lengths, stop ids, max_new_tokens and sampling settings in one batch: every
     request gets exactly what it gets alone (greedy and seeded sampling, token for token); a
-    batch over the KV budget (3 rows for 6 requests) waits, nothing fails."""
+    batch over the KV budget (3 rows for 6 requests) waits, nothing fails. Steps in the worker
+    thread or on the event loop's thread (the trainer's rollouts), which gets its torch threads
+    back when the engine stops."""
     weights, expected = reference
     stop_id = expected[1][3]  # request 1 stops at its 4th greedy token
-    out = run_distributed(
-        _mixed_run, layout.tp, args=(layout, weights, _prompts(), stop_id), timeout_s=180
-    )[0]
+    args = (layout, weights, _prompts(), stop_id, step_thread)
+    out, threads = run_distributed(_mixed_run, layout.tp, args=args, timeout_s=180)[0]
+    assert threads == 2
     alone, together, max_running = out
     assert max_running <= 3
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
@@ -211,7 +223,7 @@ def test_mixed_batch_equals_one_request_at_a_time(reference, layout):
     assert len(alone[1].output_ids) <= 4
 
 
-def _sharing_run(weights, prompts):
+def _sharing_run(weights, prompts, step_thread):
     """A GRPO group (identical prompts) in one batch, and a second turn that takes over its
     session's parked row, each next to the same work without sharing."""
     import asyncio
@@ -221,7 +233,8 @@ def _sharing_run(weights, prompts):
     from megatron_earl.rollout.engine import GenerateRequest
 
     chunks, _ = _build(ParallelLayout(), weights)
-    engine = EmbeddedEngine(chunks, MODEL, EmbeddedEngineConfig(max_batch_size=6, max_seq_len=40))
+    config = EmbeddedEngineConfig(max_batch_size=6, max_seq_len=40, step_thread=step_thread)
+    engine = EmbeddedEngine(chunks, MODEL, config)
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
 
     async def driver(eng):
@@ -255,10 +268,12 @@ def _sharing_run(weights, prompts):
     return run_engine(engine, driver)
 
 
-def test_shared_prefill_and_session_reuse_change_nothing(reference):
+@pytest.mark.parametrize("step_thread", [True, False], ids=["step-thread", "loop-thread"])
+def test_shared_prefill_and_session_reuse_change_nothing(reference, step_thread):
+    """Also with pause, weight load and resume between steps, in either thread."""
     weights, expected = reference
     group, first, reused, fresh, tiny, after = run_distributed(
-        _sharing_run, 1, args=(weights, _prompts()), timeout_s=120
+        _sharing_run, 1, args=(weights, _prompts(), step_thread), timeout_s=120
     )[0]
     assert len(tiny.output_ids) == 6
     assert after.cached_tokens == 0 and after.weight_version == 7
