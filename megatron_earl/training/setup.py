@@ -1,8 +1,9 @@
 """Wrap model chunks in Megatron DDP and build Megatron's optimizer (plain or distributed).
 
 Both run Megatron's own classes: ``DistributedDataParallel`` (grad buffers, DP reduce) and
-``get_megatron_optimizer`` (Apex/TE fused Adam when present, torch AdamW otherwise). Call on every
-rank after the parallel state exists.
+``get_megatron_optimizer`` (Apex/TE fused Adam when present, torch AdamW otherwise; that torch
+fallback runs torch's own fused kernel, ``fuse_torch_adam``). Call on every rank after the
+parallel state exists.
 """
 
 from __future__ import annotations
@@ -55,7 +56,32 @@ def build_optimizer(ddp_chunks: list[nn.Module], optim: OptimConfig):
         params_dtype=dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, ddp_chunks)
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    fuse_torch_adam(optimizer)
+    return optimizer
+
+
+FUSED_DEVICES = frozenset({"cpu", "cuda"})
+"""Devices of torch's fused Adam/AdamW kernel (the emulated device runs the per-tensor loop)."""
+
+
+def fuse_torch_adam(optimizer) -> int:
+    """Switch the torch Adam/AdamW inside Megatron's optimizer (its fallback without TE/Apex:
+    a Python loop of ~8 ops per parameter, ``_single_tensor_adam``) to torch's fused kernel,
+    one pass per parameter: the same update up to float rounding, ~2-3% of a small model's
+    train step on CPU. Groups whose parameters are all on ``FUSED_DEVICES``; returns how many
+    groups were switched. Local."""
+    switched = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if not isinstance(torch_optimizer, torch.optim.Adam):  # AdamW is one
+            continue  # TE/Apex FusedAdam, SGD
+        for group in torch_optimizer.param_groups:
+            on_device = all(p.device.type in FUSED_DEVICES for p in group["params"])
+            if on_device and not group.get("foreach") and not group.get("differentiable"):
+                group["fused"] = True
+                switched += 1
+    return switched
 
 
 def wire_schedule_hooks(ddp_chunks: list[nn.Module], optimizer=None) -> None:

@@ -23,7 +23,9 @@ MODEL = ModelConfig(
 )
 
 
-def _train(layout: ParallelLayout, distributed_optimizer: bool, weights, steps: int):
+def _train(
+    layout: ParallelLayout, distributed_optimizer: bool, weights, steps: int, fused: bool = True
+):
     from megatron.core import parallel_state
 
     from megatron_earl import runtime
@@ -52,6 +54,10 @@ def _train(layout: ParallelLayout, distributed_optimizer: bool, weights, steps: 
     optim = OptimConfig(lr=3e-3, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer)
     ddp = wrap_ddp(chunks, optim)
     optimizer = build_optimizer(ddp, optim)
+    groups = [g for o in optimizer.chained_optimizers for g in o.optimizer.param_groups]
+    if not fused:  # torch's per-tensor loop, as Megatron builds it
+        for group in groups:
+            group["fused"] = False
     wire_schedule_hooks(ddp, optimizer)
     batches = synthetic_lm_batches(
         MODEL.vocab_size, num_micro_batches=4, micro_batch_size=2, seq_length=16, seed=5
@@ -66,7 +72,31 @@ def _train(layout: ParallelLayout, distributed_optimizer: bool, weights, steps: 
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
     params = [(p.key, p.region, p.local.detach().clone()) for p in shard_pieces(chunks)]
-    return {"weights": weights, "losses": losses, "grad_norms": norms, "params": params}
+    fused_groups = sum(bool(g["fused"]) for g in groups)
+    return {
+        "weights": weights,
+        "losses": losses,
+        "grad_norms": norms,
+        "params": params,
+        "fused_groups": (fused_groups, len(groups)),
+    }
+
+
+def _fused_and_loop():
+    fused = _train(ParallelLayout(), False, None, 3)
+    return fused, _train(ParallelLayout(), False, fused["weights"], 3, fused=False)
+
+
+def test_torch_adam_runs_its_fused_kernel_with_the_loops_updates():
+    """Without TE/Apex Megatron builds torch's AdamW; ``build_optimizer`` switches it to torch's
+    fused kernel (every group), and 3 steps give the per-tensor loop's parameters (1e-6)."""
+    fused, loop = run_distributed(_fused_and_loop, 1, timeout_s=120)[0]
+    groups = fused["fused_groups"][1]
+    assert groups >= 1 and fused["fused_groups"] == (groups, groups)
+    assert loop["fused_groups"] == (0, groups)
+    for (key, region, a), (_, _, b) in zip(fused["params"], loop["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{key} {region}")
+    assert fused["losses"] == pytest.approx(loop["losses"], abs=1e-6)
 
 
 def _losses_of(results):
