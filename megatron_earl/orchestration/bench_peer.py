@@ -2,14 +2,17 @@
 
     megatron-earl bench peer [--pairs 3] [--steps 4] [--workloads single-turn,multi-turn-tool]
         [--config configs/demo_cpu.yaml] [--nproc 2] [--trl-nproc 1,2] [--json F]
-        [--work-dir runs/bench_peer] [key=value ...]   # overrides of the config, both sides
+        [--decode compiled|eager] [--work-dir runs/bench_peer]
+        [key=value ...]   # overrides of the config, both sides
     (= python -m megatron_earl.orchestration.bench_peer ...; needs the [bench] extra: trl)
 
 Workloads and the settings both sides share: ``orchestration.peer_workload``. For each workload
 the shared start weights are made once (``peer_weights`` under torchrun: our initial policy,
 after our SFT warm start for ``multi-turn-tool``; then ``convert mcore-to-hf``) and cached in the
 work directory under a hash of the settings. Then ``--pairs`` times, for each workload: our run
-(``megatron-earl train --nproc N`` with ``checkpoint.load`` = the Megatron copy), then a TRL run
+(``megatron-earl train --nproc N`` with ``checkpoint.load`` = the Megatron copy; ``--decode``:
+our engine's decode step compiled, ``rollout.embedded.compile_decode=true``, the default, or
+eager), then a TRL run
 per ``--trl-nproc`` count (``orchestration.peer_trl`` loading the HF copy: one process, or that
 many under torchrun on gloo, cores shared out as for ours), each in fresh processes.
 
@@ -143,6 +146,7 @@ def run_ours(args, workload: Workload, weights: Path, root: Path, name: str) -> 
     overrides = ours_overrides(
         workload, init=str(weights / "mcore"), steps=args.steps, out=str(root), name=name
     )
+    overrides.append(f"rollout.embedded.compile_decode={args.decode == 'compiled'}")
     shutil.rmtree(root / name, ignore_errors=True)  # a fresh run: no metrics or checkpoint left
     cmd, env = _torchrun(
         "megatron_earl.cli.train",
@@ -238,7 +242,8 @@ def report(name: str, settings: PeerSettings, pairs: list[Pair], info: dict) -> 
         f"  settings: {info['params']:,} params, {s.prompts_per_step} prompts x "
         f"{s.samples_per_prompt} samples, up to {s.max_turns} model turn(s) of "
         f"{s.max_new_tokens} new tokens, start weights after {s.sft_steps} SFT steps; ours "
-        f"{info['nproc']} process(es) x {info['ours_threads']} torch thread(s); TRL processes x "
+        f"{info['nproc']} process(es) x {info['ours_threads']} torch thread(s), decode step "
+        f"{info['ours_decode']}; TRL processes x "
         f"threads: {threads}, generation: {info['trl_generation']}; {info['steps']} steps per "
         "run, the first excluded"
     )
@@ -263,6 +268,7 @@ def interleave(args, prepared: dict[str, tuple]) -> tuple[dict, dict]:
                 "params": doc["params"],
                 "nproc": args.nproc,
                 "ours_threads": _threads(args.nproc),
+                "ours_decode": args.decode,
                 "trl_threads": threads,
                 "trl_generation": doc["generation"],
                 "steps": args.steps,
@@ -281,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="our processes (torchrun)")
     parser.add_argument(
         "--trl-nproc", default="1,2", help="TRL process counts to run per pair (best compared)"
+    )
+    parser.add_argument(
+        "--decode",
+        choices=("compiled", "eager"),
+        default="compiled",
+        help="our engine's decode step: torch.compile'd (rollout.embedded.compile_decode; "
+        "compiled in the excluded first step) or eager",
     )
     parser.add_argument("--work-dir", default="runs/bench_peer")
     parser.add_argument("--json", default="", help="write every run's summary here")

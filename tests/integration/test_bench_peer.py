@@ -54,12 +54,15 @@ def test_bench_peer_end_to_end(tmp_path):
 
     out = tmp_path / "peer.json"
     argv = ["--workloads", "single-turn", "--pairs", "1", "--steps", "2", "--nproc", "1"]
-    argv += ["--trl-nproc", "2"]
+    argv += ["--trl-nproc", "2", "--decode", "eager"]  # the compiled step: test_engine_compile
     argv += ["--work-dir", str(tmp_path / "work"), "--json", str(out), *TINY]
     assert main(argv) == 0
     doc = json.loads(out.read_text())["single-turn"]
     assert doc["settings"]["samples_per_prompt"] == 2 and doc["settings"]["max_turns"] == 1
     assert list(doc["info"]["trl_threads"]) == ["2"] and doc["info"]["nproc"] == 1
+    assert doc["info"]["ours_decode"] == "eager"
+    ours_config = (tmp_path / "work" / "ours-single-turn-0" / "config.yaml").read_text()
+    assert "compile_decode: false" in ours_config
     (pair,) = doc["pairs"]
     for summary in (pair["ours"], pair["trl"]["2"]):
         assert summary["s_per_step"] > 0 and summary["tokens_per_s"] > 0

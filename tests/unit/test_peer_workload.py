@@ -147,11 +147,11 @@ def test_report_compares_each_pair_with_its_best_trl_run():
     ]
     assert [p.best_trl for p in pairs] == [1, 2, 1]
     info = dict(params=10, nproc=2, ours_threads=1, trl_threads={1: 2, 2: 1})
-    info.update(trl_generation="stock", steps=3)
+    info.update(ours_decode="compiled", trl_generation="stock", steps=3)
     lines = report("single-turn", _settings("single-turn"), pairs, info)
     assert "median of per-pair ratios 2.00" in lines[-2]
     assert "1p x2, 2p x1" in lines[-2]
     assert "ours median: 1.00 s/step, 300 tokens/s" in lines[4]
     assert "TRL 1p median: 1.00 s/step, 100 tokens/s" in lines[5]
     assert "TRL 2p median: 1.00 s/step, 100 tokens/s" in lines[6]
-    assert "1p x 2, 2p x 1" in lines[-1]
+    assert "1p x 2, 2p x 1" in lines[-1] and "decode step compiled" in lines[-1]
