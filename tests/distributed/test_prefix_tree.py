@@ -82,6 +82,13 @@ def _run(
     }
 
 
+def _plain_then_tree(layout: ParallelLayout, model, mask_elements=None, loss=None):
+    """Both packings in one process (one spawn per case): whole samples from fresh weights,
+    then tree rows from the same weights."""
+    plain = _run(layout, None, model, False, None, loss)
+    return plain, _run(layout, plain["weights"], model, True, mask_elements, loss)
+
+
 def _assert_same(got, want):
     assert (got["logprobs"] is None) == (want["logprobs"] is None)  # None off the last stage
     for a, b in zip(got["logprobs"] or [], want["logprobs"] or [], strict=True):
@@ -111,10 +118,8 @@ ROPES = {
     [("rope", None), ("linear", None), ("llama3", None), ("yarn", None), ("rope", 30)],
 )
 def test_tree_equals_unshared_packing(rope, mask_elements):
-    model = ROPES[rope]
-    (plain,) = run_distributed(_run, 1, args=(ParallelLayout(), None, model, False), timeout_s=180)
-    args = (ParallelLayout(), plain["weights"], model, True, mask_elements)
-    (tree,) = run_distributed(_run, 1, args=args, timeout_s=180)
+    args = (ParallelLayout(), ROPES[rope], mask_elements)
+    ((plain, tree),) = run_distributed(_plain_then_tree, 1, args=args, timeout_s=180)
     assert tree["ready"]
     # prompt 0 once for 3 samples (4 shared tokens, twice saved), prompt 1 once for 2 (3 saved)
     assert tree["row"] == plain["row"] - 2 * 4 - 3
@@ -132,9 +137,8 @@ def test_tree_in_model_parallel_layouts_equals_unshared_packing(layout, sequence
     """tp 2 with sequence parallelism (the row padded to an even length) and pp 2 (every stage
     reads the tree, the last the loss) under GSPO's sequence-level ratios (per-sample sums)."""
     model = dataclasses.replace(MODEL, sequence_parallel=sequence_parallel)
-    plain = run_distributed(_run, 2, args=(layout, None, model, False, None, loss), timeout_s=180)
-    tree = run_distributed(_run, 2, args=(layout, None, model, True, None, loss), timeout_s=180)
-    for got, want in zip(tree, plain, strict=True):
+    args = (layout, model, None, loss)
+    for want, got in run_distributed(_plain_then_tree, 2, args=args, timeout_s=180):
         assert got["ready"] and (got["row"] % 2 == 0 or not sequence_parallel)
         _assert_same(got, want)
 
