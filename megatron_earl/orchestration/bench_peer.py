@@ -49,6 +49,10 @@ from megatron_earl.orchestration.peer_workload import (
     workload_config,
 )
 
+DECODE_CHOICES = ("compiled", "eager")
+"""``--decode``: our engine's decode step, ``rollout.embedded.compile_decode`` true or false."""
+COMPILE_KEY = "rollout.embedded.compile_decode"
+
 OURS_PHASES = tuple(p.value for p in Phase)
 """Our per-phase times (``time/<phase>`` in the metrics log)."""
 TRL_PHASES = TRL_GENERATE, TRL_UPDATE
@@ -146,7 +150,7 @@ def run_ours(args, workload: Workload, weights: Path, root: Path, name: str) -> 
     overrides = ours_overrides(
         workload, init=str(weights / "mcore"), steps=args.steps, out=str(root), name=name
     )
-    overrides.append(f"rollout.embedded.compile_decode={args.decode == 'compiled'}")
+    overrides.append(f"{COMPILE_KEY}={args.decode == DECODE_CHOICES[0]}")
     shutil.rmtree(root / name, ignore_errors=True)  # a fresh run: no metrics or checkpoint left
     cmd, env = _torchrun(
         "megatron_earl.cli.train",
@@ -290,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--decode",
-        choices=("compiled", "eager"),
-        default="compiled",
+        choices=DECODE_CHOICES,
+        default=DECODE_CHOICES[0],
         help="our engine's decode step: torch.compile'd (rollout.embedded.compile_decode; "
         "compiled in the excluded first step) or eager",
     )
@@ -307,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             f"workloads {unknown} not in {sorted(WORKLOADS)}, or --pairs {args.pairs} < 1, "
             f"or --steps {args.steps} < 2 (the first step is excluded), or --trl-nproc "
             f"{args.trl_nproc} not positive counts"
+        )
+    if any(o.startswith(f"{COMPILE_KEY}=") for o in args.overrides):
+        parser.error(
+            f"give our decode step with --decode {'|'.join(DECODE_CHOICES)}, not {COMPILE_KEY}"
         )
     root = Path(args.work_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,7 @@ from megatron_earl.patches import (
     checkpoint_writers_die_with_rank,
     cpu_redirect,
 )
+from megatron_earl.training.setup import fuse_torch_adam
 
 COMMON_KEY = "megatron_earl"
 LATEST = "latest"
@@ -436,6 +437,7 @@ def load_checkpoint(
     if want_optimizer:
         with cpu_redirect.when_applied(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
+            fuse_torch_adam(optimizer)  # the saved groups' ``fused`` came back with them
     if want_rng:
         _set_rng_state(loaded["rng_state"])
     return ResumeState(

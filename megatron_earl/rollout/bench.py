@@ -5,6 +5,7 @@
     megatron-earl bench engine --batches 1,8,32,64 --repeats 2        # a batch sweep
     megatron-earl bench engine --tp 2                   # ours on 2 TP processes, HF still on 1
     megatron-earl bench engine --compile-decode         # ours with torch.compile'd decode steps
+    megatron-earl bench engine --step-thread            # ours stepping in a worker thread
     megatron-earl bench engine model.num_layers=8 model.hidden_size=256   # another model shape
     python scripts/bench_engine.py --json               # one machine-readable line
 
@@ -82,6 +83,10 @@ class EngineBenchConfig:
     decode_threads: int = 1
     """Our engine's ``EmbeddedEngineConfig.decode_threads`` (the engine's default here): torch
     threads of its decode steps (0: the prefill's, i.e. every core, as HF gets)."""
+    step_thread: bool = False
+    """Our engine's ``EmbeddedEngineConfig.step_thread``. Off by default: HF runs in this
+    process's main thread, and our worker thread's own OpenMP team next to HF's slows every
+    parallel op of HF's (~1.7x on 2 cores; docs/engines.md, "Correction")."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -207,7 +212,7 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
         seed=cfg.seed,
         compile_decode=cfg.compile_decode,
         decode_threads=cfg.decode_threads,
-        step_thread=False,  # as the trainer's rollouts run it
+        step_thread=cfg.step_thread,
     )
     engine = EmbeddedEngine(chunks, model, engine_config)
     hf = bench_hf.hf_model(full, model) if dist.get_rank() == 0 else None
@@ -251,6 +256,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
         "ours_threads_per_process": threads,
         "ours_decode_threads": decode_threads,
         "ours_compile_decode": cfg.compile_decode,
+        "ours_step_thread": cfg.step_thread,
         "ours_warmup_s": warmup_s,
         "hf_processes": 1,
         "hf_threads": os.cpu_count() or 1,
@@ -275,8 +281,9 @@ def format_report(result: EngineBenchResult) -> str:
         f"model: {s['model']}",
         f"ours: {s['ours_processes']} process(es) (tp={s['ours_processes']}) x "
         f"{s['ours_threads_per_process']} torch threads (decode steps: "
-        f"{s['ours_decode_threads']}), steps on the event loop's thread (as the trainer's "
-        f"rollouts), compile_decode {'on' if s['ours_compile_decode'] else 'off'}"
+        f"{s['ours_decode_threads']}), steps "
+        f"{'in a worker thread' if s['ours_step_thread'] else 'on the event loop thread'}, "
+        f"compile_decode {'on' if s['ours_compile_decode'] else 'off'}"
         f" (untimed warm-up incl. any compilation: {s['ours_warmup_s']:.1f} s); "
         f"HF: 1 process x {s['hf_threads']} torch "
         f"threads, {s['hf_attention']} attention, transformers {s['transformers']}; torch "
@@ -323,6 +330,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=EngineBenchConfig.decode_threads,
         help="torch threads of our engine's decode steps (0: every core, as HF gets; default 1)",
     )
+    p.add_argument(
+        "--step-thread",
+        action="store_true",
+        help="run our engine's steps in a worker thread, as serve and the trainer do (default: "
+        "on the event loop thread, so that no second OpenMP team slows HF's side)",
+    )
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
     return p.parse_args(argv)
 
@@ -348,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             group_size=args.group_size,
             compile_decode=args.compile_decode,
             decode_threads=args.decode_threads,
+            step_thread=args.step_thread,
         )
     except ValueError as err:  # a bad flag value: its message, no traceback
         raise SystemExit(f"bench engine: {err}") from None

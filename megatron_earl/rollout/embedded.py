@@ -116,11 +116,12 @@ class EmbeddedEngineConfig:
 
     step_thread: bool = True
     """Run each step in a worker thread, so the event loop stays responsive while a step
-    computes (``serve``: its HTTP server accepts and streams meanwhile). False: on the event
-    loop's own thread, which yields once before each step (the tasks the last step woke --
-    agent loops queueing their next turn -- run then) and waits during it; no per-step thread
-    hand-off (~0.3 ms of a ~2 ms decode step on this CPU). The trainer's rollouts use False:
-    their loop runs only agent loops, which wait on the engine anyway (docs/engines.md)."""
+    computes: the HTTP server of ``serve`` answers, and the agent loops' env/reward timeouts see
+    their calls complete, during a long prefill or the first compiled decode step. False: on the
+    event loop's own thread, no per-step thread hand-off; the loop waits during each step and
+    yields once per scheduler iteration (a task resumes one await per step). For measurement
+    drivers (``bench engine``, where a second OpenMP team in the process would slow the HF
+    side); docs/engines.md, "Scheduling"."""
 
     def __post_init__(self) -> None:
         if self.decode_threads < 0:
@@ -278,9 +279,6 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self._step_lock: asyncio.Lock | None = None
         self._task: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._loop_threads: int | None = None
-        """The event loop thread's torch threads, restored at shutdown (steps on that thread
-        set their own)."""
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -447,8 +445,6 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self._step_lock = asyncio.Lock()
         if self.config.step_thread:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-        else:
-            self._loop_threads = torch.get_num_threads()
         self._task = asyncio.create_task(self._loop())
 
     async def shutdown(self) -> None:
@@ -465,8 +461,6 @@ class EmbeddedEngine(StepResults, EngineMemory):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._loop_threads is not None and torch.get_num_threads() != self._loop_threads:
-            torch.set_num_threads(self._loop_threads)
         self._task = None
 
     def follow(self) -> None:
@@ -494,6 +488,8 @@ class EmbeddedEngine(StepResults, EngineMemory):
                         await self._run(Step("call"))
                     continue
                 self._wake.clear()
+                if not self.config.step_thread:
+                    await asyncio.sleep(0)  # the tasks the last step woke run one await on
                 async with self._step_lock:
                     await self._settle_aborts()
                     if self._halted:
@@ -513,8 +509,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
             raise
 
     async def _run(self, step: Step) -> torch.Tensor | None:
-        if self._executor is None:  # on the loop's thread (``EmbeddedEngineConfig.step_thread``)
-            await asyncio.sleep(0)  # the tasks the last step woke run first
+        if not self.config.step_thread:  # on the loop's thread (``EmbeddedEngineConfig``)
             return self._broadcast_and_execute(step)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._broadcast_and_execute, step)
@@ -752,19 +747,26 @@ def run_engine(
 
     Every rank of the engine's TP group calls it: the scheduler (TP rank 0) runs the driver in a
     fresh event loop and returns its result; the other ranks execute steps and return None.
+    Steps run on this thread on the other ranks (and on the scheduler without a step thread)
+    set its torch thread count per step kind; the caller gets its own count back.
     """
-    if not engine.is_scheduler:
-        engine.follow()
-        return None
+    threads = torch.get_num_threads()
+    try:
+        if not engine.is_scheduler:
+            engine.follow()
+            return None
 
-    async def main() -> T:
-        await engine.start()
-        try:
-            return await driver(engine)
-        finally:
-            await engine.shutdown()
+        async def main() -> T:
+            await engine.start()
+            try:
+                return await driver(engine)
+            finally:
+                await engine.shutdown()
 
-    return asyncio.run(main())
+        return asyncio.run(main())
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def drive_all(engine: Any, requests: Sequence[GenerateRequest]) -> Awaitable[list[GenerateResult]]:

@@ -8,6 +8,8 @@ parallel state exists.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -65,23 +67,30 @@ FUSED_DEVICES = frozenset({"cpu", "cuda"})
 """Devices of torch's fused Adam/AdamW kernel (the emulated device runs the per-tensor loop)."""
 
 
-def fuse_torch_adam(optimizer) -> int:
-    """Switch the torch Adam/AdamW inside Megatron's optimizer (its fallback without TE/Apex:
-    a Python loop of ~8 ops per parameter, ``_single_tensor_adam``) to torch's fused kernel,
-    one pass per parameter: the same update up to float rounding, ~2-3% of a small model's
-    train step on CPU. Groups whose parameters are all on ``FUSED_DEVICES``; returns how many
-    groups were switched. Local."""
-    switched = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
+def fuse_torch_adam(optimizer: Any) -> None:
+    """Run the torch Adam/AdamW inside Megatron's optimizer (its fallback without TE/Apex: a
+    Python loop of ~8 ops per parameter, ``_single_tensor_adam``) as torch's fused kernel, one
+    pass per parameter -- the same update up to float rounding -- where every parameter of a
+    group is on ``FUSED_DEVICES``; elsewhere the loop. Also after optimizer state is loaded
+    (``orchestration.checkpoint``): torch restores the saved groups' ``fused`` with them, so it
+    is set again here, and a group switched to the kernel gets its ``step`` counters as float32
+    on the parameter's device, where the kernel reads them. Local."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(sub, "optimizer", None)
         if not isinstance(torch_optimizer, torch.optim.Adam):  # AdamW is one
             continue  # TE/Apex FusedAdam, SGD
         for group in torch_optimizer.param_groups:
-            on_device = all(p.device.type in FUSED_DEVICES for p in group["params"])
-            if on_device and not group.get("foreach") and not group.get("differentiable"):
-                group["fused"] = True
-                switched += 1
-    return switched
+            fused = (
+                all(p.device.type in FUSED_DEVICES for p in group["params"])
+                and not group.get("foreach")
+                and not group.get("differentiable")
+            )
+            if fused and not group.get("fused"):
+                for p in group["params"]:
+                    state = torch_optimizer.state.get(p)
+                    if state and "step" in state:
+                        state["step"] = state["step"].to(p.device, torch.float32)
+            group["fused"] = fused
 
 
 def wire_schedule_hooks(ddp_chunks: list[nn.Module], optimizer=None) -> None:

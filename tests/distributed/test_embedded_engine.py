@@ -167,8 +167,8 @@ def _mixed_requests(prompts, stop_id):
 
 def _mixed_run(layout, weights, prompts, stop_id, step_thread=True):
     """The same requests one at a time, then all at once through 3 KV rows (the rest wait);
-    and the event loop thread's torch threads after the engine stopped (2 before it; the
-    decode steps run on 1)."""
+    and this rank's torch threads after ``run_engine`` (2 before it; decode steps run on 1, on
+    this thread on a TP follower and without a step thread)."""
     import asyncio
 
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
@@ -203,14 +203,14 @@ def test_mixed_batch_equals_one_request_at_a_time(reference, layout, step_thread
     """Mixed prompt lengths, stop ids, max_new_tokens and sampling settings in one batch: every
     request gets exactly what it gets alone (greedy and seeded sampling, token for token); a
     batch over the KV budget (3 rows for 6 requests) waits, nothing fails. Steps in the worker
-    thread or on the event loop's thread (the trainer's rollouts), which gets its torch threads
-    back when the engine stops."""
+    thread or on the event loop's thread (``bench engine``); every rank's thread gets its torch
+    thread count back when the engine stops."""
     weights, expected = reference
     stop_id = expected[1][3]  # request 1 stops at its 4th greedy token
     args = (layout, weights, _prompts(), stop_id, step_thread)
-    out, threads = run_distributed(_mixed_run, layout.tp, args=args, timeout_s=180)[0]
-    assert threads == 2
-    alone, together, max_running = out
+    ranks = run_distributed(_mixed_run, layout.tp, args=args, timeout_s=180)
+    assert [threads for _, threads in ranks] == [2] * layout.tp  # the follower's too
+    alone, together, max_running = ranks[0][0]
     assert max_running <= 3
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert b.output_ids == a.output_ids, f"request {i}: {b.output_ids} != {a.output_ids}"

@@ -72,7 +72,9 @@ def test_bench_engine_end_to_end():
     assert a.greedy_tokens_compared == 2 * 4 and 0 <= a.greedy_tokens_agree <= 8
     assert result.settings["ours_processes"] == 1 and result.settings["hf_processes"] == 1
     assert result.settings["ours_decode_threads"] == 1  # the default: one decode thread
+    assert result.settings["ours_step_thread"] is False  # no second OpenMP team next to HF's
     report = format_report(result)
+    assert "steps on the event loop thread" in report
     assert "greedy tokens agreeing" in report
     assert sum(line.lstrip().startswith("2 ") for line in report.splitlines()) == 2
     assert json.loads(json.dumps(dataclasses.asdict(result)))["rows"][0]["batch"] == 2

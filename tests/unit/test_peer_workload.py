@@ -15,10 +15,12 @@ import pytest
 
 from megatron_earl.config.loader import load_config
 from megatron_earl.orchestration.bench_peer import (
+    COMPILE_KEY,
     OURS_PHASES,
     TRL_PHASES,
     Pair,
     RunSummary,
+    main,
     ours_summary,
     report,
     steady_state,
@@ -155,3 +157,11 @@ def test_report_compares_each_pair_with_its_best_trl_run():
     assert "TRL 1p median: 1.00 s/step, 100 tokens/s" in lines[5]
     assert "TRL 2p median: 1.00 s/step, 100 tokens/s" in lines[6]
     assert "1p x 2, 2p x 1" in lines[-1] and "decode step compiled" in lines[-1]
+
+
+def test_our_decode_step_is_set_by_the_flag_only(capsys):
+    """``--decode`` decides ``rollout.embedded.compile_decode`` on our side; the override next
+    to it would be silently replaced, so it is refused before anything runs."""
+    with pytest.raises(SystemExit):
+        main([f"{COMPILE_KEY}=false", "--work-dir", "/nonexistent/never-made"])
+    assert "--decode compiled|eager" in capsys.readouterr().err

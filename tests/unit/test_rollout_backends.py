@@ -109,8 +109,8 @@ def test_sglang_engines_need_urls_and_a_fixed_rollout_layout():
 
 def test_embedded_engine_settings_come_from_the_run_config():
     """``rollout.embedded`` reaches each layout's engine: decode threads everywhere, the compiled
-    decode step on tp1 layouts only (a tp > 1 engine the selector picks runs eagerly), steps on
-    the event loop's thread; a pinned
+    decode step on tp1 layouts only (a tp > 1 engine the selector picks runs eagerly), steps in
+    the engine's worker thread; a pinned
     tp > 1 rollout layout with ``compile_decode`` is refused before anything starts."""
     config = load_config(
         DEMO,
@@ -125,7 +125,7 @@ def test_embedded_engine_settings_come_from_the_run_config():
     settings = engine_config(config, tp1)
     assert (settings.compile_decode, settings.decode_threads) == (True, 2)
     assert (settings.max_batch_size, settings.max_seq_len) == (64, config.rollout.max_context)
-    assert settings.step_thread is False  # steps on the rollout's event loop thread
+    assert settings.step_thread  # the agent loops' timeouts keep running during a step
     assert engine_config(config, tp2).compile_decode is False
     assert engine_config(load_config(DEMO), tp1).compile_decode is False
     assert engine_config(load_config(DEMO), tp1).decode_threads == 1

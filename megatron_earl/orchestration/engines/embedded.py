@@ -47,9 +47,10 @@ from megatron_earl.tokenizer.base import ChatTokenizer
 
 def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineConfig:
     """The engine settings of ``layout``'s engine: KV rows for ``rollout.max_concurrency`` (at
-    most 64), ``rollout.max_context`` per row, ``rollout.embedded``'s threads, the compiled
-    decode step when asked for and ``layout`` has tp = 1 (else eager), and steps on the event
-    loop's thread (``EmbeddedEngineConfig.step_thread``). Pure."""
+    most 64), ``rollout.max_context`` per row, ``rollout.embedded``'s threads, and the compiled
+    decode step when asked for and ``layout`` has tp = 1 (else eager). Steps run in the
+    engine's worker thread (``EmbeddedEngineConfig.step_thread``): the agent loops' env and
+    reward timeouts keep running during a long step. Pure."""
     rollout = config.rollout
     return EmbeddedEngineConfig(
         max_batch_size=min(rollout.max_concurrency, 64),
@@ -57,7 +58,6 @@ def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineCo
         seed=config.seed,
         decode_threads=rollout.embedded.decode_threads,
         compile_decode=rollout.embedded.compile_decode and layout.tp == 1,
-        step_thread=False,  # the rollout's loop runs only agent loops: no per-step hand-off
     )
 
 
