@@ -44,12 +44,12 @@ MAIN = "main_param"
 """Suffix of the fp32 main copies of bf16/fp16 parameters in the combined plan."""
 
 
-def _sub_optimizers(optimizer: Any) -> list[Any]:
+def sub_optimizers(optimizer: Any) -> list[Any]:
     """The Megatron optimizers inside ``optimizer`` (a ``ChainedOptimizer`` holds several)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _torch_optimizer(sub: Any) -> torch.optim.Optimizer | None:
+def torch_optimizer(sub: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer a Megatron optimizer steps (None for stubs and other kinds)."""
     if isinstance(sub, torch.optim.Optimizer):
         return sub
@@ -61,7 +61,7 @@ def check_supported(optimizer: Any) -> None:
     """Raise ``ValueError`` unless ``optimizer``'s state can be moved between layouts. Local."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         if isinstance(sub, DistributedOptimizer):
             raise ValueError(
                 f"optimizer {type(sub).__name__} (use_distributed_optimizer=True) keeps Adam "
@@ -84,8 +84,8 @@ def init_adam_state(optimizer: Any) -> None:
 
     ``optimizer``: a Megatron optimizer (plain, Float16, distributed, chained) or a torch one;
     optimizers other than torch Adam/AdamW are left alone."""
-    for sub in _sub_optimizers(optimizer):
-        inner = _torch_optimizer(sub)
+    for sub in sub_optimizers(optimizer):
+        inner = torch_optimizer(sub)
         if not isinstance(inner, torch.optim.Adam):
             continue
         for group in inner.param_groups:
@@ -119,8 +119,8 @@ def _master_tensors(optimizer: Any) -> dict[int, tuple[torch.Tensor, dict[str, A
     """``id(model parameter)`` -> (the tensor the optimizer updates, its Adam state): the
     parameter itself, or its fp32 main copy under ``Float16OptimizerWithFloat16Params``."""
     out: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
-    for sub in _sub_optimizers(optimizer):
-        inner = _torch_optimizer(sub)
+    for sub in sub_optimizers(optimizer):
+        inner = torch_optimizer(sub)
         if inner is None:
             continue
         for group in inner.param_groups:

@@ -16,6 +16,7 @@ from torch import nn
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.parallel.oom_agreement import agreement_point
+from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
 
 
 def wrap_ddp(model_chunks: list[nn.Module], optim: OptimConfig) -> list[nn.Module]:
@@ -75,11 +76,11 @@ def fuse_torch_adam(optimizer: Any) -> None:
     (``orchestration.checkpoint``): torch restores the saved groups' ``fused`` with them, so it
     is set again here, and a group switched to the kernel gets its ``step`` counters as float32
     on the parameter's device, where the kernel reads them. Local."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(sub, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.Adam):  # AdamW is one
+    for sub in sub_optimizers(optimizer):
+        adam = torch_optimizer(sub)
+        if not isinstance(adam, torch.optim.Adam):  # AdamW is one
             continue  # TE/Apex FusedAdam, SGD
-        for group in torch_optimizer.param_groups:
+        for group in adam.param_groups:
             fused = (
                 all(p.device.type in FUSED_DEVICES for p in group["params"])
                 and not group.get("foreach")
@@ -87,7 +88,7 @@ def fuse_torch_adam(optimizer: Any) -> None:
             )
             if fused and not group.get("fused"):
                 for p in group["params"]:
-                    state = torch_optimizer.state.get(p)
+                    state = adam.state.get(p)
                     if state and "step" in state:
                         state["step"] = state["step"].to(p.device, torch.float32)
             group["fused"] = fused
