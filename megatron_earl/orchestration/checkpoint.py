@@ -313,6 +313,38 @@ def _init_empty_adam_state(optimizer: Any) -> None:
             init_adam_state(sub)
 
 
+@torch.no_grad()
+def _separate_adam_steps(optimizer: Any) -> None:
+    """Give every parameter of a just-loaded distributed optimizer's torch Adam (no Apex/TE) its
+    own ``step`` counter, set to the saved step.
+
+    megatron-core 0.16 loads that step into the param groups (``group["step"]``), hands one
+    tensor to every parameter, and then overwrites it with the step of the template state
+    (``load_parameter_state_from_dp_reshardable`` copies the template's ``step``: 0 here). Left
+    so, the next update would see step 0, and torch would add 1 to the shared tensor once per
+    parameter: Adam's bias correction would be wrong from the resume on. Local."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
+
+    for sub in sub_optimizers(optimizer):
+        adam = torch_optimizer(sub)
+        if not isinstance(sub, DistributedOptimizer) or not isinstance(adam, torch.optim.Adam):
+            continue
+        for group in adam.param_groups:
+            if "step" not in group:  # TE/Apex FusedAdam keeps no per-parameter step
+                continue
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            for p in group["params"]:
+                state = adam.state.get(p)
+                if state and "step" in state:
+                    old = state["step"]
+                    device = p.device if on_device else old.device
+                    state["step"] = torch.tensor(
+                        float(group["step"]), dtype=old.dtype, device=device
+                    )
+
+
 def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:
     return {f"model{i}": unwrap_chunk(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
@@ -437,6 +469,7 @@ def load_checkpoint(
     if want_optimizer:
         with cpu_redirect.when_applied(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
+            _separate_adam_steps(optimizer)
             fuse_torch_adam(optimizer)  # the saved groups' ``fused`` came back with them
     if want_rng:
         _set_rng_state(loaded["rng_state"])

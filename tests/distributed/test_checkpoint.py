@@ -7,7 +7,8 @@
   steps' losses equal an uninterrupted run bitwise;
 - a save that fails after writing its files leaves ``latest`` on the previous checkpoint, the
   ``.tmp`` directory is ignored and cleaned;
-- the distributed optimizer (torch-Adam fallback, 'dp_reshardable' state) reshards over DP and
+- the distributed optimizer (torch-Adam fallback, 'dp_reshardable' state) resumes at DP2 and DP1
+  with the uninterrupted run's next three losses (each parameter its own Adam step counter) and
   refuses another TP with a message naming both;
 - retention keeps the last K plus every N-th; a missing path is a clear error.
 """
@@ -147,17 +148,20 @@ def test_tp2_checkpoint_loads_in_other_layouts(tp2_checkpoint, layout):
         assert abs(res["next_loss"] - ref["next_loss"]) < 1e-5, (res["next_loss"], ref)
 
 
-def _distopt_save(save_dir: str):
+def _distopt_save(save_dir: str) -> list[float]:
+    """DP2, distributed optimizer: two steps, save (Adam at step 2), then three more steps."""
     from megatron_earl.orchestration.checkpoint import save_checkpoint
 
     ddp, optimizer = _setup(ParallelLayout(dp=2), MODEL, distributed_optimizer=True)
-    _step(ddp, optimizer, 0)
-    save_checkpoint(CheckpointConfig(dir=save_dir), 1, ddp, optimizer)
-    return _step(ddp, optimizer, 1)
+    for step in range(2):
+        _step(ddp, optimizer, step)
+    save_checkpoint(CheckpointConfig(dir=save_dir), 2, ddp, optimizer)
+    return [_step(ddp, optimizer, step) for step in range(2, 5)]
 
 
 def _distopt_load(save_dir: str, layout: ParallelLayout):
     from megatron_earl.orchestration.checkpoint import load_checkpoint
+    from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
 
     ddp, optimizer = _setup(layout, MODEL, distributed_optimizer=True)
     try:
@@ -165,15 +169,25 @@ def _distopt_load(save_dir: str, layout: ParallelLayout):
     except CheckpointError as err:
         return str(err)
     assert state.optimizer_restored
-    return _step(ddp, optimizer, state.step)
+    steps = [
+        s["step"] for sub in sub_optimizers(optimizer) for s in torch_optimizer(sub).state.values()
+    ]
+    assert len({id(t) for t in steps}) == len(steps), "parameters share one step counter"
+    assert {float(t) for t in steps} == {2.0}, steps
+    return [_step(ddp, optimizer, step) for step in range(state.step, state.step + 3)]
 
 
 def test_distributed_optimizer_reshards_over_dp(tmp_path):
     """Torch-Adam fallback (no Apex/TE): the distributed optimizer's state is saved as
-    'dp_reshardable': it loads at another DP size, and another TP is refused by name."""
+    'dp_reshardable': it loads at the same and at another DP size, and the three steps after
+    the resume equal the uninterrupted run's (the 2nd and 3rd depend on Adam's moments and step
+    count); another TP is refused by name."""
     ref = run_distributed(_distopt_save, 2, args=(str(tmp_path),), timeout_s=180)[0]
-    dp1 = run_distributed(_distopt_load, 1, args=(str(tmp_path), ParallelLayout()), timeout_s=120)
-    assert abs(dp1[0] - ref) < 1e-6, (dp1, ref)
+    for layout in (ParallelLayout(dp=2), ParallelLayout()):
+        resumed = run_distributed(
+            _distopt_load, layout.world_size, args=(str(tmp_path), layout), timeout_s=120
+        )[0]
+        torch.testing.assert_close(resumed, ref, rtol=0, atol=1e-6, msg=str(layout))
     tp2 = run_distributed(
         _distopt_load, 2, args=(str(tmp_path), ParallelLayout(tp=2)), timeout_s=120
     )
