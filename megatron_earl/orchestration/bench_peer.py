@@ -23,7 +23,11 @@ model-generated, trainable tokens; tool outputs are not counted, on both sides).
 workload: each run's median over the pairs, the median of the per-pair ratios ours/TRL (each
 pair against its best TRL run, labelled with its process count), the per-phase breakdown (ours:
 rollout / experience / train; TRL: generate, with rewards and advantages / update: loss and
-optimizer) and the settings. Figures from a busy machine say little: measure on a quiet one.
+optimizer), the token positions each update's forward computes per step next to the real
+(prompt + completion) tokens (ours packs, less the prompts prefix sharing computes once; TRL pads
+every sample to the longest prompt + longest completion of its batch, so one long multi-turn
+conversation can double its update) and the settings. Figures from a busy machine say little:
+measure on a quiet one.
 """
 
 from __future__ import annotations
@@ -72,11 +76,24 @@ class RunSummary:
     """Mean completion tokens per measured step."""
     phases: dict[str, float] = field(default_factory=dict)
     """Mean time of each phase per measured step."""
+    forward_per_step: float = 0.0
+    """Mean token positions the update's forward computes per measured step (0: not known):
+    ours the trajectories' tokens less those prefix sharing computes once; TRL its padded batch,
+    samples x (longest prompt + longest completion)."""
+    real_per_step: float = 0.0
+    """Mean prompt + completion tokens per measured step (tool responses included)."""
 
 
-def steady_state(steps: list[dict], tokens: list[float], phases: tuple[str, ...]) -> RunSummary:
+def steady_state(
+    steps: list[dict],
+    tokens: list[float],
+    phases: tuple[str, ...],
+    forward: list[float] | None = None,
+    real: list[float] | None = None,
+) -> RunSummary:
     """Summary of ``steps`` (records with ``time/step`` and ``time/<phase>``; ``tokens`` their
-    completion tokens) without the first (warm-up) step; needs at least two steps."""
+    completion tokens; ``forward`` / ``real`` their update's forward positions and real tokens,
+    when known) without the first (warm-up) step; needs at least two steps."""
     if len(steps) < 2 or len(tokens) != len(steps):
         raise ValueError(f"need >= 2 steps with token counts, got {len(steps)} / {len(tokens)}")
     kept, kept_tokens = steps[1:], tokens[1:]
@@ -86,21 +103,33 @@ def steady_state(steps: list[dict], tokens: list[float], phases: tuple[str, ...]
         tokens_per_s=sum(kept_tokens) / seconds,
         tokens_per_step=sum(kept_tokens) / len(kept),
         phases={p: statistics.fmean(r[f"time/{p}"] for r in kept) for p in phases},
+        forward_per_step=statistics.fmean(forward[1:]) if forward else 0.0,
+        real_per_step=statistics.fmean(real[1:]) if real else 0.0,
     )
 
 
 def ours_summary(metrics_jsonl: Path) -> RunSummary:
     """Our run's summary from its metrics log (completion tokens per step = mean response
-    length x trajectories: the loss-mask tokens)."""
+    length x trajectories: the loss-mask tokens; the train forward's positions = the
+    trajectories' tokens less ``train/num_shared_tokens``)."""
     steps = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
     tokens = [r["response_len/mean"] * r["rollout/trajectories"] for r in steps]
-    return steady_state(steps, tokens, OURS_PHASES)
+    real = [r["rollout/tokens"] for r in steps]
+    forward = [r["rollout/tokens"] - r.get("train/num_shared_tokens", 0.0) for r in steps]
+    return steady_state(steps, tokens, OURS_PHASES, forward, real)
 
 
 def trl_summary(result: dict) -> RunSummary:
     """The TRL run's summary from ``peer_trl``'s JSON document."""
     steps = result["steps"]
-    return steady_state(steps, [r["completion_tokens"] for r in steps], TRL_PHASES)
+    known = all("forward_positions" in r for r in steps)
+    return steady_state(
+        steps,
+        [r["completion_tokens"] for r in steps],
+        TRL_PHASES,
+        [r["forward_positions"] for r in steps] if known else None,
+        [r["real_tokens"] for r in steps] if known else None,
+    )
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
@@ -211,11 +240,16 @@ def _median_line(label: str, runs: list[RunSummary], phases: tuple[str, ...]) ->
     phase_text = ", ".join(
         f"{p} {statistics.median(r.phases[p] for r in runs):.2f} s" for p in phases
     )
-    return (
+    line = (
         f"  {label} median: {statistics.median(r.s_per_step for r in runs):.2f} s/step, "
         f"{statistics.median(r.tokens_per_s for r in runs):.0f} tokens/s, "
         f"{statistics.median(r.tokens_per_step for r in runs):.0f} tokens/step ({phase_text})"
     )
+    if all(r.forward_per_step for r in runs):
+        forward = statistics.median(r.forward_per_step for r in runs)
+        real = statistics.median(r.real_per_step for r in runs)
+        line += f"; update forward over {forward:.0f} positions/step ({real:.0f} real tokens)"
+    return line
 
 
 def report(name: str, settings: PeerSettings, pairs: list[Pair], info: dict) -> list[str]:

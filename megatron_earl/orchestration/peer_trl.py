@@ -27,8 +27,10 @@ Timing: wall time per optimizer step (``on_step_begin`` -> ``on_step_end``) and,
 time of ``_generate_and_score_completions`` (generation, rewards, advantages; TRL skips the
 old-log-prob forward here: one generation per optimizer step is on-policy); the rest is the
 loss forward/backward and the optimizer step. Completion tokens = model-generated tokens
-(``completion_mask * env_mask``, summed over the processes). Rank 0 writes one JSON document:
-per-step records (its clock) and the settings.
+(``completion_mask * env_mask``, summed over the processes). The update's forward runs over the
+padded batch: ``forward_positions`` = samples x (longest prompt + longest completion), next to
+its ``real_tokens`` (prompt + completion tokens, tool responses included). Rank 0 writes one JSON
+document: per-step records (its clock) and the settings.
 """
 
 from __future__ import annotations
@@ -187,13 +189,21 @@ def run(
             mask = out["completion_mask"]
             if "tool_mask" in out:
                 mask = mask * out["tool_mask"]
+            prompt, completion = out["prompt_mask"], out["completion_mask"]
+            # the update's forward runs over the padded [prompt | completion] batch
+            width = prompt.size(1) + completion.size(1)
+            real = prompt.sum() + completion.sum()
             # every process calls: the step's counts over all of them
-            counts = self.accelerator.gather(torch.tensor([[mask.sum(), mask.size(0)]]))
+            counts = self.accelerator.gather(
+                torch.tensor([[mask.sum(), mask.size(0), mask.size(0) * width, real]])
+            )
             records.append(
                 {
                     f"time/{TRL_GENERATE}": time.perf_counter() - start,
                     "completion_tokens": float(counts[:, 0].sum()),
                     "samples": float(counts[:, 1].sum()),
+                    "forward_positions": float(counts[:, 2].sum()),
+                    "real_tokens": float(counts[:, 3].sum()),
                 }
             )
             return out

@@ -1,7 +1,8 @@
 """``bench peer`` end to end on a tiny setting (needs trl: the ``[bench]`` extra; skipped without):
 
 - the TRL side's multi-turn workload on real ``GRPOTrainer`` (its ``rollout_func`` path) trains
-  and reports per-step times and completion tokens within the workload's bounds;
+  and reports per-step times and completion tokens within the workload's bounds, and the
+  positions its update's forward computes (its padded batch: at least the real tokens);
 - the whole command (start weights, our run under torchrun, the TRL run, the report) for one
   pair of the single-turn workload, two steps per run, ours on one process, TRL on two (torchrun,
   gloo: the multi-process path; the one-process path is the test above).
@@ -46,6 +47,9 @@ def test_trl_side_runs_the_multi_turn_workload(tmp_path):
         assert step["samples"] == 4
         assert 4 <= step["completion_tokens"] <= 4 * settings.max_turns * 8
         assert 0 < step["time/generate"] < step["time/step"]
+        # the padded batch: at least the real tokens, and a multiple of the 4 rows
+        assert step["forward_positions"] >= step["real_tokens"] > step["completion_tokens"]
+        assert step["forward_positions"] % 4 == 0
 
 
 @pytest.mark.slow
@@ -67,3 +71,4 @@ def test_bench_peer_end_to_end(tmp_path):
     for summary in (pair["ours"], pair["trl"]["2"]):
         assert summary["s_per_step"] > 0 and summary["tokens_per_s"] > 0
         assert 4 <= summary["tokens_per_step"] <= 4 * 8  # 4 samples, one turn of <= 8 tokens
+        assert summary["forward_per_step"] > 0 and summary["real_per_step"] > 0

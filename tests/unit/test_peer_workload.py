@@ -24,6 +24,7 @@ from megatron_earl.orchestration.bench_peer import (
     ours_summary,
     report,
     steady_state,
+    trl_summary,
 )
 from megatron_earl.orchestration.peer_workload import (
     WORKLOADS,
@@ -127,14 +128,29 @@ def test_ours_counts_trainable_tokens(tmp_path):
             "response_len/mean": 30.0,
             "rollout/trajectories": 64.0,
             "rollout/tokens": 5000.0,  # prompts and tool outputs too: not counted
+            "train/num_shared_tokens": shared,
         }
-        for t in (9.0, 4.0, 4.0)
+        for t, shared in ((9.0, 0.0), (4.0, 600.0), (4.0, 800.0))
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     got = ours_summary(path)
     assert (got.s_per_step, got.tokens_per_step, got.tokens_per_s) == (4.0, 1920.0, 480.0)
     assert got.phases == {"rollout": 2.0, "experience": 1.0, "train": 1.0}
+    # the train forward computes every trajectory token but those prefix sharing skips
+    assert (got.forward_per_step, got.real_per_step) == (4300.0, 5000.0)
+
+
+def test_trl_forward_positions_are_its_padded_batch():
+    records = [
+        {"time/step": t, "time/generate": 1.0, "time/update": t - 1.0, "completion_tokens": 90.0}
+        for t in (5.0, 2.0, 3.0)
+    ]
+    assert trl_summary({"steps": records}).forward_per_step == 0.0  # an older document
+    for r, width in zip(records, (70, 40, 60)):
+        r.update(forward_positions=4.0 * width, real_tokens=120.0)
+    got = trl_summary({"steps": records})
+    assert (got.forward_per_step, got.real_per_step) == (200.0, 120.0)
 
 
 def test_report_compares_each_pair_with_its_best_trl_run():
@@ -154,6 +170,12 @@ def test_report_compares_each_pair_with_its_best_trl_run():
     assert "median of per-pair ratios 2.00" in lines[-2]
     assert "1p x2, 2p x1" in lines[-2]
     assert "ours median: 1.00 s/step, 300 tokens/s" in lines[4]
+    assert "positions/step" not in lines[4]  # not known: not printed
+    pairs[0].trl[1].forward_per_step, pairs[0].trl[1].real_per_step = 900.0, 600.0
+    for pair in pairs[1:]:
+        pair.trl[1] = dataclasses.replace(pairs[0].trl[1], forward_per_step=700.0)
+    line = report("single-turn", _settings("single-turn"), pairs, info)[5]
+    assert line.endswith("; update forward over 700 positions/step (600 real tokens)"), line
     assert "TRL 1p median: 1.00 s/step, 100 tokens/s" in lines[5]
     assert "TRL 2p median: 1.00 s/step, 100 tokens/s" in lines[6]
     assert "1p x 2, 2p x 1" in lines[-1] and "decode step compiled" in lines[-1]
