@@ -2,7 +2,7 @@
 updated parameters and metrics as one process on the same data (fp32, tolerance 1e-5); GRPO on a
 toy bandit raises the probability of the rewarded token; bad input is handled the documented way
 on every rank (dropped and counted, or one clear error everywhere; a non-finite update is
-skipped)."""
+skipped; a non-finite gradient on one rank is seen on every rank)."""
 
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ def _bad_inputs():
 
     from megatron_earl.redistribute.geometry import shard_pieces
     from megatron_earl.training.logprobs import output_weight
-    from megatron_earl.training.rl_step import rl_train_step
+    from megatron_earl.training.rl_step import _grads_finite, rl_train_step
 
     chunks, ddp, optimizer, _ = _setup(ParallelLayout(dp=2), None)
     rank = parallel_state.get_data_parallel_rank()
@@ -287,6 +287,15 @@ def _bad_inputs():
     no_rollout = base if rank == 0 else [{k: v for k, v in s.items() if k != "rollout_logprobs"}
                                          for s in base]  # fmt: skip
     attempt("no_rollout", no_rollout, _config(SEQ_MIS))
+    # the gradient check: an inf in one parameter's gradient on rank 1 only is seen everywhere
+    params = [p for p in ddp[0].parameters() if p.requires_grad]
+    grad = params[len(params) // 2].main_grad.view(-1)
+    out["grads_finite"] = [_grads_finite(ddp)]
+    with torch.no_grad():
+        if rank == 1:
+            grad[grad.numel() // 2] = float("inf")
+        out["grads_finite"].append(_grads_finite(ddp))
+        grad.zero_()
     # 6. a NaN weight: non-finite loss and grads, the update is skipped
     with torch.no_grad():
         output_weight(chunks[0])[5, 0] = float("nan")
@@ -315,3 +324,4 @@ def test_bad_input_is_reported_or_rejected_on_every_rank():
         assert nan_weight["skipped_step"] == 1 and nan_weight["update_ok"] == 0
         assert math.isnan(nan_weight["grad_norm"])
         assert out["unchanged"]
+        assert out["grads_finite"] == [True, False]
