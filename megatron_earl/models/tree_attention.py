@@ -91,25 +91,24 @@ class TreeAttention:
 
 
 def _batch(rows: list[Row]) -> AttentionBatch:
-    width = max(r.own[1] - r.own[0] for r in rows)
-    num_keys = max(r.num_keys for r in rows)
-    queries = torch.empty(len(rows), width, dtype=torch.long)
-    keys = torch.empty(len(rows), num_keys, dtype=torch.long)
-    limit = torch.empty(len(rows), width, dtype=torch.long)
-    picks, tokens = [], []
-    for i, r in enumerate(rows):
-        own = torch.arange(*r.own)
-        f, n = r.prefix[1] - r.prefix[0], own.numel()
-        queries[i] = own[torch.arange(width).clamp(max=n - 1)]
-        row_keys = torch.cat([torch.arange(*r.prefix), own])
-        keys[i] = row_keys[torch.arange(num_keys).clamp(max=f + n - 1)]
-        limit[i] = f + torch.arange(width)
-        picks.append(i * width + torch.arange(n))
-        tokens.append(own)
+    """The padded indices of ``rows``, built for all rows at once (a few tensor ops, not a few
+    per row)."""
+    spans = [(r.own[0], r.own[1] - r.own[0], r.prefix[0], r.prefix[1] - r.prefix[0]) for r in rows]
+    # per row [R, 1]: own start, own length, prefix start, prefix length
+    own0, n, p0, f = torch.tensor(spans, dtype=torch.long).T[:, :, None]
+    width, num_keys = int(n.max()), int((f + n).max())
+    j, k = torch.arange(width)[None, :], torch.arange(num_keys)[None, :]
+    queries = own0 + torch.minimum(j, n - 1)  # padding repeats the row's last query
+    k = torch.minimum(k, f + n - 1)  # ... and its last key
+    keys = torch.where(k < f, p0 + k, own0 + k - f)
+    limit = f + j
+    real = j < n
+    picks = (torch.arange(len(rows))[:, None] * width + j)[real.expand(len(rows), -1)]
+    tokens = (own0 + j)[real.expand(len(rows), -1)]
     mask = None
-    if any(r.prefix[1] > r.prefix[0] for r in rows):
+    if bool((f > 0).any()):
         mask = (torch.arange(num_keys)[None, None, :] <= limit[:, :, None]).unsqueeze(1)
-    return AttentionBatch(queries, keys, mask, torch.cat(picks), torch.cat(tokens))
+    return AttentionBatch(queries, keys, mask, picks, tokens)
 
 
 def plan_tree_attention(rows: list[Row]) -> TreeAttention:
@@ -139,17 +138,17 @@ def _fill(
     """Batches of ``rows[i] for i in group`` within ``max_elements`` each (rows alone over it go
     to ``large``)."""
     chosen: list[Row] = []
+    width = keys = 0  # the longest queries and keys of ``chosen``
     for r in (rows[i] for i in group):
-        if (r.own[1] - r.own[0]) * r.num_keys > max_elements:
+        n = r.own[1] - r.own[0]
+        if n * r.num_keys > max_elements:
             large.append(r)
             continue
-        candidate = [*chosen, r]
-        width = max(c.own[1] - c.own[0] for c in candidate)
-        keys = max(c.num_keys for c in candidate)
-        if chosen and len(candidate) * width * keys > max_elements:
+        if chosen and (len(chosen) + 1) * max(width, n) * max(keys, r.num_keys) > max_elements:
             batches.append(_batch(chosen))
-            candidate = [r]
-        chosen = candidate
+            chosen, width, keys = [], 0, 0
+        chosen.append(r)
+        width, keys = max(width, n), max(keys, r.num_keys)
     if chosen:
         batches.append(_batch(chosen))
 

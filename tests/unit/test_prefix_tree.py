@@ -141,6 +141,36 @@ def test_tree_attention_plan_equals_the_tree_mask(monkeypatch, max_elements):
         assert {r.own for r in plan.large} == {(5, 11), (11, 15)}
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_trees_plan_their_tree_mask(monkeypatch, seed):
+    """Random rows (prefixes of 0-9 tokens, 1-6 branches of 0-12 tokens each, and plain
+    samples), batched under a random budget: the plan's mask is the tree's, every query once."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    monkeypatch.setattr(tree_attention, "MASK_ELEMENTS", draw(8, 400))
+    rows, end = [], 0
+    for _ in range(draw(1, 5)):
+        f = draw(0, 9)
+        if f:
+            rows.append(Row((end, end), (end, end + f)))
+        prefix, end = (end, end + f), end + f
+        for _ in range(draw(1, 6)):
+            n = draw(0, 12)
+            rows.append(Row(prefix, (end, end + n)))
+            end += n
+    plan = plan_tree_attention(rows)
+    assert torch.equal(_planned_mask(plan, rows, end), _brute_force_mask(rows, end))
+    planned = [t for b in plan.batches for t in b.tokens.tolist()]
+    planned += [t for r in plan.large for t in range(*r.own)]
+    assert sorted(planned) == list(range(end))
+    for b in plan.batches:  # padding repeats real indices: every gather stays in the row
+        for index in (b.queries, b.keys):
+            assert 0 <= int(index.min()) and int(index.max()) < end
+
+
 def test_plan_tree_refuses_groups_that_are_not_a_partition_or_prefixes_too_long():
     with pytest.raises(ValueError, match=r"not a partition of 3 samples"):
         plan_tree([4, 4, 4], [[0, 1]], [0])
