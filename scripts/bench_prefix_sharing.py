@@ -1,7 +1,7 @@
 """Prefix-shared (tree) packing against whole-sample packing: one RL train step and one
 forward-only log-prob pass on the same GRPO-shaped micro-batch, interleaved in one process.
 
-    python scripts/bench_prefix_sharing.py [--rounds 5] [--cases 13:43:8:4,512:64:8:2]
+    python scripts/bench_prefix_sharing.py [--rounds 5] [--cases 13:43:8:4,512:64:8:2] [--hf]
 
 A case is ``prompt:completion:group_size:groups``: ``groups`` prompts of ``prompt`` tokens, each
 with ``group_size`` completions of up to ``completion`` tokens (lengths spread over the upper
@@ -11,6 +11,15 @@ timed call includes its packing (``thd_micro_batch`` or ``tree_micro_batch``: th
 detection and the attention plan too). Prints per case the tokens each packing computes and the
 median seconds of each (train step: forward, backward, optimizer step; log-probs: forward only),
 with the ratio whole / tree.
+
+``--hf`` adds, interleaved in the same rounds, Hugging Face's train step as TRL's
+``GRPOTrainer`` runs it on the same samples: a ``LlamaForCausalLM`` of the same shape (its own
+random weights), one batch with the prompts left- and the completions right-padded to the
+longest (TRL's layout: every sample computes every position of the padded batch), logits of
+the completion positions only, a clipped-ratio loss over the completion tokens, backward,
+gradient clipping at 1.0 and torch's AdamW. It prints the positions that batch holds and its
+median seconds next to our tree step's. (The demo's samples of a case share their prompt length,
+so TRL's left padding is empty here; right padding is what differs.)
 """
 
 from __future__ import annotations
@@ -51,7 +60,51 @@ def _fields(prompt: int, completion: int, group_size: int, groups: int):
     return fields, [s["tokens"].numel() for s in samples]
 
 
-def _job(cases: list[tuple[int, int, int, int]], rounds: int) -> list[dict]:
+def _hf_step(fields: dict[str, torch.Tensor], lengths: list[int], prompt: int):
+    """TRL's train step on the samples (``--hf``, module doc): a callable, and the positions of
+    its padded batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=MODEL.vocab_size,
+        hidden_size=MODEL.hidden_size,
+        intermediate_size=MODEL.ffn_hidden_size,
+        num_hidden_layers=MODEL.num_layers,
+        num_attention_heads=MODEL.num_attention_heads,
+        num_key_value_heads=MODEL.num_query_groups,
+        max_position_embeddings=MODEL.max_position_embeddings,
+        rms_norm_eps=MODEL.norm_epsilon,
+        rope_theta=MODEL.rotary_base,
+        tie_word_embeddings=MODEL.tie_embeddings,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    samples = torch.split(fields["tokens"], lengths)
+    width = max(lengths) - prompt  # the longest completion
+    ids = torch.zeros(len(samples), prompt + width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, tokens in enumerate(samples):
+        ids[i, : tokens.numel()], mask[i, : tokens.numel()] = tokens, 1
+    completion, keep = ids[:, prompt:], mask[:, prompt:].float()
+    advantages = torch.randn(len(samples), 1, generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width + 1).logits
+        logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, completion[..., None])
+        ratio = torch.exp(logps[..., 0] - logps[..., 0].detach())
+        clipped = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
+        loss = -(clipped * keep).sum() / keep.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, ids.numel()
+
+
+def _job(cases: list[tuple[int, int, int, int]], rounds: int, hf: bool = False) -> list[dict]:
     torch.set_num_threads(1)
     from megatron_earl import runtime
     from megatron_earl.config.loss import PolicyLossConfig
@@ -85,6 +138,9 @@ def _job(cases: list[tuple[int, int, int, int]], rounds: int) -> list[dict]:
         fields, lengths = _fields(*case)
         times: dict[str, list[float]] = {f"{p} {k}": [] for p in packings for k in ("train", "lp")}
         tokens = {p: pack(fields, lengths)["tokens"].numel() for p, pack in packings.items()}
+        if hf:
+            hf_step, tokens["hf"] = _hf_step(fields, lengths, case[0])
+            times["hf train"] = []
         for r in range(rounds + 1):  # round 0 warms up
             for name, pack in packings.items():
                 start = time.perf_counter()
@@ -96,6 +152,11 @@ def _job(cases: list[tuple[int, int, int, int]], rounds: int) -> list[dict]:
                 if r:
                     times[f"{name} train"].append(middle - start)
                     times[f"{name} lp"].append(end - middle)
+            if hf:
+                start = time.perf_counter()
+                hf_step()
+                if r:
+                    times["hf train"].append(time.perf_counter() - start)
         medians = {k: statistics.median(v) for k, v in times.items()}
         out.append({"case": case, "tokens": tokens, "medians": medians})
     return out
@@ -105,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case")
     parser.add_argument("--cases", default="13:43:8:4,512:64:8:2", help="p:c:group_size:groups")
+    parser.add_argument("--hf", action="store_true", help="also HF's train step, TRL's layout")
     args = parser.parse_args(argv)
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",") if c]
     if args.rounds < 1 or any(len(c) != 4 or min(c) < 1 for c in cases):
         parser.error(f"--rounds {args.rounds} < 1 or --cases {args.cases!r} not p:c:g:n >= 1")
-    (results,) = run_distributed(_job, 1, args=(cases, args.rounds), timeout_s=1800)
+    (results,) = run_distributed(_job, 1, args=(cases, args.rounds, args.hf), timeout_s=1800)
     print(
         f"model {MODEL.num_layers} layers x hidden {MODEL.hidden_size}, fp32, 1 process x 1 "
         f"thread, median of {args.rounds} interleaved rounds, packing included"
@@ -123,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             f"s, tree {m['tree train']:.4f} s ({m['whole train'] / m['tree train']:.2f}x); "
             f"log-probs whole {m['whole lp']:.4f} s, tree {m['tree lp']:.4f} s "
             f"({m['whole lp'] / m['tree lp']:.2f}x)"
+            + (
+                f"; HF train step (TRL's padded batch) {t['hf']} positions {m['hf train']:.4f} s "
+                f"(HF / tree {m['hf train'] / m['tree train']:.2f}x)"
+                if "hf" in t
+                else ""
+            )
         )
     return 0
 

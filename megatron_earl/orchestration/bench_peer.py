@@ -24,10 +24,10 @@ workload: each run's median over the pairs, the median of the per-pair ratios ou
 pair against its best TRL run, labelled with its process count), the per-phase breakdown (ours:
 rollout / experience / train; TRL: generate, with rewards and advantages / update: loss and
 optimizer), the token positions each update's forward computes per step next to the real
-(prompt + completion) tokens (ours packs, less the prompts prefix sharing computes once; TRL pads
-every sample to the longest prompt + longest completion of its batch, so one long multi-turn
-conversation can double its update) and the settings. Figures from a busy machine say little:
-measure on a quiet one.
+(prompt + completion) tokens (ours packs, and prefix sharing computes each group's prompt once;
+TRL pads every sample to the longest prompt + longest completion of its batch, so the longest
+conversation of a step sets its update's cost) and the settings. Figures from a busy machine
+say little: measure on a quiet one.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_earl.config.vocab import Phase
@@ -74,13 +74,13 @@ class RunSummary:
     """Completion tokens of the measured steps / their time."""
     tokens_per_step: float
     """Mean completion tokens per measured step."""
-    phases: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float]
     """Mean time of each phase per measured step."""
-    forward_per_step: float = 0.0
-    """Mean token positions the update's forward computes per measured step (0: not known):
-    ours the trajectories' tokens less those prefix sharing computes once; TRL its padded batch,
-    samples x (longest prompt + longest completion)."""
-    real_per_step: float = 0.0
+    forward_per_step: float
+    """Mean token positions the update's forward computes per measured step: ours the
+    trajectories' tokens less the prompt tokens (all but the last) that prefix sharing does not
+    compute again; TRL its padded batch, samples x (longest prompt + longest completion)."""
+    real_per_step: float
     """Mean prompt + completion tokens per measured step (tool responses included)."""
 
 
@@ -88,14 +88,17 @@ def steady_state(
     steps: list[dict],
     tokens: list[float],
     phases: tuple[str, ...],
-    forward: list[float] | None = None,
-    real: list[float] | None = None,
+    forward: list[float],
+    real: list[float],
 ) -> RunSummary:
     """Summary of ``steps`` (records with ``time/step`` and ``time/<phase>``; ``tokens`` their
-    completion tokens; ``forward`` / ``real`` their update's forward positions and real tokens,
-    when known) without the first (warm-up) step; needs at least two steps."""
-    if len(steps) < 2 or len(tokens) != len(steps):
-        raise ValueError(f"need >= 2 steps with token counts, got {len(steps)} / {len(tokens)}")
+    completion tokens, ``forward`` / ``real`` their update's forward positions and real tokens)
+    without the first (warm-up) step; needs at least two steps."""
+    counts = [len(tokens), len(forward), len(real)]
+    if len(steps) < 2 or counts != [len(steps)] * 3:
+        raise ValueError(
+            f"need >= 2 steps with token counts, got {len(steps)} steps and {counts} counts"
+        )
     kept, kept_tokens = steps[1:], tokens[1:]
     seconds = sum(r["time/step"] for r in kept)
     return RunSummary(
@@ -103,32 +106,32 @@ def steady_state(
         tokens_per_s=sum(kept_tokens) / seconds,
         tokens_per_step=sum(kept_tokens) / len(kept),
         phases={p: statistics.fmean(r[f"time/{p}"] for r in kept) for p in phases},
-        forward_per_step=statistics.fmean(forward[1:]) if forward else 0.0,
-        real_per_step=statistics.fmean(real[1:]) if real else 0.0,
+        forward_per_step=statistics.fmean(forward[1:]),
+        real_per_step=statistics.fmean(real[1:]),
     )
 
 
 def ours_summary(metrics_jsonl: Path) -> RunSummary:
     """Our run's summary from its metrics log (completion tokens per step = mean response
     length x trajectories: the loss-mask tokens; the train forward's positions = the
-    trajectories' tokens less ``train/num_shared_tokens``)."""
+    trajectories' tokens less ``train/num_shared_tokens``: exact at tp1/cp1 when no trajectory
+    failed, since ``rollout/tokens`` counts failed ones too and padding for SP/CP is left out)."""
     steps = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
     tokens = [r["response_len/mean"] * r["rollout/trajectories"] for r in steps]
     real = [r["rollout/tokens"] for r in steps]
-    forward = [r["rollout/tokens"] - r.get("train/num_shared_tokens", 0.0) for r in steps]
+    forward = [r["rollout/tokens"] - r["train/num_shared_tokens"] for r in steps]
     return steady_state(steps, tokens, OURS_PHASES, forward, real)
 
 
 def trl_summary(result: dict) -> RunSummary:
     """The TRL run's summary from ``peer_trl``'s JSON document."""
     steps = result["steps"]
-    known = all("forward_positions" in r for r in steps)
     return steady_state(
         steps,
         [r["completion_tokens"] for r in steps],
         TRL_PHASES,
-        [r["forward_positions"] for r in steps] if known else None,
-        [r["real_tokens"] for r in steps] if known else None,
+        [r["forward_positions"] for r in steps],
+        [r["real_tokens"] for r in steps],
     )
 
 
@@ -240,16 +243,13 @@ def _median_line(label: str, runs: list[RunSummary], phases: tuple[str, ...]) ->
     phase_text = ", ".join(
         f"{p} {statistics.median(r.phases[p] for r in runs):.2f} s" for p in phases
     )
-    line = (
+    return (
         f"  {label} median: {statistics.median(r.s_per_step for r in runs):.2f} s/step, "
         f"{statistics.median(r.tokens_per_s for r in runs):.0f} tokens/s, "
-        f"{statistics.median(r.tokens_per_step for r in runs):.0f} tokens/step ({phase_text})"
+        f"{statistics.median(r.tokens_per_step for r in runs):.0f} tokens/step ({phase_text}); "
+        f"update forward over {statistics.median(r.forward_per_step for r in runs):.0f} "
+        f"positions/step ({statistics.median(r.real_per_step for r in runs):.0f} real tokens)"
     )
-    if all(r.forward_per_step for r in runs):
-        forward = statistics.median(r.forward_per_step for r in runs)
-        real = statistics.median(r.real_per_step for r in runs)
-        line += f"; update forward over {forward:.0f} positions/step ({real:.0f} real tokens)"
-    return line
 
 
 def report(name: str, settings: PeerSettings, pairs: list[Pair], info: dict) -> list[str]:

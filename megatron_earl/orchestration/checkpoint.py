@@ -300,10 +300,11 @@ def _check_optimizer_layout(ckpt: Path, info: dict[str, Any], optimizer: Any) ->
 @torch.no_grad()
 def _init_empty_adam_state(optimizer: Any) -> None:
     """Give a fresh distributed optimizer's torch Adam (no Apex/TE) zero moments and step 0
-    (``redistribute.optimizer_state.init_adam_state``): megatron-core 0.16 reads every
+    (``redistribute.optimizer_state.init_adam_state``): megatron-core 0.16.1 reads every
     parameter's ``step`` before it can describe the state to load
     (``DistributedOptimizer.state_dict``), which a never-stepped torch Adam does not have. The
-    loaded checkpoint then overwrites all of it."""
+    loaded checkpoint then overwrites the moments; ``_separate_adam_steps`` sets the
+    step."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megatron_earl.redistribute.optimizer_state import init_adam_state
@@ -315,14 +316,15 @@ def _init_empty_adam_state(optimizer: Any) -> None:
 
 @torch.no_grad()
 def _separate_adam_steps(optimizer: Any) -> None:
-    """Give every parameter of a just-loaded distributed optimizer's torch Adam (no Apex/TE) its
-    own ``step`` counter, set to the saved step.
+    """Give every parameter of a just-loaded distributed optimizer's torch Adam (the fallback
+    without Apex/TE) its own ``step`` counter, set to the saved step.
 
-    megatron-core 0.16 loads that step into the param groups (``group["step"]``), hands one
-    tensor to every parameter, and then overwrites it with the step of the template state
-    (``load_parameter_state_from_dp_reshardable`` copies the template's ``step``: 0 here). Left
-    so, the next update would see step 0, and torch would add 1 to the shared tensor once per
-    parameter: Adam's bias correction would be wrong from the resume on. Local."""
+    megatron-core 0.16.1 loads the saved step into the param groups (``group["step"]``), hands
+    every parameter the same step tensor (copied per parameter only where torch's loader moves
+    it to the parameter's device), then copies the template's step (0) into it
+    (``load_parameter_state_from_dp_reshardable``). Left so, Adam restarted at step 0 after a
+    resume and, where the counter stayed shared, torch advanced it once per parameter per
+    update: Adam's bias correction was wrong from the resume on. Local."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
@@ -330,19 +332,11 @@ def _separate_adam_steps(optimizer: Any) -> None:
     for sub in sub_optimizers(optimizer):
         adam = torch_optimizer(sub)
         if not isinstance(sub, DistributedOptimizer) or not isinstance(adam, torch.optim.Adam):
-            continue
+            continue  # TE/Apex FusedAdam keeps one step per group
         for group in adam.param_groups:
-            if "step" not in group:  # TE/Apex FusedAdam keeps no per-parameter step
-                continue
-            on_device = group.get("capturable", False) or group.get("fused", False)
             for p in group["params"]:
-                state = adam.state.get(p)
-                if state and "step" in state:
-                    old = state["step"]
-                    device = p.device if on_device else old.device
-                    state["step"] = torch.tensor(
-                        float(group["step"]), dtype=old.dtype, device=device
-                    )
+                state = adam.state[p]
+                state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
 def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:

@@ -187,7 +187,9 @@ def test_distributed_optimizer_reshards_over_dp(tmp_path):
         resumed = run_distributed(
             _distopt_load, layout.world_size, args=(str(tmp_path), layout), timeout_s=120
         )[0]
-        torch.testing.assert_close(resumed, ref, rtol=0, atol=1e-6, msg=str(layout))
+        torch.testing.assert_close(
+            resumed, ref, rtol=0, atol=1e-6, msg=lambda m, at=str(layout): f"{at}: {m}"
+        )
     tp2 = run_distributed(
         _distopt_load, 2, args=(str(tmp_path), ParallelLayout(tp=2)), timeout_s=120
     )

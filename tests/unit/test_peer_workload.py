@@ -111,11 +111,14 @@ def test_steady_state_drops_the_warm_up_step():
         {"time/step": 2.0, "time/a": 1.0},
         {"time/step": 4.0, "time/a": 3.0},
     ]
-    got = steady_state(steps, [999.0, 100.0, 200.0], ("a",))
+    got = steady_state(steps, [999.0, 100.0, 200.0], ("a",), [9.0, 300.0, 500.0], [1.0, 2.0, 4.0])
     assert (got.s_per_step, got.tokens_per_s, got.tokens_per_step) == (3.0, 50.0, 150.0)
     assert got.phases == {"a": 2.0}
+    assert (got.forward_per_step, got.real_per_step) == (400.0, 3.0)
     with pytest.raises(ValueError, match="need >= 2 steps"):
-        steady_state(steps[:1], [1.0], ("a",))
+        steady_state(steps[:1], [1.0], ("a",), [1.0], [1.0])
+    with pytest.raises(ValueError, match=r"3 steps and \[3, 2, 3\] counts"):
+        steady_state(steps, [1.0] * 3, ("a",), [1.0] * 2, [1.0] * 3)
 
 
 def test_ours_counts_trainable_tokens(tmp_path):
@@ -143,12 +146,16 @@ def test_ours_counts_trainable_tokens(tmp_path):
 
 def test_trl_forward_positions_are_its_padded_batch():
     records = [
-        {"time/step": t, "time/generate": 1.0, "time/update": t - 1.0, "completion_tokens": 90.0}
-        for t in (5.0, 2.0, 3.0)
+        {
+            "time/step": t,
+            "time/generate": 1.0,
+            "time/update": t - 1.0,
+            "completion_tokens": 90.0,
+            "forward_positions": 4.0 * width,
+            "real_tokens": 120.0,
+        }
+        for t, width in ((5.0, 70), (2.0, 40), (3.0, 60))
     ]
-    assert trl_summary({"steps": records}).forward_per_step == 0.0  # an older document
-    for r, width in zip(records, (70, 40, 60)):
-        r.update(forward_positions=4.0 * width, real_tokens=120.0)
     got = trl_summary({"steps": records})
     assert (got.forward_per_step, got.real_per_step) == (200.0, 120.0)
 
@@ -156,7 +163,7 @@ def test_trl_forward_positions_are_its_padded_batch():
 def test_report_compares_each_pair_with_its_best_trl_run():
     def run(tokens_per_s: float) -> RunSummary:
         phases = dict.fromkeys((*OURS_PHASES, *TRL_PHASES), 0.5)
-        return RunSummary(1.0, tokens_per_s, tokens_per_s, phases)
+        return RunSummary(1.0, tokens_per_s, tokens_per_s, phases, 700.0, 600.0)
 
     pairs = [
         Pair(run(300.0), {1: run(100.0), 2: run(50.0)}),  # 3.0 against 1 process
@@ -170,11 +177,8 @@ def test_report_compares_each_pair_with_its_best_trl_run():
     assert "median of per-pair ratios 2.00" in lines[-2]
     assert "1p x2, 2p x1" in lines[-2]
     assert "ours median: 1.00 s/step, 300 tokens/s" in lines[4]
-    assert "positions/step" not in lines[4]  # not known: not printed
-    pairs[0].trl[1].forward_per_step, pairs[0].trl[1].real_per_step = 900.0, 600.0
-    for pair in pairs[1:]:
-        pair.trl[1] = dataclasses.replace(pairs[0].trl[1], forward_per_step=700.0)
-    line = report("single-turn", _settings("single-turn"), pairs, info)[5]
+    pairs[0].trl[1] = dataclasses.replace(pairs[0].trl[1], forward_per_step=900.0)
+    line = report("single-turn", _settings("single-turn"), pairs, info)[5]  # median of 3
     assert line.endswith("; update forward over 700 positions/step (600 real tokens)"), line
     assert "TRL 1p median: 1.00 s/step, 100 tokens/s" in lines[5]
     assert "TRL 2p median: 1.00 s/step, 100 tokens/s" in lines[6]
