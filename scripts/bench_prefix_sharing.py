@@ -12,14 +12,17 @@ detection and the attention plan too). Prints per case the tokens each packing c
 median seconds of each (train step: forward, backward, optimizer step; log-probs: forward only),
 with the ratio whole / tree.
 
-``--hf`` adds, interleaved in the same rounds, Hugging Face's train step as TRL's
-``GRPOTrainer`` runs it on the same samples: a ``LlamaForCausalLM`` of the same shape (its own
-random weights), one batch with the prompts left- and the completions right-padded to the
-longest (TRL's layout: every sample computes every position of the padded batch), logits of
-the completion positions only, a clipped-ratio loss over the completion tokens, backward,
-gradient clipping at 1.0 and torch's AdamW. It prints the positions that batch holds and its
-median seconds next to our tree step's. (The demo's samples of a case share their prompt length,
-so TRL's left padding is empty here; right padding is what differs.)
+``--hf`` adds, interleaved in the same rounds, a Hugging Face train step in the layout TRL's
+``GRPOTrainer`` trains on, on the same samples: a ``LlamaForCausalLM`` of the same shape (the
+config ``convert`` writes; its own random weights), one batch with the completions right-padded
+to the longest (the samples of a case share their prompt length, so TRL's left padding of the
+prompts is empty here), logits of the completion positions, a clipped-ratio loss over the
+completion tokens, backward, gradient clipping at 1.0 and torch's fused AdamW (GRPOConfig's
+``adamw_torch_fused``). The padded batch is built once, outside the timing (ours is timed with
+its packing). TRL 1.16 itself does more per step: its fused log-prob head scores every position
+of the padded batch, prompt included, and computes the entropy: this step leaves that work
+out. It prints the positions of the padded batch and its median seconds next to our tree
+step's.
 """
 
 from __future__ import annotations
@@ -61,26 +64,17 @@ def _fields(prompt: int, completion: int, group_size: int, groups: int):
 
 
 def _hf_step(fields: dict[str, torch.Tensor], lengths: list[int], prompt: int):
-    """TRL's train step on the samples (``--hf``, module doc): a callable, and the positions of
-    its padded batch."""
+    """HF's train step in TRL's layout of the samples (``--hf``, module doc): a callable, and
+    the positions of its padded batch."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=MODEL.vocab_size,
-        hidden_size=MODEL.hidden_size,
-        intermediate_size=MODEL.ffn_hidden_size,
-        num_hidden_layers=MODEL.num_layers,
-        num_attention_heads=MODEL.num_attention_heads,
-        num_key_value_heads=MODEL.num_query_groups,
-        max_position_embeddings=MODEL.max_position_embeddings,
-        rms_norm_eps=MODEL.norm_epsilon,
-        rope_theta=MODEL.rotary_base,
-        tie_word_embeddings=MODEL.tie_embeddings,
-        attn_implementation="sdpa",
-    )
+    from megatron_earl.convert.families import family_by_name, hf_config_from_model
+
+    hf_fields = hf_config_from_model(MODEL, family_by_name("llama"))
+    config = LlamaConfig.from_dict({**hf_fields, "attn_implementation": "sdpa"})
     torch.manual_seed(11)
     model = LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     samples = torch.split(fields["tokens"], lengths)
     width = max(lengths) - prompt  # the longest completion
     ids = torch.zeros(len(samples), prompt + width, dtype=torch.long)

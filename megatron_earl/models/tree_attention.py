@@ -103,8 +103,8 @@ def _batch(rows: list[Row]) -> AttentionBatch:
     keys = torch.where(k < f, p0 + k, own0 + k - f)
     limit = f + j
     real = j < n
-    picks = (torch.arange(len(rows))[:, None] * width + j)[real.expand(len(rows), -1)]
-    tokens = (own0 + j)[real.expand(len(rows), -1)]
+    picks = (torch.arange(len(rows))[:, None] * width + j)[real]
+    tokens = (own0 + j)[real]
     mask = None
     if bool((f > 0).any()):
         mask = (torch.arange(num_keys)[None, None, :] <= limit[:, :, None]).unsqueeze(1)

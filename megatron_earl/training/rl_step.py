@@ -324,21 +324,14 @@ def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 def _grads_finite(ddp_chunks: Sequence[nn.Module]) -> bool:
     """Whether every gradient of every rank is finite: one check per Megatron DDP grad buffer
-    (the parameters' ``main_grad`` are views of it), per parameter for any other wrapper.
+    (every parameter's ``main_grad`` is a view of one; padding stays zero).
 
     Which ranks call: every rank of the world (one all-reduce of a host flag, host group)."""
-    flags = []
-    for chunk in ddp_chunks:
-        buffers = getattr(chunk, "buffers", None)
-        if buffers is not None:
-            extra = getattr(chunk, "expert_parallel_buffers", [])
-            flags += [torch.isfinite(b.grad_data).all() for b in [*buffers, *extra]]
-            continue
-        flags += [
-            torch.isfinite(p.main_grad).all()
-            for p in chunk.parameters()
-            if p.requires_grad and getattr(p, "main_grad", None) is not None
-        ]
+    flags = [
+        torch.isfinite(buffer.grad_data).all()
+        for chunk in ddp_chunks
+        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers)
+    ]
     local_ok = bool(torch.stack(flags).all()) if flags else True  # one device sync, not one each
     ok = torch.tensor([1.0 if local_ok else 0.0], device="cpu")
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=host_group())

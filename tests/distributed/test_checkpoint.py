@@ -162,6 +162,7 @@ def _distopt_save(save_dir: str) -> list[float]:
 def _distopt_load(save_dir: str, layout: ParallelLayout):
     from megatron_earl.orchestration.checkpoint import load_checkpoint
     from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
+    from megatron_earl.training.rl_step import _grads_finite
 
     ddp, optimizer = _setup(layout, MODEL, distributed_optimizer=True)
     try:
@@ -174,7 +175,9 @@ def _distopt_load(save_dir: str, layout: ParallelLayout):
     ]
     assert len({id(t) for t in steps}) == len(steps), "parameters share one step counter"
     assert {float(t) for t in steps} == {2.0}, steps
-    return [_step(ddp, optimizer, step) for step in range(state.step, state.step + 3)]
+    losses = [_step(ddp, optimizer, step) for step in range(state.step, state.step + 3)]
+    assert _grads_finite(ddp)  # the distributed optimizer's padded, reduce-scattered buffers
+    return losses
 
 
 def test_distributed_optimizer_reshards_over_dp(tmp_path):

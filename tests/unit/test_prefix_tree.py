@@ -144,7 +144,8 @@ def test_tree_attention_plan_equals_the_tree_mask(monkeypatch, max_elements):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_trees_plan_their_tree_mask(monkeypatch, seed):
     """Random rows (prefixes of 0-9 tokens, 1-6 branches of 0-12 tokens each, and plain
-    samples), batched under a random budget: the plan's mask is the tree's, every query once."""
+    samples), batched under a random budget: the plan's mask is the tree's, every query once,
+    every batch within the budget."""
     gen = torch.Generator().manual_seed(seed)
 
     def draw(low: int, high: int) -> int:
@@ -169,6 +170,9 @@ def test_random_trees_plan_their_tree_mask(monkeypatch, seed):
     for b in plan.batches:  # padding repeats real indices: every gather stays in the row
         for index in (b.queries, b.keys):
             assert 0 <= int(index.min()) and int(index.max()) < end
+        assert b.queries.numel() * b.keys.size(1) <= tree_attention.MASK_ELEMENTS
+        if b.mask is None:
+            assert b.keys.size(1) == b.queries.size(1)
 
 
 def test_plan_tree_refuses_groups_that_are_not_a_partition_or_prefixes_too_long():
