@@ -64,6 +64,11 @@ from megatron_earl.patches import (
     checkpoint_writers_die_with_rank,
     cpu_redirect,
 )
+from megatron_earl.redistribute.optimizer_state import (
+    init_adam_state,
+    sub_optimizers,
+    torch_optimizer,
+)
 from megatron_earl.training.setup import fuse_torch_adam
 
 COMMON_KEY = "megatron_earl"
@@ -271,8 +276,7 @@ def _default_dist_opt_format() -> str:
 def _is_distributed(optimizer: Any) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(isinstance(sub, DistributedOptimizer) for sub in subs)
+    return any(isinstance(sub, DistributedOptimizer) for sub in sub_optimizers(optimizer))
 
 
 def _check_optimizer_layout(ckpt: Path, info: dict[str, Any], optimizer: Any) -> None:
@@ -307,9 +311,7 @@ def _init_empty_adam_state(optimizer: Any) -> None:
     step."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_earl.redistribute.optimizer_state import init_adam_state
-
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for sub in sub_optimizers(optimizer):
         if isinstance(sub, DistributedOptimizer):
             init_adam_state(sub)
 
@@ -326,8 +328,6 @@ def _separate_adam_steps(optimizer: Any) -> None:
     resume and, where the counter stayed shared, torch advanced it once per parameter per
     update: Adam's bias correction was wrong from the resume on. Local."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
 
     for sub in sub_optimizers(optimizer):
         adam = torch_optimizer(sub)
