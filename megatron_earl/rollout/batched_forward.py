@@ -368,12 +368,13 @@ class BatchedForward:
         bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
         bias = bias.expand(n, ng, 1, length).reshape(n * ng, 1, length)
         rows = torch.arange(n, device=pos_n.device)
+        attend = _attend_decode_fused if torch.compiler.is_compiling() else _attend_decode
         x = self._embed(ids_n)  # [n, h]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             self.cache.write(i, rows, pos_n, k, v)
             keys, values = self.cache.view(i, 0, n, length)
-            ctx = _attend_decode(q.reshape(n * ng, rep, hn), keys, values, bias, self.scale)
+            ctx = attend(q.reshape(n * ng, rep, hn), keys, values, bias, self.scale)
             x = self._mlp(layer, self._attn_out(layer, x, ctx))
         return self._logits(self.final_norm(x))
 
@@ -502,6 +503,21 @@ def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:
     scores = torch.baddbmm(bias_G1L, q_Grh, k_GLh.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_GLh.dtype)
     return torch.bmm(probs, v_GLh).reshape(n, -1)
+
+
+def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:
+    """``_attend_decode`` for the compiled step: the scores and the weighted values as
+    broadcast products summed over the head dimension / the keys, which inductor turns into
+    its own fused loops. Each of the ``n * ng`` matrix products is a few thousand
+    multiply-adds; as batched GEMM library calls (``_attend_decode``) they took about twice as
+    long inside the compiled step (a one-off probe at 64 rows, 80 keys, 2 threads: ~0.2 ms
+    against ~0.1 ms a layer)."""
+    n, ng, length, hn = keys.shape
+    k_G1Lh = keys.reshape(n * ng, 1, length, hn)
+    v_G1Lh = values.reshape(n * ng, 1, length, hn)
+    scores = (q_Grh[:, :, None, :] * k_G1Lh).sum(-1) * scale + bias_G1L
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_G1Lh.dtype)
+    return (probs[..., None] * v_G1Lh).sum(2).reshape(n, -1)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -77,35 +77,54 @@ def sample_tokens(
         )
     logits_nV = logits_nV.float()
     real = logits_nV[:, :vocab_size]
-    tokens = torch.argmax(real, dim=-1)
     hot = [i for i, p in enumerate(params) if not p.greedy]
+    if len(hot) < len(params):
+        tokens = torch.argmax(real, dim=-1)
     if hot:
-        rows = torch.tensor(hot, dtype=torch.long)
-        settings = torch.tensor(
-            [
-                [
-                    params[i].temperature,
-                    min(params[i].top_k, vocab_size),
-                    params[i].top_p,
-                    params[i].min_p,
-                ]
-                for i in hot
-            ],
-            dtype=torch.float64,
-        )
+        every = len(hot) == len(params)
         filtered = filter_logits(
-            real[rows],
-            settings[:, 0].float(),
-            settings[:, 1].long(),
-            settings[:, 2].float(),
-            settings[:, 3] if any(params[i].min_p > 0 for i in hot) else None,
+            real if every else real[torch.tensor(hot, dtype=torch.long, device=real.device)],
+            *_row_settings([params[i] for i in hot], vocab_size, real.device),
         )
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)
         picked = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
-        tokens[rows] = picked.clamp_(max=vocab_size - 1)
+        picked = picked.clamp_(max=vocab_size - 1)
+        if every:
+            tokens = picked
+        else:
+            tokens[torch.tensor(hot, dtype=torch.long, device=real.device)] = picked
     logprobs = torch.log_softmax(logits_nV, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
+
+
+def _row_settings(params: Sequence[SamplingParams], vocab_size: int, device: torch.device):
+    """``filter_logits``' per-row temperature, top-k, top-p and min-p (None: no row uses it) of
+    the sampled rows. The usual step -- every row with the same settings, as in an RL batch --
+    builds them with ``torch.full``, not row by row."""
+    first = params[0]
+    if all(p is first or p == first for p in params):
+        m = len(params)
+
+        def full(value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((m,), value, dtype=dtype, device=device)
+
+        return (
+            full(first.temperature, torch.float32),
+            full(min(first.top_k, vocab_size), torch.long),
+            full(first.top_p, torch.float32),
+            full(first.min_p, torch.float64) if first.min_p > 0 else None,
+        )
+    settings = torch.tensor(
+        [[p.temperature, min(p.top_k, vocab_size), p.top_p, p.min_p] for p in params],
+        dtype=torch.float64,
+    ).to(device)
+    return (
+        settings[:, 0].float(),
+        settings[:, 1].long(),
+        settings[:, 2].float(),
+        settings[:, 3] if any(p.min_p > 0 for p in params) else None,
+    )
 
 
 def logprob_mismatch(

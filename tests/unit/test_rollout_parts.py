@@ -153,6 +153,27 @@ def test_sampling_matches_the_distribution_and_is_batch_invariant():
         sample_tokens(batch, 8, [seeded], [stream])
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=1.0), dict(temperature=0.6, top_k=5, top_p=0.8, min_p=0.05)],
+    ids=["plain", "filtered"],
+)
+def test_sampling_same_settings_equals_row_by_row(settings):
+    """Rows sharing their settings (one object, or equal ones) are filtered with settings built
+    at once; each row draws what it draws alone, with the same log-prob."""
+    logits = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
+    shared = SamplingParams(**settings)
+    alone = [sample_tokens(logits[i : i + 1], 9, [shared], [random.Random(i)]) for i in range(6)]
+    for params in ([shared] * 6, [SamplingParams(**settings) for _ in range(6)]):
+        tokens, lps = sample_tokens(logits, 9, params, [random.Random(i) for i in range(6)])
+        assert tokens == [a[0][0] for a in alone]
+        assert lps == pytest.approx([a[1][0] for a in alone], abs=1e-6)
+    # One differing row takes the row-by-row settings: the others still draw the same.
+    odd = [shared] * 5 + [SamplingParams(temperature=0.3)]
+    tokens, _ = sample_tokens(logits, 9, odd, [random.Random(i) for i in range(6)])
+    assert tokens[:5] == [a[0][0] for a in alone[:5]]
+
+
 def test_logprob_mismatch():
     m = logprob_mismatch(
         torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.5]), torch.tensor([1, 0])
