@@ -7,14 +7,20 @@ What: every function in ``_REDIRECTED`` is wrapped so that it runs inside ``cuda
   stand-ins for ``torch.cuda.current_device`` / ``synchronize`` / ``empty_cache``. The redirect is
   active *only* while a wrapped function runs (or a call site enters ``cuda_to_cpu()`` itself, as
   checkpointing does around the distributed optimizer's state (de)sharding); nothing outside
-  those calls changes. Applied once, for the life of the process.
+  those calls changes. Inside a redirected pipeline schedule, each micro-batch's
+  ``forward_step`` / ``backward_step`` runs with the redirect off again (``_EXEMPTED``: they
+  hard-code no CUDA, and under the mode every op of the model's forward and backward paid a
+  Python ``__torch_function__`` call -- ~4% of a demo-sized train step); the CUDA-bound pieces
+  the model calls are in ``_REDIRECTED`` and open their own scope. Applied once, for the life
+  of the process.
 Why: megatron-core hard-codes CUDA in a handful of places (``device="cuda"``,
   ``torch.cuda.current_device()``, ``.cuda()``, ``torch.cuda.synchronize()``, type checks against
   ``torch.cuda.FloatTensor``). Developers and CI of this project have no GPU, yet tests must run
   *real* megatron-core.
 Versions: megatron-core>=0.16.0,<0.17.0 (each wrapped function was observed to fail on a CPU-only
   torch build with megatron-core 0.16.1).
-Test: tests/unit/test_patches.py (test_redirect_is_scoped_to_wrapped_functions); every
+Test: tests/unit/test_patches.py (test_redirect_is_scoped_to_wrapped_functions,
+  test_schedule_steps_run_without_the_redirect); every
   distributed test runs through it (e.g. tests/distributed/test_model_parallel.py)
 """
 
@@ -76,7 +82,16 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
     ),
 )
 
-TARGETS = tuple(Target(module, path) for module, path in _REDIRECTED)
+# Called inside a redirected schedule, but CUDA-free themselves: one forward or backward of a
+# micro-batch runs with the redirect off (the model's CUDA-bound pieces above still open their
+# own scope). Under the mode every torch call of the whole forward and backward went through
+# ``__torch_function__`` in Python.
+_EXEMPTED: tuple[tuple[str, str], ...] = (
+    ("megatron.core.pipeline_parallel.schedules", "forward_step"),
+    ("megatron.core.pipeline_parallel.schedules", "backward_step"),
+)
+
+TARGETS = tuple(Target(module, path) for module, path in _REDIRECTED + _EXEMPTED)
 
 _APPLIED = False
 _LOCK = threading.Lock()
@@ -157,10 +172,41 @@ def cuda_to_cpu() -> Iterator[None]:
             setattr(torch.cuda, name, fn)
 
 
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    """The redirect off in this thread inside the body (a wrapped function called in it opens
+    its own scope), when it is on and its mode is the innermost torch-function mode."""
+    depth = getattr(_REDIRECT_DEPTH, "value", 0)
+    if not depth or torch._C._len_torch_function_stack() == 0:
+        yield
+        return
+    mode = torch._C._pop_torch_function_stack()
+    if not isinstance(mode, _CudaToCpuMode):  # another mode inside ours: leave both on
+        torch._C._push_on_torch_function_stack(mode)
+        yield
+        return
+    _REDIRECT_DEPTH.value = 0
+    try:
+        yield
+    finally:
+        _REDIRECT_DEPTH.value = depth
+        torch._C._push_on_torch_function_stack(mode)
+
+
 def _redirected(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with cuda_to_cpu():
+            return fn(*args, **kwargs)
+
+    wrapper.__megatron_earl_redirected__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _exempted(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _suspended():
             return fn(*args, **kwargs)
 
     wrapper.__megatron_earl_redirected__ = True  # type: ignore[attr-defined]
@@ -175,10 +221,11 @@ def apply() -> bool:
     if torch.cuda.is_available():
         return False
     with _LOCK:
-        for target in TARGETS:
-            original = target.get()
-            if not getattr(original, "__megatron_earl_redirected__", False):
-                target.set(_redirected(original))
+        for targets, wrap in ((_REDIRECTED, _redirected), (_EXEMPTED, _exempted)):
+            for target in (Target(module, path) for module, path in targets):
+                original = target.get()
+                if not getattr(original, "__megatron_earl_redirected__", False):
+                    target.set(wrap(original))
         _APPLIED = True
     return True
 

@@ -130,6 +130,33 @@ def test_redirect_is_scoped_to_wrapped_functions():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_schedule_steps_run_without_the_redirect():
+    """A redirected schedule's forward_step / backward_step run with no torch-function mode (no
+    Python hook on every op of the model); a redirected function called inside opens its own
+    scope; the schedule's own code is redirected again after each."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    cpu_redirect.apply()
+    assert getattr(schedules.forward_step, "__megatron_earl_redirected__", False)
+    assert getattr(schedules.backward_step, "__megatron_earl_redirected__", False)
+    seen = []
+
+    def probe():
+        seen.append(torch._C._is_torch_function_mode_enabled())
+        buf = GlobalMemoryBuffer().get_tensor((2,), torch.float32, "y")  # redirected inside
+        seen.append((buf.device.type, torch._C._is_torch_function_mode_enabled()))
+
+    exempt = cpu_redirect._exempted(lambda: probe())
+    with cpu_redirect.cuda_to_cpu():
+        exempt()
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert seen == [False, ("cpu", False)]
+    exempt()  # outside any redirect: a plain call
+    assert seen[2] is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_cpu_warning_filter_hides_only_the_cuda_connections_advice():
     from megatron_earl.patches import quiet_warnings
 
