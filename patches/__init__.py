@@ -39,6 +39,7 @@ PATCHES: tuple[str, ...] = (
     "checkpoint_results_queue",
     "checkpoint_writers_die_with_rank",
     "output_layer_passthrough",
+    "rope_tables",
 )
 """Every patch module, in the order ``apply_all`` applies them."""
 

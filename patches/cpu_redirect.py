@@ -51,6 +51,7 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
     # CP slicing of the RoPE table (pin_memory + .cuda()); patched where RotaryEmbedding.forward
     # looks it up, so the lru_cache on forward stays untouched.
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
     ("megatron.core.fusions.fused_softmax", "FusedScaleMaskSoftmax.forward_torch_softmax"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_last_dim"),

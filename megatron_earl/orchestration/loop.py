@@ -702,18 +702,19 @@ def rollout_metrics(
     ``train_mismatch``: the train step's ``logprob_mismatch``, from its forward before the update
     (the same policy: ``RunConfig.old_logprobs_pass``)."""
     k = max_turns
-    vec = torch.zeros(7 + 2 * k, dtype=torch.float64, device="cpu")
+    totals = [0.0] * (7 + 2 * k)  # Python sums, one tensor after (not a tensor op per value)
     for t in trajs:
-        vec[0] += 1
-        vec[1] += t.reward
-        vec[2] += float(t.ok and t.reward >= 1.0)
-        vec[3] += sum(t.loss_mask)
-        vec[4] += len(t.token_ids)
-        vec[5] += float(not t.ok)
-        vec[6] += t.num_turns
+        totals[0] += 1
+        totals[1] += t.reward
+        totals[2] += float(t.ok and t.reward >= 1.0)
+        totals[3] += sum(t.loss_mask)
+        totals[4] += len(t.token_ids)
+        totals[5] += float(not t.ok)
+        totals[6] += t.num_turns
         for i, turn in enumerate(t.turns[:k]):
-            vec[7 + i] += len(t.prompt_ids) + turn.end
-            vec[7 + k + i] += 1
+            totals[7 + i] += len(t.prompt_ids) + turn.end
+            totals[7 + k + i] += 1
+    vec = torch.tensor(totals, dtype=torch.float64, device="cpu")
     longest = torch.tensor(
         [max((len(t.token_ids) for t in trajs), default=0)], dtype=torch.float64, device="cpu"
     )

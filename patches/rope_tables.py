@@ -1,0 +1,98 @@
+"""RoPE applied with one cos/sin table per forward and four ops per tensor, where Megatron's
+unfused path is taken (no TE fusion).
+
+What: ``apply()`` replaces ``apply_rotary_pos_emb`` where Megatron-Core's attention calls it
+  (``megatron.core.transformer.attention``) by ``apply_rotary``. For the cases it covers -- no
+  fusion, non-interleaved, not MLA, and either ``bshd`` or ``thd`` at cp = 1 with one table row
+  per packed token (the prefix-tree row's "exact mapping") -- it computes Megatron's
+  ``t * cos + rotate_half(t) * sin`` (cos/sin scaled by mscale) as ``t * cos + roll(t, rot / 2)
+  * signed_sin`` (the same products and sums, so the same bits, values and gradients; the
+  embedded engine's formula, ``rollout.batched_forward``, which fuses the last two ops),
+  with the tables made once for the rotary tensor every layer receives (a one-entry cache keyed
+  by that tensor) instead of ``cos``/``sin`` per layer and per query/key. Every other case
+  (fusion, interleaved, MLA, CP, a ``thd`` table indexed by position in each sequence) runs
+  Megatron's function unchanged.
+Why: the unfused path is what runs on CPU and on GPUs without TE's fused RoPE. Per call it
+  computes ``cos`` and ``sin`` of the table and their mscale products, splits the head dimension
+  with ``chunk`` and joins it with two ``cat`` (one for an empty pass-through part), and its thd
+  variant splits the tensor per sequence and reads ``cu_seqlens[i].item()`` per sequence (a
+  device sync each on a GPU). On the demo model these ops were ~5% of a train step.
+Versions: megatron-core>=0.16.0,<0.17.0 (``apply_rotary_pos_emb(t, freqs, config, cu_seqlens,
+  mscale, cp_group)`` imported by name into ``transformer.attention``, as in 0.16.1).
+Test: tests/unit/test_rope_tables.py (equal to Megatron's function bit for bit, values
+  and gradients, for bshd, tree thd, partial rotary and the delegated cases)
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from megatron_earl.patches import Target, check_targets
+
+VERSIONS = ">=0.16.0,<0.17.0"
+TARGETS = (
+    Target("megatron.core.transformer.attention", "apply_rotary_pos_emb"),
+    Target("megatron.core.models.common.embeddings.rope_utils", "apply_rotary_pos_emb"),
+)
+
+_ORIGINAL: list = []
+_TABLES: list = [None]
+"""The last (weak reference to the rotary tensor, mscale, dtype, cos, signed sin)."""
+
+
+def apply() -> bool:
+    """Install ``apply_rotary`` in Megatron's attention module. Idempotent. Local."""
+    check_targets(__name__, VERSIONS, TARGETS)
+    if not _ORIGINAL:
+        _ORIGINAL.append(TARGETS[1].get())
+    TARGETS[0].set(apply_rotary)
+    return True
+
+
+def _tables(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and signed sin of ``freqs`` (x mscale, in ``dtype``), made once per rotary tensor."""
+    last = _TABLES[0]
+    if last is not None and last[0]() is freqs and last[1:3] == (mscale, dtype):
+        return last[3], last[4]
+    cos = (torch.cos(freqs) * mscale).to(dtype)
+    sin = (torch.sin(freqs) * mscale).to(dtype)
+    # rotate_half(t) * sin == roll(t, rot / 2) * [-sin_first_half, sin_second_half]
+    half = sin.size(-1) // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    _TABLES[0] = (weakref.ref(freqs), mscale, dtype, cos, signed)
+    return cos, signed
+
+
+def _covered(t: Tensor, freqs: Tensor, config, cu_seqlens, cp_group) -> bool:
+    if config.apply_rope_fusion or config.rotary_interleaved or config.multi_latent_attention:
+        return False
+    if cu_seqlens is None:
+        return True
+    cp = 1 if cp_group is None else cp_group.size()
+    return cp == 1 and freqs.size(0) == t.size(0)  # thd: one table row per packed token
+
+
+def apply_rotary(
+    t: Tensor,
+    freqs: Tensor,
+    config,
+    cu_seqlens: Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group=None,
+) -> Tensor:
+    """Megatron's ``apply_rotary_pos_emb`` (module docstring): ``t`` [s, b, h, d] (bshd) or
+    [t, h, d] (thd), ``freqs`` [s, 1, 1, rot]."""
+    if not _covered(t, freqs, config, cu_seqlens, cp_group):
+        return _ORIGINAL[0](t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+    cos, signed_sin = _tables(freqs, mscale, t.dtype)
+    if cu_seqlens is not None:  # [t, 1, 1, rot] against [t, h, d]
+        cos, signed_sin = cos[:, 0], signed_sin[:, 0]
+    rot = cos.size(-1)
+    head = t[..., :rot]
+    # Not addcmul: a fused multiply-add rounds once where Megatron's add of two products rounds
+    # twice; written this way every value and gradient is Megatron's, bit for bit.
+    rotated = head * cos + head.roll(rot // 2, dims=-1) * signed_sin
+    return rotated if rot == t.size(-1) else torch.cat((rotated, t[..., rot:]), dim=-1)
