@@ -8,10 +8,12 @@ What: every function in ``_REDIRECTED`` is wrapped so that it runs inside ``cuda
   active *only* while a wrapped function runs (or a call site enters ``cuda_to_cpu()`` itself, as
   checkpointing does around the distributed optimizer's state (de)sharding); nothing outside
   those calls changes. Inside a redirected pipeline schedule, each micro-batch's
-  ``forward_step`` / ``backward_step`` runs with the redirect off again (``_EXEMPTED``: they
-  hard-code no CUDA, and under the mode every op of the model's forward and backward paid a
-  Python ``__torch_function__`` call -- ~4% of a demo-sized train step); the CUDA-bound pieces
-  the model calls are in ``_REDIRECTED`` and open their own scope. Applied once, for the life
+  ``forward_step`` / ``backward_step`` runs without the mode (``_EXEMPTED``: under it every op
+  of the model's forward and backward paid a Python ``__torch_function__`` call -- ~4% of a
+  demo-sized train step). The ``torch.cuda`` stand-ins stay on there: the layers ask
+  ``torch.cuda.current_device()`` (e.g. the sequence-parallel linear's backward); the pieces
+  the model calls that need the mode itself (``device="cuda"``, ``pin_memory``) are in
+  ``_REDIRECTED`` and open their own scope. Applied once, for the life
   of the process.
 Why: megatron-core hard-codes CUDA in a handful of places (``device="cuda"``,
   ``torch.cuda.current_device()``, ``.cuda()``, ``torch.cuda.synchronize()``, type checks against
@@ -51,7 +53,10 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
     # CP slicing of the RoPE table (pin_memory + .cuda()); patched where RotaryEmbedding.forward
     # looks it up, so the lru_cache on forward stays untouched.
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
-    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    (
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+        "get_pos_emb_on_this_cp_rank",
+    ),
     ("megatron.core.fusions.fused_softmax", "FusedScaleMaskSoftmax.forward_torch_softmax"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_last_dim"),
@@ -175,8 +180,10 @@ def cuda_to_cpu() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _suspended() -> Iterator[None]:
-    """The redirect off in this thread inside the body (a wrapped function called in it opens
-    its own scope), when it is on and its mode is the innermost torch-function mode."""
+    """The redirect's mode off in this thread inside the body, when the redirect is on and its
+    mode is the innermost torch-function mode; the ``torch.cuda`` stand-ins stay installed (the
+    body may ask ``current_device``). A wrapped function called in the body opens its own scope
+    (depth 0 here)."""
     depth = getattr(_REDIRECT_DEPTH, "value", 0)
     if not depth or torch._C._len_torch_function_stack() == 0:
         yield
@@ -215,18 +222,19 @@ def _exempted(fn: Callable) -> Callable:
 
 
 def apply() -> bool:
-    """Wrap every function in ``_REDIRECTED`` when CUDA is unavailable; True when the wrappers are
-    installed. Idempotent. Local (every process applies it for itself)."""
+    """Wrap every function in ``_REDIRECTED`` (and exempt those in ``_EXEMPTED``) when CUDA is
+    unavailable; True when the wrappers are installed. Idempotent. Local (every process applies
+    it for itself)."""
     global _APPLIED
     check_targets(__name__, VERSIONS, TARGETS)
     if torch.cuda.is_available():
         return False
     with _LOCK:
-        for targets, wrap in ((_REDIRECTED, _redirected), (_EXEMPTED, _exempted)):
-            for target in (Target(module, path) for module, path in targets):
-                original = target.get()
-                if not getattr(original, "__megatron_earl_redirected__", False):
-                    target.set(wrap(original))
+        for target in TARGETS:
+            original = target.get()
+            if not getattr(original, "__megatron_earl_redirected__", False):
+                exempt = (target.module, target.path) in _EXEMPTED
+                target.set(_exempted(original) if exempt else _redirected(original))
         _APPLIED = True
     return True
 

@@ -6,8 +6,8 @@ What: ``apply()`` replaces ``apply_rotary_pos_emb`` where Megatron-Core's attent
   fusion, non-interleaved, not MLA, and either ``bshd`` or ``thd`` at cp = 1 with one table row
   per packed token (the prefix-tree row's "exact mapping") -- it computes Megatron's
   ``t * cos + rotate_half(t) * sin`` (cos/sin scaled by mscale) as ``t * cos + roll(t, rot / 2)
-  * signed_sin`` (the same products and sums, so the same bits, values and gradients; the
-  embedded engine's formula, ``rollout.batched_forward``, which fuses the last two ops),
+  * signed_sin`` (the same products and sums, so equal values and gradients, ``torch.equal``;
+  the embedded engine's formula, ``rollout.batched_forward``, which fuses the last two ops),
   with the tables made once for the rotary tensor every layer receives (a one-entry cache keyed
   by that tensor) instead of ``cos``/``sin`` per layer and per query/key. Every other case
   (fusion, interleaved, MLA, CP, a ``thd`` table indexed by position in each sequence) runs
@@ -19,16 +19,18 @@ Why: the unfused path is what runs on CPU and on GPUs without TE's fused RoPE. P
   device sync each on a GPU). On the demo model these ops were ~5% of a train step.
 Versions: megatron-core>=0.16.0,<0.17.0 (``apply_rotary_pos_emb(t, freqs, config, cu_seqlens,
   mscale, cp_group)`` imported by name into ``transformer.attention``, as in 0.16.1).
-Test: tests/unit/test_rope_tables.py (equal to Megatron's function bit for bit, values
-  and gradients, for bshd, tree thd, partial rotary and the delegated cases)
+Test: tests/unit/test_rope_tables.py (values and gradients equal to Megatron's function
+  (``torch.equal``) for bshd, tree and multi-sequence thd, partial rotary; the delegated cases)
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from megatron_earl.patches import Target, check_targets
 
@@ -38,9 +40,11 @@ TARGETS = (
     Target("megatron.core.models.common.embeddings.rope_utils", "apply_rotary_pos_emb"),
 )
 
-_ORIGINAL: list = []
-_TABLES: list = [None]
-"""The last (weak reference to the rotary tensor, mscale, dtype, cos, signed sin)."""
+_ORIGINAL: list[Any] = []
+"""Megatron's ``rope_utils.apply_rotary_pos_emb`` (the delegated cases)."""
+_TABLES: list[tuple | None] = [None]
+"""The last (weak reference to the rotary tensor, mscale, dtype, inference mode, cos, signed
+sin): tables made under ``torch.inference_mode`` are never handed to a grad-enabled forward."""
 
 
 def apply() -> bool:
@@ -54,45 +58,52 @@ def apply() -> bool:
 
 def _tables(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and signed sin of ``freqs`` (x mscale, in ``dtype``), made once per rotary tensor."""
+    key = (mscale, dtype, torch.is_inference_mode_enabled())
     last = _TABLES[0]
-    if last is not None and last[0]() is freqs and last[1:3] == (mscale, dtype):
-        return last[3], last[4]
+    if last is not None and last[0]() is freqs and last[1:4] == key:
+        return last[4], last[5]
     cos = (torch.cos(freqs) * mscale).to(dtype)
     sin = (torch.sin(freqs) * mscale).to(dtype)
     # rotate_half(t) * sin == roll(t, rot / 2) * [-sin_first_half, sin_second_half]
     half = sin.size(-1) // 2
     signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    _TABLES[0] = (weakref.ref(freqs), mscale, dtype, cos, signed)
+    _TABLES[0] = (weakref.ref(freqs), *key, cos, signed)
     return cos, signed
 
 
-def _covered(t: Tensor, freqs: Tensor, config, cu_seqlens, cp_group) -> bool:
+def _covered(
+    t: Tensor, freqs: Tensor, config: Any, cu_seqlens: Tensor | None, cp_group: ProcessGroup | None
+) -> bool:
+    """Whether ``apply_rotary`` computes this call itself (module docstring). A thd call without
+    its CP group (Megatron would look up the global one) goes to Megatron's function."""
     if config.apply_rope_fusion or config.rotary_interleaved or config.multi_latent_attention:
         return False
     if cu_seqlens is None:
         return True
-    cp = 1 if cp_group is None else cp_group.size()
-    return cp == 1 and freqs.size(0) == t.size(0)  # thd: one table row per packed token
+    # thd at cp = 1 with one table row per packed token (Megatron: freqs.size(0) == cu[-1])
+    return cp_group is not None and cp_group.size() == 1 and freqs.size(0) == t.size(0)
 
 
 def apply_rotary(
     t: Tensor,
     freqs: Tensor,
-    config,
+    config: Any,
     cu_seqlens: Tensor | None = None,
     mscale: float = 1.0,
-    cp_group=None,
+    cp_group: ProcessGroup | None = None,
 ) -> Tensor:
     """Megatron's ``apply_rotary_pos_emb`` (module docstring): ``t`` [s, b, h, d] (bshd) or
     [t, h, d] (thd), ``freqs`` [s, 1, 1, rot]."""
     if not _covered(t, freqs, config, cu_seqlens, cp_group):
-        return _ORIGINAL[0](t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        return _ORIGINAL[0](
+            t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group
+        )
     cos, signed_sin = _tables(freqs, mscale, t.dtype)
     if cu_seqlens is not None:  # [t, 1, 1, rot] against [t, h, d]
         cos, signed_sin = cos[:, 0], signed_sin[:, 0]
     rot = cos.size(-1)
     head = t[..., :rot]
     # Not addcmul: a fused multiply-add rounds once where Megatron's add of two products rounds
-    # twice; written this way every value and gradient is Megatron's, bit for bit.
+    # twice; written this way every value and gradient equals Megatron's (torch.equal).
     rotated = head * cos + head.roll(rot // 2, dims=-1) * signed_sin
     return rotated if rot == t.size(-1) else torch.cat((rotated, t[..., rot:]), dim=-1)

@@ -212,7 +212,8 @@ class BatchedForward:
     (a reshard, ``load_full_state_dict``) are what the next step computes with.
 
     ``compile_decode``: decode steps run ``torch.compile`` of ``_decode`` (inductor: fused C++
-    kernels for the norms, RoPE, cache writes, softmax and SwiGLU; matmuls stay library calls),
+    kernels for the norms, RoPE, cache writes, the attention (``_attend_decode_fused``) and
+    SwiGLU; the projections stay library calls),
     one graph with the row count and key length dynamic plus one for a single row (sizes 0
     and 1 are specialised), both compiled at the first decode step (tens of seconds on a CPU,
     seconds from inductor's cache). TP 1 only (the graph holds no collectives)."""
@@ -509,9 +510,9 @@ def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.T
     """``_attend_decode`` for the compiled step: the scores and the weighted values as
     broadcast products summed over the head dimension / the keys, which inductor turns into
     its own fused loops. Each of the ``n * ng`` matrix products is a few thousand
-    multiply-adds; as batched GEMM library calls (``_attend_decode``) they took about twice as
-    long inside the compiled step (a one-off probe at 64 rows, 80 keys, 2 threads: ~0.2 ms
-    against ~0.1 ms a layer)."""
+    multiply-adds; as batched GEMM library calls (``_attend_decode``) they took longer inside
+    the compiled step up to a few hundred keys (docs/engines.md, sixth session: measured to
+    4,096 keys both ways)."""
     n, ng, length, hn = keys.shape
     k_G1Lh = keys.reshape(n * ng, 1, length, hn)
     v_G1Lh = values.reshape(n * ng, 1, length, hn)

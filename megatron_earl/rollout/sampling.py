@@ -78,32 +78,35 @@ def sample_tokens(
     logits_nV = logits_nV.float()
     real = logits_nV[:, :vocab_size]
     hot = [i for i, p in enumerate(params) if not p.greedy]
-    if len(hot) < len(params):
-        tokens = torch.argmax(real, dim=-1)
+    every = bool(hot) and len(hot) == len(params)  # every row sampled: no argmax, no row index
+    tokens = None if every else torch.argmax(real, dim=-1)
     if hot:
-        every = len(hot) == len(params)
+        rows = None if every else torch.tensor(hot, dtype=torch.long, device=real.device)
         filtered = filter_logits(
-            real if every else real[torch.tensor(hot, dtype=torch.long, device=real.device)],
+            real if rows is None else real[rows],
             *_row_settings([params[i] for i in hot], vocab_size, real.device),
         )
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)
         picked = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
         picked = picked.clamp_(max=vocab_size - 1)
-        if every:
+        if tokens is None:
             tokens = picked
         else:
-            tokens[torch.tensor(hot, dtype=torch.long, device=real.device)] = picked
+            tokens[rows] = picked
     logprobs = torch.log_softmax(logits_nV, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
 
 
-def _row_settings(params: Sequence[SamplingParams], vocab_size: int, device: torch.device):
+def _row_settings(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``filter_logits``' per-row temperature, top-k, top-p and min-p (None: no row uses it) of
-    the sampled rows. The usual step -- every row with the same settings, as in an RL batch --
-    builds them with ``torch.full``, not row by row."""
+    the sampled rows. The usual step -- every row with the same filter settings, as in an RL
+    batch -- builds them with ``torch.full``, not row by row."""
     first = params[0]
-    if all(p is first or p == first for p in params):
+    same = (first.temperature, first.top_k, first.top_p, first.min_p)
+    if all(p is first or (p.temperature, p.top_k, p.top_p, p.min_p) == same for p in params):
         m = len(params)
 
         def full(value: float, dtype: torch.dtype) -> torch.Tensor:

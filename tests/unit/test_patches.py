@@ -144,15 +144,18 @@ def test_schedule_steps_run_without_the_redirect():
 
     def probe():
         seen.append(torch._C._is_torch_function_mode_enabled())
+        assert torch.cuda.current_device() == "cpu"  # the stand-in stays for the layers
         buf = GlobalMemoryBuffer().get_tensor((2,), torch.float32, "y")  # redirected inside
-        seen.append((buf.device.type, torch._C._is_torch_function_mode_enabled()))
+        made = cpu_redirect._redirected(lambda: torch.zeros(1, device="cuda"))()  # a new scope
+        seen.append((buf.device.type, made.device.type, torch._C._is_torch_function_mode_enabled()))
 
     exempt = cpu_redirect._exempted(lambda: probe())
     with cpu_redirect.cuda_to_cpu():
         exempt()
         assert torch.zeros(1, device="cuda").device.type == "cpu"
-    assert seen == [False, ("cpu", False)]
-    exempt()  # outside any redirect: a plain call
+    assert seen == [False, ("cpu", "cpu", False)]
+    plain = cpu_redirect._exempted(lambda: seen.append(torch._C._is_torch_function_mode_enabled()))
+    plain()  # outside any redirect: a plain call
     assert seen[2] is False
 
 

@@ -159,17 +159,26 @@ def test_sampling_matches_the_distribution_and_is_batch_invariant():
     ids=["plain", "filtered"],
 )
 def test_sampling_same_settings_equals_row_by_row(settings):
-    """Rows sharing their settings (one object, or equal ones) are filtered with settings built
-    at once; each row draws what it draws alone, with the same log-prob."""
+    """Rows sharing their filter settings (one object, equal ones, ones differing only in seed
+    and budget) are filtered with settings built at once; each row draws what it draws with
+    its settings built row by row (beside a row of other settings), with the same log-prob."""
     logits = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
     shared = SamplingParams(**settings)
-    alone = [sample_tokens(logits[i : i + 1], 9, [shared], [random.Random(i)]) for i in range(6)]
-    for params in ([shared] * 6, [SamplingParams(**settings) for _ in range(6)]):
+    other = SamplingParams(temperature=0.3)
+    alone = [  # row i then a row of other settings: the row-by-row path
+        [x[:1] for x in sample_tokens(
+            torch.cat([logits[i : i + 1], logits[:1]]), 9, [shared, other],
+            [random.Random(i), random.Random(99)],
+        )]
+        for i in range(6)
+    ]  # fmt: skip
+    budgets = [SamplingParams(**settings, max_new_tokens=4 + i, seed=i) for i in range(6)]
+    for params in ([shared] * 6, [SamplingParams(**settings) for _ in range(6)], budgets):
         tokens, lps = sample_tokens(logits, 9, params, [random.Random(i) for i in range(6)])
         assert tokens == [a[0][0] for a in alone]
         assert lps == pytest.approx([a[1][0] for a in alone], abs=1e-6)
     # One differing row takes the row-by-row settings: the others still draw the same.
-    odd = [shared] * 5 + [SamplingParams(temperature=0.3)]
+    odd = [shared] * 5 + [other]
     tokens, _ = sample_tokens(logits, 9, odd, [random.Random(i) for i in range(6)])
     assert tokens[:5] == [a[0][0] for a in alone[:5]]
 

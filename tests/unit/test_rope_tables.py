@@ -1,6 +1,6 @@
 """``patches/rope_tables.py``: RoPE with one table per rotary tensor and four ops, against
-Megatron-Core's unfused ``apply_rotary_pos_emb`` (values and input gradients bit for bit), and
-the cases it hands to Megatron's function unchanged."""
+Megatron-Core's unfused ``apply_rotary_pos_emb`` (values and input gradients equal,
+``torch.equal``), and the cases it hands to Megatron's function unchanged."""
 
 from __future__ import annotations
 
@@ -47,30 +47,45 @@ def test_bshd_equals_megatron(rot, mscale):
     assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
 
 
-def test_tree_thd_equals_megatron_and_reuses_tables():
-    """A tree row's table (one row per packed token, positions of the tokens' own samples): the
-    same as Megatron's exact mapping; the tables are made once for a rotary tensor."""
+@pytest.mark.parametrize("bounds", [[0, 9], [0, 4, 9]], ids=["tree_row", "two_sequences"])
+def test_thd_table_per_token_equals_megatron(bounds):
+    """A table of one row per packed token (a tree row: the positions of the tokens' own
+    samples; or several sequences with their offsets): Megatron's exact mapping."""
     positions = torch.tensor([0, 1, 2, 3, 3, 4, 5, 3, 4])  # a prefix of 3 and two branches
-    freqs = _freqs(positions, 16)
     t = torch.randn(9, 4, 16, generator=torch.Generator().manual_seed(1))
-    cu = torch.tensor([0, 9], dtype=torch.int32)
-    (y, g), (y_ref, g_ref) = _both(t, freqs, cu_seqlens=cu, cp_group=CP1)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    (y, g), (y_ref, g_ref) = _both(t, _freqs(positions, 16), cu_seqlens=cu)
     assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
+
+
+def test_tables_made_once_per_rotary_tensor():
+    freqs = _freqs(torch.arange(5), 8)
     first = rope_tables._tables(freqs, 1.0, torch.float32)
     assert all(a is b for a, b in zip(first, rope_tables._tables(freqs, 1.0, torch.float32)))
     assert rope_tables._tables(freqs.clone(), 1.0, torch.float32)[0] is not first[0]
+    with torch.inference_mode():  # never reused by a forward that records gradients
+        inner = rope_tables._tables(freqs, 1.0, torch.float32)
+    assert inner[0] is not first[0]
+    x = torch.randn(5, 1, 2, 8, requires_grad=True)
+    rope_tables.apply_rotary(x, freqs, CONFIG, cp_group=CP1).sum().backward()
+    assert x.grad is not None
 
 
 def test_other_cases_run_megatrons_function(monkeypatch):
-    """Per-sequence thd tables, interleaved rotation: Megatron's own function, as given."""
+    """Per-sequence thd tables, thd at cp 2 or without its CP group, interleaved rotation:
+    Megatron's own function, as given."""
     calls = []
     monkeypatch.setattr(rope_tables, "_ORIGINAL", [lambda *a, **k: calls.append(k) or a[0]])
     t = torch.randn(6, 2, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    per_token = _freqs(torch.arange(6), 8)
+    cp2 = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
     rope_tables.apply_rotary(t, _freqs(torch.arange(4), 8), CONFIG, cu_seqlens=cu, cp_group=CP1)
+    rope_tables.apply_rotary(t, per_token, CONFIG, cu_seqlens=cu, cp_group=cp2)
+    rope_tables.apply_rotary(t, per_token, CONFIG, cu_seqlens=cu)
     interleaved = SimpleNamespace(**{**vars(CONFIG), "rotary_interleaved": True})
     rope_tables.apply_rotary(t[None], _freqs(torch.arange(1), 8), interleaved, cp_group=CP1)
-    assert len(calls) == 2 and calls[0]["cu_seqlens"] is cu
+    assert len(calls) == 4 and calls[0]["cu_seqlens"] is cu and calls[1]["cp_group"] is cp2
 
 
 def test_installed_where_attention_calls_it():
