@@ -82,10 +82,7 @@ def sample_tokens(
     tokens = None if every else torch.argmax(real, dim=-1)
     if hot:
         rows = None if every else torch.tensor(hot, dtype=torch.long, device=real.device)
-        filtered = filter_logits(
-            real if rows is None else real[rows],
-            *_row_settings([params[i] for i in hot], vocab_size, real.device),
-        )
+        filtered = _filtered(real if rows is None else real[rows], [params[i] for i in hot])
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)
         picked = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
@@ -98,31 +95,33 @@ def sample_tokens(
     return tokens.tolist(), logprobs.tolist()
 
 
-def _row_settings(
-    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``filter_logits``' per-row temperature, top-k, top-p and min-p (None: no row uses it) of
-    the sampled rows. The usual step -- every row with the same filter settings, as in an RL
-    batch -- builds them with ``torch.full``, not row by row."""
+def _filtered(logits_mVr: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``filter_logits`` of the sampled rows with their settings. The usual step -- every row
+    with the same filter settings, as in an RL batch -- builds them with ``torch.full``, not row
+    by row, and with no top-k, top-p or min-p it only divides by the temperature (the same
+    division ``filter_logits`` makes, without its checks)."""
+    m, vocab, device = logits_mVr.size(0), logits_mVr.size(-1), logits_mVr.device
     first = params[0]
     same = (first.temperature, first.top_k, first.top_p, first.min_p)
     if all(p is first or (p.temperature, p.top_k, p.top_p, p.min_p) == same for p in params):
-        m = len(params)
-
-        def full(value: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full((m,), value, dtype=dtype, device=device)
-
-        return (
-            full(first.temperature, torch.float32),
-            full(min(first.top_k, vocab_size), torch.long),
-            full(first.top_p, torch.float32),
-            full(first.min_p, torch.float64) if first.min_p > 0 else None,
+        temperature = torch.full((m,), first.temperature, dtype=torch.float32, device=device)
+        if not 1 <= first.top_k < vocab and first.top_p >= 1.0 and first.min_p <= 0:
+            return logits_mVr.float() / temperature[:, None]
+        return filter_logits(
+            logits_mVr,
+            temperature,
+            torch.full((m,), min(first.top_k, vocab), dtype=torch.long, device=device),
+            torch.full((m,), first.top_p, dtype=torch.float32, device=device),
+            torch.full((m,), first.min_p, dtype=torch.float64, device=device)
+            if first.min_p > 0
+            else None,
         )
     settings = torch.tensor(
-        [[p.temperature, min(p.top_k, vocab_size), p.top_p, p.min_p] for p in params],
+        [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
         dtype=torch.float64,
     ).to(device)
-    return (
+    return filter_logits(
+        logits_mVr,
         settings[:, 0].float(),
         settings[:, 1].long(),
         settings[:, 2].float(),
