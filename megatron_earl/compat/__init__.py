@@ -1,4 +1,5 @@
 """What the installed environment offers: ``version`` guards the megatron-core release (the one
-every patch is written for); ``optional`` detects optional packages (TE, SGLang). The
+every patch is written for); ``optional`` detects optional packages (TE, SGLang);
+``event_loop.run`` is ``asyncio.run`` without a CPython 3.11 cost (module docstring). The
 patches themselves live in the top-level ``patches/`` (installed as ``megatron_earl.patches``).
 """

@@ -51,6 +51,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_earl import runtime
+from megatron_earl.compat import event_loop
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import MemoryTag, TransformerImpl
 from megatron_earl.models.impl import machine_transformer_impl
@@ -763,7 +764,7 @@ def run_engine(
             finally:
                 await engine.shutdown()
 
-        return asyncio.run(main())
+        return event_loop.run(main())
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

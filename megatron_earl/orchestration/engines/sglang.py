@@ -36,6 +36,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_earl.compat import event_loop
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase, WeightUpdate
 from megatron_earl.models.hf_mapping import global_shapes
@@ -283,7 +284,7 @@ class SGLangBackend(RolloutBackend):
                 }
             return batch.trajectories
 
-        trajectories = asyncio.run(run()) if tasks else []
+        trajectories = event_loop.run(run()) if tasks else []
         if self.config.rollout.sglang.colocated:
             self.stats["memory_release_s"] = self._release_memory()
         return Rollout(trajectories, rank)
