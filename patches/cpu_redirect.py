@@ -201,24 +201,24 @@ def _suspended() -> Iterator[None]:
         torch._C._push_on_torch_function_stack(mode)
 
 
-def _redirected(fn: Callable) -> Callable:
+def _scoped(fn: Callable, scope: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+    """``fn`` run inside ``scope()``, marked as installed by this patch."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with cuda_to_cpu():
+        with scope():
             return fn(*args, **kwargs)
 
     wrapper.__megatron_earl_redirected__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _redirected(fn: Callable) -> Callable:
+    return _scoped(fn, cuda_to_cpu)
 
 
 def _exempted(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _suspended():
-            return fn(*args, **kwargs)
-
-    wrapper.__megatron_earl_redirected__ = True  # type: ignore[attr-defined]
-    return wrapper
+    return _scoped(fn, _suspended)
 
 
 def apply() -> bool:
