@@ -104,14 +104,17 @@ def _filtered(logits_mVr: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     first = params[0]
     same = (first.temperature, first.top_k, first.top_p, first.min_p)
     if all(p is first or (p.temperature, p.top_k, p.top_p, p.min_p) == same for p in params):
-        temperature = torch.full((m,), first.temperature, dtype=torch.float32, device=device)
+        # float64 first, as the row-by-row settings: a finite temperature beyond float32's range
+        # (1e308) becomes inf (every token equally likely), not an error
+        temperature = torch.full((m,), first.temperature, dtype=torch.float64, device=device)
+        temperature = temperature.float()
         if not 1 <= first.top_k < vocab and first.top_p >= 1.0 and first.min_p <= 0:
             return logits_mVr.float() / temperature[:, None]
         return filter_logits(
             logits_mVr,
             temperature,
             torch.full((m,), min(first.top_k, vocab), dtype=torch.long, device=device),
-            torch.full((m,), first.top_p, dtype=torch.float32, device=device),
+            torch.full((m,), first.top_p, dtype=torch.float64, device=device).float(),
             torch.full((m,), first.min_p, dtype=torch.float64, device=device)
             if first.min_p > 0
             else None,

@@ -155,8 +155,12 @@ def test_sampling_matches_the_distribution_and_is_batch_invariant():
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(temperature=1.0), dict(temperature=0.6, top_k=5, top_p=0.8, min_p=0.05)],
-    ids=["plain", "filtered"],
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.6, top_k=5, top_p=0.8, min_p=0.05),
+        dict(temperature=1e308, top_k=10**30),  # beyond float32: uniform over the vocabulary
+    ],
+    ids=["plain", "filtered", "extreme"],
 )
 def test_sampling_same_settings_equals_row_by_row(settings):
     """Rows sharing their filter settings (one object, equal ones, ones differing only in seed
