@@ -7,7 +7,8 @@ What: ``apply()`` replaces ``apply_rotary_pos_emb`` where Megatron-Core's attent
   per packed token (the prefix-tree row's "exact mapping") -- it computes Megatron's
   ``t * cos + rotate_half(t) * sin`` (cos/sin scaled by mscale) as ``t * cos + roll(t, rot / 2)
   * signed_sin`` (the same products and sums, so equal values and gradients, ``torch.equal``;
-  the embedded engine's formula, ``rollout.batched_forward``, which fuses the last two ops),
+  the embedded engine's formula, ``rollout.batched_forward``, which fuses the last two ops;
+  both take their tables from ``models.rotary``),
   with the tables made once for the rotary tensor every layer receives (a one-entry cache keyed
   by that tensor) instead of ``cos``/``sin`` per layer and per query/key. Every other case
   (fusion, interleaved, MLA, CP, a ``thd`` table indexed by position in each sequence) runs
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_earl.models.rotary import cos_signed_sin
 from megatron_earl.patches import Target, check_targets
 
 VERSIONS = ">=0.16.0,<0.17.0"
@@ -62,11 +64,7 @@ def _tables(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, T
     last = _TABLES[0]
     if last is not None and last[0]() is freqs and last[1:4] == key:
         return last[4], last[5]
-    cos = (torch.cos(freqs) * mscale).to(dtype)
-    sin = (torch.sin(freqs) * mscale).to(dtype)
-    # rotate_half(t) * sin == roll(t, rot / 2) * [-sin_first_half, sin_second_half]
-    half = sin.size(-1) // 2
-    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    cos, signed = cos_signed_sin(freqs, mscale, dtype)
     _TABLES[0] = (weakref.ref(freqs), *key, cos, signed)
     return cos, signed
 

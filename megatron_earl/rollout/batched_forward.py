@@ -55,6 +55,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from torch import nn
 
 from megatron_earl import runtime
+from megatron_earl.models.rotary import cos_signed_sin
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.rollout.kv_cache import RowCache
 
@@ -264,10 +265,7 @@ class BatchedForward:
         emb = self.gpt.rotary_pos_emb(max_seq_len)
         freqs = (emb[0] if isinstance(emb, tuple) else emb)[:, 0].to(self.device)
         mscale = _yarn_get_concentration_factor_from_config(self.gpt.config)
-        cos, sin = (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
-        # rotate_half(x) * sin == roll(x, rot / 2) * [-sin_first_half, sin_second_half]
-        half = sin.size(-1) // 2
-        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, signed = cos_signed_sin(freqs, mscale, dtype)
         return cos[:, None], signed[:, None]
 
     def _compiled_decode(self, ids_n, pos_n, key_pos_L) -> torch.Tensor:
