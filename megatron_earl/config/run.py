@@ -381,6 +381,13 @@ class TrainConfig(OptimConfig):
     tokens computed). Applies where the phase's layout has cp = 1, the model has no dropout and
     runs the local spec's SDPA attention; elsewhere every sample is packed whole. The dispatcher
     then keeps a group's samples on one DP rank when there are 2 groups per rank or more."""
+    skip_zero_advantage: bool = True
+    """Leave out of the experience and train phases the samples whose every trainable advantage
+    is 0 (a group with all-equal rewards under a group baseline), where that leaves the update
+    exactly as it was: one mini-batch, kl_coef = entropy_coef = 0 and a loss whose terms are
+    advantage-weighted (every built-in one); the loss normaliser still counts them. At least one
+    sample per train DP rank stays (``orchestration.zero_advantage``). False: compute them all,
+    as TRL and verl do."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

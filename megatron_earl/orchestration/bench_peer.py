@@ -79,9 +79,12 @@ class RunSummary:
     forward_per_step: float
     """Mean token positions the update's forward computes per measured step: ours the
     trajectories' tokens less the prompt tokens (all but the last) that prefix sharing does not
-    compute again; TRL its padded batch, samples x (longest prompt + longest completion)."""
+    compute again and less the zero-advantage samples' left out (``train.skip_zero_advantage``);
+    TRL its padded batch, samples x (longest prompt + longest completion)."""
     real_per_step: float
     """Mean prompt + completion tokens per measured step (tool responses included)."""
+    skipped_per_step: float = 0.0
+    """Mean samples per measured step the update left out (ours: zero advantage; TRL: 0)."""
 
 
 def steady_state(
@@ -90,6 +93,7 @@ def steady_state(
     phases: tuple[str, ...],
     forward: list[float],
     real: list[float],
+    skipped: list[float] | None = None,
 ) -> RunSummary:
     """Summary of ``steps`` (records with ``time/step`` and ``time/<phase>``; ``tokens`` their
     completion tokens, ``forward`` / ``real`` their update's forward positions and real tokens)
@@ -108,19 +112,25 @@ def steady_state(
         phases={p: statistics.fmean(r[f"time/{p}"] for r in kept) for p in phases},
         forward_per_step=statistics.fmean(forward[1:]),
         real_per_step=statistics.fmean(real[1:]),
+        skipped_per_step=statistics.fmean(skipped[1:]) if skipped else 0.0,
     )
 
 
 def ours_summary(metrics_jsonl: Path) -> RunSummary:
     """Our run's summary from its metrics log (completion tokens per step = mean response
     length x trajectories: the loss-mask tokens; the train forward's positions = the
-    trajectories' tokens less ``train/num_shared_tokens``: exact at tp1/cp1 when no trajectory
-    failed, since ``rollout/tokens`` counts failed ones too and padding for SP/CP is left out)."""
+    trajectories' tokens less ``train/num_shared_tokens`` and ``train/num_skipped_tokens``: exact
+    at tp1/cp1 when no trajectory failed, since ``rollout/tokens`` counts failed ones too and
+    padding for SP/CP is left out)."""
     steps = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
     tokens = [r["response_len/mean"] * r["rollout/trajectories"] for r in steps]
     real = [r["rollout/tokens"] for r in steps]
-    forward = [r["rollout/tokens"] - r["train/num_shared_tokens"] for r in steps]
-    return steady_state(steps, tokens, OURS_PHASES, forward, real)
+    forward = [
+        r["rollout/tokens"] - r["train/num_shared_tokens"] - r.get("train/num_skipped_tokens", 0)
+        for r in steps
+    ]
+    skipped = [r.get("train/num_skipped_samples", 0.0) for r in steps]
+    return steady_state(steps, tokens, OURS_PHASES, forward, real, skipped)
 
 
 def trl_summary(result: dict) -> RunSummary:
@@ -240,6 +250,7 @@ class Pair:
 
 
 def _median_line(label: str, runs: list[RunSummary], phases: tuple[str, ...]) -> str:
+    skipped = statistics.median(r.skipped_per_step for r in runs)
     phase_text = ", ".join(
         f"{p} {statistics.median(r.phases[p] for r in runs):.2f} s" for p in phases
     )
@@ -248,7 +259,8 @@ def _median_line(label: str, runs: list[RunSummary], phases: tuple[str, ...]) ->
         f"{statistics.median(r.tokens_per_s for r in runs):.0f} tokens/s, "
         f"{statistics.median(r.tokens_per_step for r in runs):.0f} tokens/step ({phase_text}); "
         f"update forward over {statistics.median(r.forward_per_step for r in runs):.0f} "
-        f"positions/step ({statistics.median(r.real_per_step for r in runs):.0f} real tokens)"
+        f"positions/step ({statistics.median(r.real_per_step for r in runs):.0f} real tokens"
+        + (f", {skipped:.0f} zero-advantage samples left out)" if skipped else ")")
     )
 
 

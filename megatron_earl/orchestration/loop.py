@@ -72,7 +72,14 @@ from megatron_earl.orchestration.samples import (
 )
 from megatron_earl.orchestration.selection import PhaseSelection, gathered_lengths
 from megatron_earl.orchestration.sft import warm_start
+from megatron_earl.orchestration.step_metrics import rollout_metrics
 from megatron_earl.orchestration.watchdog import Heartbeat
+from megatron_earl.orchestration.zero_advantage import (
+    NO_SKIP,
+    SkipCounts,
+    skip_rule,
+    skip_zero_advantage,
+)
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.oom_agreement import agreement_point
@@ -108,6 +115,8 @@ class RLLoop:
         self.layouts = {phase: phase_layout(config.layouts, phase) for phase in Phase}
         self.old_logprobs = config.old_logprobs_pass()
         """Whether the experience phase computes old log-probs (else the train pass does)."""
+        self.skip_rule = skip_rule(config)
+        """How zero-advantage samples leave the step (None: they stay; ``zero_advantage``)."""
         self.plan_cache = PlanCache()
         """Dispatch plans by their exact inputs (a re-run of a phase reuses its plan)."""
         kind = rollout_backend_class(config.rollout.engine)
@@ -303,11 +312,13 @@ class RLLoop:
         layout: ParallelLayout | None = None,
         progress: TrainProgress | None = None,
         update: bool = True,
+        skipped: SkipCounts = NO_SKIP,
     ) -> dict[str, float]:
         """Dispatch to the train layout (moving the master copy there if it is elsewhere) and
         take ``num_mini_batches`` optimizer steps. ``progress`` counts the mini-batches already
         applied, so a re-run after an OOM continues with the next one (no sample trained twice).
-        ``update=False`` (start-up profiling): forward and backward, no optimizer step."""
+        ``update=False`` (start-up profiling): forward and backward, no optimizer step.
+        ``skipped``: the zero-advantage samples left out of ``batch`` (``skip_zero_advantage``)."""
         layout = layout or self.policy.train_layout
         self.move_master(layout)
         budget = self.config.batch.max_tokens_per_micro_batch
@@ -325,6 +336,7 @@ class RLLoop:
             loss=self.config.train.loss,
             max_tokens_per_micro_batch=budget,
             vocab_size=self.config.model.vocab_size,
+            skipped_normaliser=skipped.normaliser,
         )
         optimizer = self.policy.optimizer if update else _NoUpdate(self.policy.optimizer)
         if self.selection is not None:
@@ -424,8 +436,12 @@ class RLLoop:
                 if source is not None
                 else schema_batch()
             )
-            lengths = gathered_lengths(batch.lengths) if self.selection is not None else []
-            self.last_lengths = lengths or self.last_lengths
+            rolled = batch
+            batch, skipped = skip_zero_advantage(batch, self.skip_rule, self._skip_floor())
+            lengths = gathered_lengths(rolled.lengths) if self.selection is not None else []
+            self.last_lengths = lengths or self.last_lengths  # the rollout's: every sample
+            if lengths and skipped.samples:
+                lengths = gathered_lengths(batch.lengths)
             if self.selected(Phase.EXPERIENCE) and lengths:
                 batch = self._select(
                     Phase.EXPERIENCE, batch, lengths, self.experience, self.prepare, selected
@@ -441,16 +457,24 @@ class RLLoop:
                     Phase.TRAIN,
                     batch,
                     lengths,
-                    lambda data, layout: self.train(data, layout, progress),
+                    lambda data, layout: self.train(data, layout, progress, skipped=skipped),
                     self.move_master,
                     selected,
                 )
             else:
-                train_metrics = self.train(batch)
+                train_metrics = self.train(batch, skipped=skipped)
         self.step += 1
         if self.selection is not None:
             self.release_unused()
-        return self._step_metrics(trajs, batch, train_metrics, clock, start, selected)
+        # advantage statistics over every sample; without a skip, the experience phase's
+        # old log-probs (when it computed them) give the log-prob mismatch
+        shown = rolled if skipped.samples else batch
+        train_metrics = {
+            **train_metrics,
+            "num_skipped_samples": float(skipped.samples),
+            "num_skipped_tokens": float(skipped.tokens),
+        }
+        return self._step_metrics(trajs, shown, train_metrics, clock, start, selected)
 
     def _step_metrics(self, trajs, batch, train_metrics, clock, start, selected):
         """The metrics of a step (every rank calls: the rollout statistics are all-reduced)."""
@@ -485,6 +509,19 @@ class RLLoop:
         dist.all_reduce(counts, group=host_group())
         self.usable = int(counts[0])
         return self.usable < self._samples_needed()
+
+    def _skip_floor(self) -> int:
+        """Samples the zero-advantage skip keeps at least: ``_samples_needed``, and for a phase
+        the selector picks this step, its widest candidate layout's needs."""
+        needed = self._samples_needed()
+        if self.selection is None:
+            return needed
+        for phase in (Phase.EXPERIENCE, Phase.TRAIN):
+            if self.selected(phase):
+                widest = max(c.dp for c in self.selection.selectors[phase].candidates)
+                per_rank = self.config.batch.num_mini_batches if phase == Phase.TRAIN else 1
+                needed = max(needed, widest * per_rank)
+        return needed
 
     def _samples_needed(self) -> int:
         """Samples the step needs at least: every DP rank of the train layout one per
@@ -688,74 +725,6 @@ def every_stage(layout: ParallelLayout, phase: str, fields: tuple[str, ...]) -> 
     return Destination(
         replica_layout(layout), phase, first_stage_fields=fields, middle_stage_fields=fields
     )
-
-
-def rollout_metrics(
-    trajs: Sequence[Trajectory], batch, max_turns: int, train_mismatch: float = 0.0
-) -> dict[str, float]:
-    """Step-level rollout statistics summed over the rollout sources (every rank calls; three
-    all-reduces of host tensors on the host world group; the batch's token statistics come to the
-    host first).
-
-    ``rollout/logprob_mismatch`` (mean |log pi_old - log pi_rollout| over the trainable tokens)
-    comes from the batch's ``old_logprobs`` when the experience phase computed them, else it is
-    ``train_mismatch``: the train step's ``logprob_mismatch``, from its forward before the update
-    (the same policy: ``RunConfig.old_logprobs_pass``)."""
-    k = max_turns
-    totals = [0.0] * (7 + 2 * k)  # Python sums, one tensor after (not a tensor op per value)
-    for t in trajs:
-        totals[0] += 1
-        totals[1] += t.reward
-        totals[2] += float(t.ok and t.reward >= 1.0)
-        totals[3] += sum(t.loss_mask)
-        totals[4] += len(t.token_ids)
-        totals[5] += float(not t.ok)
-        totals[6] += t.num_turns
-        for i, turn in enumerate(t.turns[:k]):
-            totals[7 + i] += len(t.prompt_ids) + turn.end
-            totals[7 + k + i] += 1
-    vec = torch.tensor(totals, dtype=torch.float64, device="cpu")
-    longest = torch.tensor(
-        [max((len(t.token_ids) for t in trajs), default=0)], dtype=torch.float64, device="cpu"
-    )
-    # reward sum of squares; |old - rollout log-prob| and advantage sum, sum of squares over the
-    # trainable tokens; trainable tokens
-    sums = torch.zeros(5, dtype=torch.float64, device="cpu")
-    sums[0] = sum(t.reward**2 for t in trajs)
-    old = batch.token_fields.get("old_logprobs")  # the same presence on every rank
-    if batch.num_samples:
-        mask = batch.token_fields["loss_mask"] > 0
-        adv = batch.token_fields["advantages"][mask].double()
-        diff = adv.new_zeros(())
-        if old is not None:
-            diff = (old - batch.token_fields["rollout_logprobs"])[mask].abs().double().sum()
-        local = [diff, adv.sum(), adv.square().sum(), mask.sum().double()]
-        sums[1:] += runtime.to_host(torch.stack(local))
-    dist.all_reduce(vec, group=host_group())
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=host_group())
-    dist.all_reduce(sums, group=host_group())
-    n = max(float(vec[0]), 1.0)
-    tokens = max(float(sums[4]), 1.0)
-    reward_mean, adv_mean = float(vec[1]) / n, float(sums[2]) / tokens
-    out = {
-        "rollout/trajectories": float(vec[0]),
-        "reward/mean": reward_mean,
-        "reward/std": max(float(sums[0]) / n - reward_mean**2, 0.0) ** 0.5,
-        "adv/mean": adv_mean,
-        "adv/std": max(float(sums[3]) / tokens - adv_mean**2, 0.0) ** 0.5,
-        "success_rate": float(vec[2]) / n,
-        "response_len/mean": float(vec[3]) / n,
-        "context_len/mean": float(vec[4]) / n,
-        "context_len/max": float(longest[0]),
-        "rollout/failed": float(vec[5]),
-        "rollout/turns_mean": float(vec[6]) / n,
-        "rollout/tokens": float(vec[4]),
-        "rollout/logprob_mismatch": float(sums[1]) / tokens if old is not None else train_mismatch,
-    }
-    for i in range(k):
-        if vec[7 + k + i] > 0:
-            out[f"context_len_per_turn/{i}"] = float(vec[7 + i] / vec[7 + k + i])
-    return out
 
 
 @dataclass

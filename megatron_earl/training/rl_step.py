@@ -37,7 +37,9 @@ is_seq_clip_frac, is_seq_mask_frac (fractions of the samples with a trainable to
 sequence-level behaviour weight was truncated / masked); num_tokens (trainable), num_samples,
 num_empty_samples, num_nonfinite_samples, num_micro_batches (max over ranks), grad_norm,
 skipped_step, update_ok, tokens_per_s (all tokens of the step / wall time), num_shared_tokens
-(tokens a prefix tree did not compute, ``training.prefix_tree``; 0 for whole samples).
+(tokens a prefix tree did not compute, ``training.prefix_tree``; 0 for whole samples). With
+``RLStepConfig.skipped_normaliser`` (samples the caller left out) entropy and kl_loss are means
+over the trained samples, loss and pg_loss the whole batch's.
 
 Which ranks call: every rank of the world, each with its DP rank's samples.
 """
@@ -116,6 +118,10 @@ class RLStepConfig:
     """Real vocabulary size: padded output rows beyond it are excluded from the softmax."""
     on_nonfinite: str = "drop"
     """Samples with NaN/inf at a trainable position: "drop" (mask them, count them) or "raise"."""
+    skipped_normaliser: float = 0.0
+    """The share of the global loss normaliser of the step's samples the caller left out (all
+    advantages 0 under an advantage-weighted loss: ``orchestration.zero_advantage``), added to
+    the step's own, so the kept samples' gradients are what they were with every sample."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_micro_batch < 1:
@@ -126,6 +132,8 @@ class RLStepConfig:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size}; valid: >= 1")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; valid: {NONFINITE_POLICIES}")
+        if not self.skipped_normaliser >= 0:
+            raise ValueError(f"skipped_normaliser={self.skipped_normaliser}; valid: >= 0")
 
 
 def agree(fn: Callable[[], Any]) -> Any:
@@ -396,7 +404,8 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     num_mb_max = torch.tensor([float(len(whole))], device="cpu")
     dist.all_reduce(counts, group=host_group(dp_group))
     dist.all_reduce(num_mb_max, op=dist.ReduceOp.MAX, group=host_group())
-    normaliser = counts[0].float()
+    trained_normaliser = float(counts[0])
+    normaliser = torch.tensor(trained_normaliser + config.skipped_normaliser, dtype=torch.float32)
 
     micro_batches = _local_micro_batches(whole, ddp_chunks)
     for chunk in ddp_chunks:
@@ -408,6 +417,11 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     with output_hidden_states(ddp_chunks):
         per_mb = forward_backward(ddp_chunks, micro_batches, loss_fn, variable_seq_lengths=pp > 1)
     metrics = _reduce_metrics(per_mb)
+    if config.skipped_normaliser and trained_normaliser > 0:
+        # loss and pg_loss stay the whole batch's (skipped samples add exactly 0); these are
+        # means over the trained samples
+        for key in ("entropy", "kl_loss"):
+            metrics[key] *= float(normaliser) / trained_normaliser
     nonempty = float(counts[1] - counts[2])
     for count, frac in zip(SAMPLE_COUNTS, ("is_seq_clip_frac", "is_seq_mask_frac")):
         metrics[frac] = metrics.pop(count) / nonempty if nonempty > 0 else 0.0

@@ -81,7 +81,8 @@ def _step(layout: str, mode: str):
     import torch.distributed as dist
 
     from megatron_earl.config import load_config
-    from megatron_earl.orchestration.loop import RLLoop, rollout_metrics
+    from megatron_earl.orchestration.loop import RLLoop
+    from megatron_earl.orchestration.step_metrics import rollout_metrics
     from megatron_earl.redistribute.geometry import shard_pieces
     from megatron_earl.tokenizer import build_tokenizer
 

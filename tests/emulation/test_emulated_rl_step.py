@@ -21,6 +21,7 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import DistributedTestError, run_distributed
 from tests.distributed import test_embedded_engine as engine_case
 from tests.distributed import test_rl_step as step_case
+from tests.distributed import test_zero_advantage as skip_case
 from tests.emulation.common import EMULATED, on_emulated_device, to_host
 
 
@@ -172,3 +173,17 @@ def test_planted_host_kv_cache_fails_naming_it(decode_reference):
     # The KV cache's shape: [max_batch_size, query groups, max_seq_len, head dim].
     assert "aten::index_put_ got a host tensor of shape (3, 2, 40, 16)" in message
     assert "megatron_earl/rollout/kv_cache.py" in message
+
+
+def _emulated_skip(layout: str, aggregation: str):
+    return to_host(skip_case._both(layout, aggregation))
+
+
+def test_zero_advantage_skip_on_the_emulated_device():
+    """The zero-advantage skip (per-sample flags read from device tensors, the batch subset on
+    the device) leaves the update as the whole batch gives it, as on the CPU."""
+    layout = "tp1cp1pp1dp2"
+    results = run_distributed(
+        _emulated_skip, 2, args=(layout, "token_mean"), timeout_s=300, env=EMULATED
+    )
+    skip_case.check(results, layout)

@@ -117,6 +117,11 @@ class PolicyLoss(ABC):
     with ``@register_loss``. Instances are built once per train step (``build_loss``)."""
 
     name: ClassVar[str]
+    advantage_weighted: ClassVar[bool] = False
+    """Whether every term ``surrogate`` returns is the token's advantage times a finite factor,
+    so that a sample whose advantages are all 0 adds exactly 0 to the loss and its gradients
+    (the trainer then need not compute it: ``orchestration.zero_advantage``). A loss declares it;
+    False by default, so a registered loss with another term is never skipped."""
 
     def __init__(self, config: PolicyLossConfig) -> None:
         self.config = config

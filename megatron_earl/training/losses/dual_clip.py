@@ -25,6 +25,7 @@ class DualClipPPO(PolicyLoss):
     """Token-level clipped surrogate with the dual-clip bound always on."""
 
     name: ClassVar[str] = "dual_clip"
+    advantage_weighted: ClassVar[bool] = True  # clipped_pg: -A x (clipped) ratio
 
     def surrogate(self, inputs: SurrogateInputs) -> Surrogate:
         c = self.config.dual_clip_c if self.config.dual_clip_c is not None else DEFAULT_DUAL_CLIP_C

@@ -23,6 +23,7 @@ class GSPO(PolicyLoss):
     """Sequence-level, length-normalised clipped surrogate."""
 
     name: ClassVar[str] = "gspo"
+    advantage_weighted: ClassVar[bool] = True  # clipped_pg: -A x (clipped) ratio
 
     def surrogate(self, inputs: SurrogateInputs) -> Surrogate:
         # value = exp(mean_i log ratio), gradient = value * grad log pi_t / |y_i| once averaged

@@ -21,6 +21,7 @@ class PPOClip(PolicyLoss):
     """Token-level clipped surrogate."""
 
     name: ClassVar[str] = "ppo"
+    advantage_weighted: ClassVar[bool] = True  # clipped_pg: -A x (clipped) ratio
 
     def surrogate(self, inputs: SurrogateInputs) -> Surrogate:
         ratio = clipped_ratio(inputs.log_ratio)

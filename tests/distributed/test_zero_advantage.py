@@ -1,0 +1,181 @@
+"""Leaving zero-advantage samples out of the train phase (``train.skip_zero_advantage``) gives the
+update the whole batch gives, on 2 gloo ranks, train in dp2 (token_mean) or tp2 (seq mode, where
+both TP ranks hold every sample: the skipped normaliser must not count twice).
+
+Two ``RLLoop``s built from the same seed (the same weights), one with the skip off, take the same
+two steps the way ``RLLoop.run_step`` does (``skip_zero_advantage`` on the rollout batch, then
+``train``):
+
+1. a batch where half the groups have advantage 0: 3 of 6 samples skipped; loss, pg_loss and the
+   grad norm agree within 1e-6, the gradients within 1e-5 (relative) and the updated weights
+   (this rank's shards) within 1e-5 (``WEIGHT_ATOL``): the kept samples' gradients are divided by
+   the whole batch's normaliser;
+2. a batch where every advantage is 0: the skip keeps one sample per DP rank (the shortest), the
+   optimizer still steps (Adam's moments from step 1 move the weights) and the weights agree.
+
+Run: python -m pytest -q tests/distributed/test_zero_advantage.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_earl.testing.distributed import run_distributed
+
+TOL = 1e-6
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-9
+"""Gradients: the same sums over other micro-batch shapes (matmul blocking), rounding-level."""
+WEIGHT_ATOL = 1e-5
+"""Weights after Adam: its first update is ~ lr * g / (|g| + eps), so a gradient element near
+eps (1e-8) turns a rounding-level difference of g into up to ~1e-4 of lr (1e-2)."""
+LENGTHS = [11, 17, 6, 23, 9, 14]
+
+
+def _overrides(layout: str, aggregation: str, skip: bool) -> list[str]:
+    return [
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=128",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        "model.vocab_size=320",
+        "model.make_vocab_size_divisible_by=64",
+        "layouts.rollout=tp1cp1pp1dp2",
+        f"layouts.experience={layout}",
+        f"layouts.train={layout}",
+        "batch.prompts_per_step=3",
+        "batch.samples_per_prompt=2",
+        "batch.max_tokens_per_micro_batch=48",
+        "rollout.max_context=64",
+        "rollout.max_concurrency=4",
+        "rollout.sampling.max_new_tokens=16",
+        "train.lr=1e-2",
+        f"train.loss.aggregation={aggregation}",
+        f"train.skip_zero_advantage={skip}",
+    ]
+
+
+def _batch(rank: int, zero_groups: tuple[int, ...]):
+    """Samples 0..5 in groups of 2 (group g: samples 2g, 2g+1), rank r holding samples r, r+2,
+    r+4; the groups in ``zero_groups`` have advantage 0 on every token, the others a random
+    per-sample advantage on their trainable tokens."""
+    from megatron_earl.dispatch import Batch
+    from megatron_earl.training.microbatch import next_token_sample
+
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for i, n in enumerate(LENGTHS):
+        s = next_token_sample(
+            torch.randint(0, 320, (n,), generator=gen),
+            torch.arange(n) >= n // 3,
+            rollout_logprobs=-5.8 + 0.3 * torch.randn(n, generator=gen),
+        )
+        adv = 0.0 if i // 2 in zero_groups else float(torch.randn(1, generator=gen))
+        s["advantages"] = torch.full((n,), adv) * s["loss_mask"]
+        samples.append(s)
+    mine = list(range(rank, len(LENGTHS), 2))
+    names = ("tokens", "labels", "loss_mask", "rollout_logprobs", "advantages")
+    return Batch(
+        mine,
+        [LENGTHS[i] for i in mine],
+        {k: torch.cat([samples[i][k] for i in mine]) for k in names},
+        {
+            "reward": torch.zeros(len(mine)),
+            "policy_version": torch.zeros(len(mine), dtype=torch.int64),
+        },
+        group_ids=[i // 2 for i in mine],
+    )
+
+
+def _steps(layout: str, aggregation: str, skip: bool):
+    import torch.distributed as dist
+
+    from megatron_earl import runtime
+    from megatron_earl.config import load_config
+    from megatron_earl.dispatch import Batch
+    from megatron_earl.orchestration.loop import RLLoop
+    from megatron_earl.orchestration.zero_advantage import skip_zero_advantage
+    from megatron_earl.redistribute.geometry import shard_pieces
+    from megatron_earl.tokenizer import build_tokenizer
+
+    config = load_config(overrides=_overrides(layout, aggregation, skip))
+    loop = RLLoop(config, build_tokenizer(config.tokenizer))
+    out = {"rule": loop.skip_rule is not None}
+    for name, zero_groups in (("mixed", (0, 2)), ("all_zero", (0, 1, 2))):
+        host = _batch(dist.get_rank(), zero_groups)
+        to_device = lambda fields: {k: runtime.to_device(t) for k, t in fields.items()}
+        batch = Batch(
+            host.sample_ids,
+            host.lengths,
+            to_device(host.token_fields),
+            to_device(host.sample_fields),
+            group_ids=host.group_ids,
+        )  # on the compute device, as trajectories_to_batch leaves it
+        kept, skipped = skip_zero_advantage(batch, loop.skip_rule, loop._skip_floor())
+        metrics = dict(loop.train(kept, skipped=skipped))
+        chunks = loop.policy.ddp_chunks
+        weights = {p.key: p.local.detach().clone() for p in shard_pieces(chunks)}
+        grads = [p.main_grad.clone() for c in chunks for p in c.parameters()]  # DP-reduced
+        out[name] = {
+            "kept": kept.sample_ids,
+            "skipped": (skipped.samples, skipped.tokens),
+            "metrics": metrics,
+            "weights": weights,
+            "grads": grads,
+        }
+    return out
+
+
+def _both(layout: str, aggregation: str):
+    return {skip: _steps(layout, aggregation, skip) for skip in (False, True)}
+
+
+@pytest.mark.parametrize(
+    "layout,aggregation",
+    [("tp1cp1pp1dp2", "token_mean"), ("tp2cp1pp1dp1", "seq_mean_token_mean")],
+)
+def test_skipping_zero_advantage_samples_leaves_the_update_unchanged(layout, aggregation):
+    check(run_distributed(_both, 2, args=(layout, aggregation), timeout_s=300), layout)
+
+
+def check(results: list[dict], layout: str) -> None:
+    """The assertions of the test above on every rank's results (host tensors); the emulation
+    tier runs the same steps on the emulated device (``tests/emulation``)."""
+    dp = 2 if layout.endswith("dp2") else 1
+    for rank, res in enumerate(results):
+        full, skip = res[False], res[True]
+        assert not full["rule"] and skip["rule"]
+        # mixed: groups 0 and 2 (samples 0, 1, 4, 5) are zero; rank 0 holds 0, 2, 4
+        mixed_kept = {0: [2], 1: [3]}[rank]
+        assert skip["mixed"]["kept"] == mixed_kept
+        assert full["mixed"]["kept"] == [0, 2, 4] if rank == 0 else [1, 3, 5]
+        a, b = full["mixed"]["metrics"], skip["mixed"]["metrics"]
+        assert full["mixed"]["skipped"] == (0, 0)
+        assert skip["mixed"]["skipped"] == (4, 11 + 17 + 9 + 14)
+        assert b["num_samples"] == 2 and a["num_samples"] == 6
+        assert a["loss"] != 0 and a["grad_norm"] > 0  # the test compares a real update
+        for key in ("loss", "pg_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), key
+        for g_skip, g_full in zip(skip["mixed"]["grads"], full["mixed"]["grads"], strict=True):
+            torch.testing.assert_close(g_skip, g_full, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+        for key, value in full["mixed"]["weights"].items():
+            torch.testing.assert_close(
+                skip["mixed"]["weights"][key], value, rtol=0, atol=WEIGHT_ATOL
+            )
+
+        # all zero: the shortest samples stay, one per DP rank (6 tokens: sample 2; then 9: 4)
+        kept = skip["all_zero"]["kept"]
+        assert sum(len(r[True]["all_zero"]["kept"]) for r in results) >= dp
+        assert set(kept) <= ({2, 4} if dp == 2 else {2})
+        a, b = full["all_zero"]["metrics"], skip["all_zero"]["metrics"]
+        assert a["grad_norm"] == b["grad_norm"] == 0.0
+        assert all(not g.any() for g in skip["all_zero"]["grads"])
+        assert a["update_ok"] == b["update_ok"] == 1.0
+        moved = False
+        for key, value in full["all_zero"]["weights"].items():
+            torch.testing.assert_close(
+                skip["all_zero"]["weights"][key], value, rtol=0, atol=WEIGHT_ATOL
+            )
+            moved |= not torch.equal(value, full["mixed"]["weights"][key])
+        assert moved  # Adam's moments moved the weights with a zero gradient, in both runs
