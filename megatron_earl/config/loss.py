@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+TOKEN_MEAN = AGGREGATIONS[0]
+"""The aggregation normalised by trainable tokens (the others by samples with one)."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 OFF_POLICY_CORRECTIONS = ("none", "tis", "mis", "icepop")
 """How the behaviour importance weight w = pi_old / pi_rollout enters the loss (docs/rl_losses.md,

@@ -383,11 +383,12 @@ class TrainConfig(OptimConfig):
     then keeps a group's samples on one DP rank when there are 2 groups per rank or more."""
     skip_zero_advantage: bool = True
     """Leave out of the experience and train phases the samples whose every trainable advantage
-    is 0 (a group with all-equal rewards under a group baseline), where that leaves the update
-    exactly as it was: one mini-batch, kl_coef = entropy_coef = 0 and a loss whose terms are
-    advantage-weighted (every built-in one); the loss normaliser still counts them. At least one
-    sample per train DP rank stays (``orchestration.zero_advantage``). False: compute them all,
-    as TRL and verl do."""
+    is 0 (a group with all-equal rewards under a group baseline), where their terms in the loss
+    and its gradients are exactly 0: one mini-batch, kl_coef = entropy_coef = 0, no dropout and a
+    loss whose terms are advantage-weighted (every built-in one); the loss normaliser still
+    counts them, so the update is the same up to float summation order. At least one sample per
+    DP rank stays (``orchestration.zero_advantage``). False: compute them all, as TRL and verl
+    do."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -164,24 +164,14 @@ class Batch:
             raise BatchError(f"sample_ids {unknown[:8]} are not in this batch ({self!r})")
         rows = [position[s] for s in sample_ids]
         spans = [torch.arange(self.offsets[i], self.offsets[i + 1]) for i in rows]
-        host = {
-            True: torch.cat(spans) if spans else torch.empty(0, dtype=torch.long),
-            False: torch.tensor(rows, dtype=torch.long),
-        }
-        moved: dict[tuple[bool, torch.device], torch.Tensor] = {}
-
-        def take(t: torch.Tensor, per_token: bool) -> torch.Tensor:
-            # the row index built on the host, moved once per (kind, device) of the fields
-            key = (per_token, t.device)
-            if key not in moved:
-                moved[key] = host[per_token].to(t.device)
-            return t.index_select(0, moved[key])
-
+        # row indices built on the host, moved to each field's device (a no-op on the host)
+        token_rows = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+        sample_rows = torch.tensor(rows, dtype=torch.long)
         return Batch(
             sample_ids,
             [self.lengths[i] for i in rows],
-            {k: take(t, True) for k, t in self.token_fields.items()},
-            {k: take(t, False) for k, t in self.sample_fields.items()},
+            {k: t.index_select(0, token_rows.to(t.device)) for k, t in self.token_fields.items()},
+            {k: t.index_select(0, sample_rows.to(t.device)) for k, t in self.sample_fields.items()},
             group_ids=[self.group_ids[i] for i in rows],
             pad_values=self.pad_values,
         )

@@ -440,7 +440,7 @@ class RLLoop:
             batch, skipped = skip_zero_advantage(batch, self.skip_rule, self._skip_floor())
             lengths = gathered_lengths(rolled.lengths) if self.selection is not None else []
             self.last_lengths = lengths or self.last_lengths  # the rollout's: every sample
-            if lengths and skipped.samples:
+            if lengths and skipped.num_samples:
                 lengths = gathered_lengths(batch.lengths)
             if self.selected(Phase.EXPERIENCE) and lengths:
                 batch = self._select(
@@ -468,11 +468,11 @@ class RLLoop:
             self.release_unused()
         # advantage statistics over every sample; without a skip, the experience phase's
         # old log-probs (when it computed them) give the log-prob mismatch
-        shown = rolled if skipped.samples else batch
+        shown = rolled if skipped.num_samples else batch
         train_metrics = {
             **train_metrics,
-            "num_skipped_samples": float(skipped.samples),
-            "num_skipped_tokens": float(skipped.tokens),
+            "num_skipped_samples": float(skipped.num_samples),
+            "num_skipped_tokens": float(skipped.num_tokens),
         }
         return self._step_metrics(trajs, shown, train_metrics, clock, start, selected)
 

@@ -119,7 +119,7 @@ def _steps(layout: str, aggregation: str, skip: bool):
         grads = [p.main_grad.clone() for c in chunks for p in c.parameters()]  # DP-reduced
         out[name] = {
             "kept": kept.sample_ids,
-            "skipped": (skipped.samples, skipped.tokens),
+            "skipped": (skipped.num_samples, skipped.num_tokens),
             "metrics": metrics,
             "weights": weights,
             "grads": grads,
@@ -149,7 +149,7 @@ def check(results: list[dict], layout: str) -> None:
         # mixed: groups 0 and 2 (samples 0, 1, 4, 5) are zero; rank 0 holds 0, 2, 4
         mixed_kept = {0: [2], 1: [3]}[rank]
         assert skip["mixed"]["kept"] == mixed_kept
-        assert full["mixed"]["kept"] == [0, 2, 4] if rank == 0 else [1, 3, 5]
+        assert full["mixed"]["kept"] == ([0, 2, 4] if rank == 0 else [1, 3, 5])
         a, b = full["mixed"]["metrics"], skip["mixed"]["metrics"]
         assert full["mixed"]["skipped"] == (0, 0)
         assert skip["mixed"]["skipped"] == (4, 11 + 17 + 9 + 14)

@@ -102,6 +102,9 @@ def test_every_metric_is_documented_and_every_documented_metric_is_emitted(full_
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert {"eval/success_rate", "eval/reward"} <= set(records[1]) & set(records[3])
     check_documented(records, {"eval"})
+    # the zero-advantage skip ran in RLLoop.run_step (train.skip_zero_advantage, on by default)
+    skipped = [r["train/num_skipped_samples"] for r in records]
+    assert any(skipped) and all(r["train/num_samples"] >= 2 for r in records), skipped
 
 
 def test_sigkill_mid_step_resumes_to_identical_metrics(full_run, tmp_path):

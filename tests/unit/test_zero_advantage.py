@@ -46,7 +46,7 @@ def _batch() -> Batch:
 
 def test_sample_infos_read_advantages_at_trainable_tokens_only():
     infos = sample_infos(_batch())
-    assert [(i.sample_id, i.length, i.zero, i.trainable) for i in infos] == [
+    assert [(i.sample_id, i.length, i.zero, i.num_trainable) for i in infos] == [
         (10, 3, False, 2),
         (11, 2, True, 2),
         (12, 4, True, 2),
@@ -55,6 +55,13 @@ def test_sample_infos_read_advantages_at_trainable_tokens_only():
     nan = _batch()
     nan.token_fields["advantages"][3] = float("nan")  # sample 11: NaN is not zero
     assert not sample_infos(nan)[1].zero
+    # a non-finite value in another float field at a trainable position: the sample stays (the
+    # train step drops and counts it, as without the skip); at a masked position it does not
+    for position, stays in ((4, True), (5, False)):  # sample 11's trainable token; 12's masked
+        bad = _batch()
+        bad.token_fields["rollout_logprobs"] = torch.zeros(10)
+        bad.token_fields["rollout_logprobs"][position] = float("inf")
+        assert [not i.zero for i in sample_infos(bad)] == [True, stays, False, False]
 
 
 def _infos() -> list[SampleInfo]:
@@ -70,32 +77,36 @@ def _infos() -> list[SampleInfo]:
 
 
 def test_plan_skip_drops_every_zero_sample_when_enough_stay():
-    dropped, counts = plan_skip(_infos(), SkipRule("token_mean"), samples_needed=2)
+    dropped, counts = plan_skip(_infos(), SkipRule("token_mean"), min_kept=2)
     assert dropped == {0, 2, 3, 5}
-    assert (counts.samples, counts.tokens, counts.normaliser) == (4, 9 + 5 + 5 + 7, 6 + 3 + 0 + 4)
-    _, seq = plan_skip(_infos(), SkipRule("seq_mean_token_mean"), samples_needed=2)
+    assert (counts.num_samples, counts.num_tokens, counts.normaliser) == (
+        4,
+        9 + 5 + 5 + 7,
+        6 + 3 + 0 + 4,
+    )
+    _, seq = plan_skip(_infos(), SkipRule("seq_mean_token_mean"), min_kept=2)
     assert seq.normaliser == 3  # samples with a trainable token (3 has none)
 
 
 def test_plan_skip_keeps_the_shortest_zero_samples_to_fill_dp_ranks():
     # 2 nonzero + 2 fillers: the shortest zero ones, lower id first on a tie (2 before 3)
-    dropped, counts = plan_skip(_infos(), SkipRule("token_mean"), samples_needed=4)
+    dropped, counts = plan_skip(_infos(), SkipRule("token_mean"), min_kept=4)
     assert dropped == {0, 5} and counts.normaliser == 6 + 4
-    dropped, _ = plan_skip(_infos(), SkipRule("token_mean"), samples_needed=3)
+    dropped, _ = plan_skip(_infos(), SkipRule("token_mean"), min_kept=3)
     assert dropped == {0, 3, 5}
     # every advantage zero: only the fillers stay
-    zero = [SampleInfo(i.sample_id, i.length, True, i.trainable) for i in _infos()]
-    dropped, counts = plan_skip(zero, SkipRule("token_mean"), samples_needed=2)
-    assert set(range(6)) - dropped == {4, 2} and counts.samples == 4
+    zero = [SampleInfo(i.sample_id, i.length, True, i.num_trainable) for i in _infos()]
+    dropped, counts = plan_skip(zero, SkipRule("token_mean"), min_kept=2)
+    assert set(range(6)) - dropped == {4, 2} and counts.num_samples == 4
     # more needed than there are samples: nothing leaves
-    dropped, counts = plan_skip(_infos(), SkipRule("token_mean"), samples_needed=7)
-    assert not dropped and counts.samples == 0 and counts.normaliser == 0
+    dropped, counts = plan_skip(_infos(), SkipRule("token_mean"), min_kept=7)
+    assert not dropped and counts.num_samples == 0 and counts.normaliser == 0
 
 
 def test_without_a_rule_the_batch_stays_and_nothing_is_communicated():
     batch = _batch()
     kept, counts = skip_zero_advantage(batch, None, 1)  # no process group: would raise if used
-    assert kept is batch and counts.samples == 0
+    assert kept is batch and counts.num_samples == 0
 
 
 def test_batch_select_keeps_the_named_samples_in_order():
@@ -121,6 +132,8 @@ def test_batch_select_keeps_the_named_samples_in_order():
         (["train.loss.entropy_coef=0.01"], False),
         (["train.loss.kl_coef=0.1"], False),
         (["train.loss.loss_type=test_constant_bonus"], False),
+        (["model.hidden_dropout=0.1"], False),
+        (["model.attention_dropout=0.1"], False),
     ],
 )
 def test_the_skip_applies_only_where_the_update_stays_exact(overrides, applies, monkeypatch):

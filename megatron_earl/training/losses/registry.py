@@ -27,8 +27,13 @@ def available_losses() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def registered_loss(loss_type: str) -> type[PolicyLoss]:
+    """The class registered as ``loss_type``."""
+    if loss_type not in _REGISTRY:
+        raise ValueError(f"loss_type={loss_type!r}; valid: {available_losses()}")
+    return _REGISTRY[loss_type]
+
+
 def build_loss(config: PolicyLossConfig) -> PolicyLoss:
     """The registered loss ``config.loss_type``, configured by ``config``."""
-    if config.loss_type not in _REGISTRY:
-        raise ValueError(f"loss_type={config.loss_type!r}; valid: {available_losses()}")
-    return _REGISTRY[config.loss_type](config)
+    return registered_loss(config.loss_type)(config)
