@@ -1,12 +1,13 @@
 """Leaving zero-advantage samples out of the train phase (``train.skip_zero_advantage``) gives the
-update the whole batch gives, on 2 gloo ranks, train in dp2 (token_mean) or tp2 (seq mode, where
-both TP ranks hold every sample: the skipped normaliser must not count twice).
+update the whole batch gives, on 2 gloo ranks, train in dp2 (ppo, token_mean), tp2 (ppo,
+seq_mean_token_mean: both TP ranks hold every sample, so the skipped normaliser must not count
+twice) or cp2 (gspo, seq_mean_token_sum: each sample split over two ranks).
 
 Two ``RLLoop``s built from the same seed (the same weights), one with the skip off, take the same
 two steps the way ``RLLoop.run_step`` does (``skip_zero_advantage`` on the rollout batch, then
 ``train``):
 
-1. a batch where half the groups have advantage 0: 3 of 6 samples skipped; loss, pg_loss and the
+1. a batch where two of three groups have advantage 0: 4 of 6 samples skipped; loss, pg_loss and the
    grad norm agree within 1e-6, the gradients within 1e-5 (relative) and the updated weights
    (this rank's shards) within 1e-5 (``WEIGHT_ATOL``): the kept samples' gradients are divided by
    the whole batch's normaliser;
@@ -32,7 +33,7 @@ eps (1e-8) turns a rounding-level difference of g into up to ~1e-4 of lr (1e-2).
 LENGTHS = [11, 17, 6, 23, 9, 14]
 
 
-def _overrides(layout: str, aggregation: str, skip: bool) -> list[str]:
+def _overrides(layout: str, aggregation: str, loss: str, skip: bool) -> list[str]:
     return [
         "model.num_layers=2",
         "model.hidden_size=64",
@@ -52,6 +53,7 @@ def _overrides(layout: str, aggregation: str, skip: bool) -> list[str]:
         "rollout.sampling.max_new_tokens=16",
         "train.lr=1e-2",
         f"train.loss.aggregation={aggregation}",
+        f"train.loss.loss_type={loss}",
         f"train.skip_zero_advantage={skip}",
     ]
 
@@ -88,7 +90,7 @@ def _batch(rank: int, zero_groups: tuple[int, ...]):
     )
 
 
-def _steps(layout: str, aggregation: str, skip: bool):
+def _steps(layout: str, aggregation: str, loss: str, skip: bool):
     import torch.distributed as dist
 
     from megatron_earl import runtime
@@ -99,7 +101,7 @@ def _steps(layout: str, aggregation: str, skip: bool):
     from megatron_earl.redistribute.geometry import shard_pieces
     from megatron_earl.tokenizer import build_tokenizer
 
-    config = load_config(overrides=_overrides(layout, aggregation, skip))
+    config = load_config(overrides=_overrides(layout, aggregation, loss, skip))
     loop = RLLoop(config, build_tokenizer(config.tokenizer))
     out = {"rule": loop.skip_rule is not None}
     for name, zero_groups in (("mixed", (0, 2)), ("all_zero", (0, 1, 2))):
@@ -127,16 +129,20 @@ def _steps(layout: str, aggregation: str, skip: bool):
     return out
 
 
-def _both(layout: str, aggregation: str):
-    return {skip: _steps(layout, aggregation, skip) for skip in (False, True)}
+def _both(layout: str, aggregation: str, loss: str = "ppo"):
+    return {skip: _steps(layout, aggregation, loss, skip) for skip in (False, True)}
 
 
 @pytest.mark.parametrize(
-    "layout,aggregation",
-    [("tp1cp1pp1dp2", "token_mean"), ("tp2cp1pp1dp1", "seq_mean_token_mean")],
+    "layout,aggregation,loss",
+    [
+        ("tp1cp1pp1dp2", "token_mean", "ppo"),
+        ("tp2cp1pp1dp1", "seq_mean_token_mean", "ppo"),
+        ("tp1cp2pp1dp1", "seq_mean_token_sum", "gspo"),
+    ],
 )
-def test_skipping_zero_advantage_samples_leaves_the_update_unchanged(layout, aggregation):
-    check(run_distributed(_both, 2, args=(layout, aggregation), timeout_s=300), layout)
+def test_skipping_zero_advantage_samples_leaves_the_update_unchanged(layout, aggregation, loss):
+    check(run_distributed(_both, 2, args=(layout, aggregation, loss), timeout_s=300), layout)
 
 
 def check(results: list[dict], layout: str) -> None:
