@@ -1,5 +1,6 @@
 """Leaving zero-advantage samples out of the train phase (``train.skip_zero_advantage``) gives the
-update the whole batch gives, on 2 gloo ranks, train in dp2 (ppo, token_mean), tp2 (ppo,
+update the whole batch gives, on 2 gloo ranks (the old-log-prob test's tiny run: TIS weights in the
+loss), train in dp2 (ppo, token_mean), tp2 (ppo,
 seq_mean_token_mean: both TP ranks hold every sample, so the skipped normaliser must not count
 twice) or cp2 (gspo, seq_mean_token_sum: each sample split over two ranks).
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from megatron_earl.testing.distributed import run_distributed
+from tests.distributed import test_old_logprobs as old_logprobs_case
 
 TOL = 1e-6
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-9
@@ -34,24 +36,10 @@ LENGTHS = [11, 17, 6, 23, 9, 14]
 
 
 def _overrides(layout: str, aggregation: str, loss: str, skip: bool) -> list[str]:
+    """The old-log-prob test's tiny run (TIS on: behaviour weights in the loss) with the loss,
+    its aggregation and the skip set."""
     return [
-        "model.num_layers=2",
-        "model.hidden_size=64",
-        "model.ffn_hidden_size=128",
-        "model.num_attention_heads=4",
-        "model.num_query_groups=2",
-        "model.vocab_size=320",
-        "model.make_vocab_size_divisible_by=64",
-        "layouts.rollout=tp1cp1pp1dp2",
-        f"layouts.experience={layout}",
-        f"layouts.train={layout}",
-        "batch.prompts_per_step=3",
-        "batch.samples_per_prompt=2",
-        "batch.max_tokens_per_micro_batch=48",
-        "rollout.max_context=64",
-        "rollout.max_concurrency=4",
-        "rollout.sampling.max_new_tokens=16",
-        "train.lr=1e-2",
+        *old_logprobs_case._overrides(layout),
         f"train.loss.aggregation={aggregation}",
         f"train.loss.loss_type={loss}",
         f"train.skip_zero_advantage={skip}",
