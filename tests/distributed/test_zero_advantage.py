@@ -1,8 +1,8 @@
 """Leaving zero-advantage samples out of the train phase (``train.skip_zero_advantage``) gives the
-update the whole batch gives, on 2 gloo ranks (the old-log-prob test's tiny run: TIS weights in the
-loss), train in dp2 (ppo, token_mean), tp2 (ppo,
-seq_mean_token_mean: both TP ranks hold every sample, so the skipped normaliser must not count
-twice) or cp2 (gspo, seq_mean_token_sum: each sample split over two ranks).
+update the whole batch gives, on 2 gloo ranks (the old-log-prob test's tiny run: TIS weights in
+the loss), train in dp2 (ppo, token_mean), tp2 (ppo, seq_mean_token_mean: both TP ranks hold
+every sample, so the skipped normaliser must not count twice) or cp2 (gspo, seq_mean_token_sum:
+each sample split over two ranks).
 
 Two ``RLLoop``s built from the same seed (the same weights), one with the skip off, take the same
 two steps the way ``RLLoop.run_step`` does (``skip_zero_advantage`` on the rollout batch, then
