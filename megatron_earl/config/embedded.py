@@ -5,10 +5,12 @@
       embedded:
         decode_threads: 1       # torch threads of a decode step (0: the prefill's)
         compile_decode: true    # torch.compile the decode step (tp 1 rollout layouts)
+        compile_prefill: true   # torch.compile prefill steps of small attention (tp 1)
 
-The same two switches exist on ``megatron-earl serve`` (``--decode-threads``,
-``--compile-decode`` / SGLang's ``--enable-torch-compile``). ``EmbeddedEngineConfig``
-(``rollout/embedded.py``) says what they do, ``docs/engines.md`` what they cost and gain.
+The same switches exist on ``megatron-earl serve`` (``--decode-threads``,
+``--compile-decode`` / SGLang's ``--enable-torch-compile``, ``--compile-prefill``).
+``EmbeddedEngineConfig`` (``rollout/embedded.py``) says what they do, ``docs/engines.md`` what
+they cost and gain.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class EmbeddedRolloutConfig:
     compilation at the first decode step (seconds from inductor's cache, tens of seconds cold).
     Engines of rollout layouts with tp = 1 only; an engine of a tp > 1 layout the selector picks
     runs eagerly (said once in the log); a pinned tp > 1 rollout layout is refused."""
+    compile_prefill: bool = False
+    """``torch.compile`` the prefill steps whose attention scores number at most
+    ``PREFILL_COMPILE_MAX_SCORES`` (a few thousand tokens at once; a longer prefill runs
+    eagerly): the same fusions as the decode step's, compiled with it at the engine's first
+    step. The same tp = 1 condition as ``compile_decode``."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -41,7 +48,8 @@ class EmbeddedRolloutConfig:
             problems.append(
                 f"decode_threads ({threads!r}) must be an integer >= 0 (0: the prefill's threads)"
             )
-        if not isinstance(self.compile_decode, bool):
-            problems.append(f"compile_decode ({self.compile_decode!r}) must be true or false")
+        for name in ("compile_decode", "compile_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} ({getattr(self, name)!r}) must be true or false")
         if problems:
             raise EmbeddedRolloutConfigError("embedded: " + "; ".join(problems))

@@ -31,8 +31,10 @@ greedy tokens with a no-cache ``GPTModel.forward`` decode and log-probs with the
 forward, at TP1 and TP2. Attention: SDPA, GQA without repeating keys (decode: the query heads of
 a group attend as a group; prefill: ``enable_gqa``), a key-padding mask for rows of different
 lengths. A decode step is one tensor-only function (``_decode``), optionally run compiled
-(``compile_decode``). The step's index tensors are built on the host from Python ints and moved
-to the compute device once (boundary "engine step inputs", docs/devices.md).
+(``compile_decode``); so is a prefill step (``_prefill``, ``compile_prefill``: its attention
+then written out as matrix products, up to ``PREFILL_COMPILE_MAX_SCORES``). The step's index
+tensors are built on the host from Python ints and moved to the compute device once (boundary
+"engine step inputs", docs/devices.md).
 
 Legend: T = tokens in the step, k = sequences in the step, n = running rows, L = cached length,
 h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary.
@@ -45,6 +47,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +61,13 @@ from megatron_earl import runtime
 from megatron_earl.models.rotary import cos_signed_sin
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.rollout.kv_cache import RowCache
+
+PREFILL_COMPILE_MAX_SCORES = 1 << 22
+"""Largest attention score tensor (sequences x query heads x the longest new tokens x the
+longest keys) of a prefill step that runs compiled (``compile_prefill``). The compiled step
+writes its attention out as two batched matrix products around a softmax that inductor fuses,
+which holds every score at once; a larger step (a long context) runs eagerly, where SDPA's
+blockwise kernel never does."""
 
 
 @dataclass(frozen=True)
@@ -216,11 +226,20 @@ class BatchedForward:
     kernels for the norms, RoPE, cache writes, the attention (``_attend_decode_fused``) and
     SwiGLU; the projections stay library calls),
     one graph with the row count and key length dynamic plus one for a single row (sizes 0
-    and 1 are specialised), both compiled at the first decode step (tens of seconds on a CPU,
-    seconds from inductor's cache). TP 1 only (the graph holds no collectives)."""
+    and 1 are specialised). ``compile_prefill``: prefill steps up to
+    ``PREFILL_COMPILE_MAX_SCORES`` run ``torch.compile`` of ``_prefill`` (the same fusions, the
+    attention as ``_attend_prefill_fused``), one graph for several sequences and one for a
+    single sequence; a larger prefill runs eagerly. Every graph is compiled at the first step
+    of any kind, while the cache holds nothing yet (tens of seconds on a CPU, seconds from
+    inductor's cache). TP 1 only (the graphs hold no collectives)."""
 
     def __init__(
-        self, model: nn.Module, max_batch_size: int, max_seq_len: int, compile_decode: bool = False
+        self,
+        model: nn.Module,
+        max_batch_size: int,
+        max_seq_len: int,
+        compile_decode: bool = False,
+        compile_prefill: bool = False,
     ) -> None:
         gpt = unwrap_chunk(model)
         check_supported(gpt)
@@ -237,6 +256,7 @@ class BatchedForward:
         weight = attn.linear_qkv.weight
         self.device = weight.device
         self.max_seq_len = max_seq_len
+        compiled = compile_decode or compile_prefill
         # Compiled: one spare key position, so that no step's key length is the cache's whole
         # length (a slice of the whole dimension would specialise the dynamic graph to it).
         self.cache = RowCache(
@@ -244,19 +264,21 @@ class BatchedForward:
             self.num_groups,
             self.head_dim,
             max_batch_size,
-            max_seq_len + 1 if compile_decode else max_seq_len,
+            max_seq_len + 1 if compiled else max_seq_len,
             dtype=weight.dtype,
             device=weight.device,
         )
         self.cos, self.sin = self._rope_tables(max_seq_len, weight.dtype)
-        if compile_decode and self.tp > 1:
-            raise ValueError(
-                f"compile_decode needs tp = 1 (the compiled step holds no TP collectives), got "
-                f"tp={self.tp}; leave it off for a TP engine"
-            )
+        for name, on in (("compile_decode", compile_decode), ("compile_prefill", compile_prefill)):
+            if on and self.tp > 1:
+                raise ValueError(
+                    f"{name} needs tp = 1 (the compiled step holds no TP collectives), got "
+                    f"tp={self.tp}; leave it off for a TP engine"
+                )
         self._decode_compiled = torch.compile(self._decode) if compile_decode else None
-        self._compiled_ready = False
-        """Whether both compiled decode graphs exist (``_compile_every_row_count``)."""
+        self._prefill_compiled = torch.compile(self._prefill) if compile_prefill else None
+        self._compiled_ready = not compiled
+        """Whether every compiled graph exists (``_compile_graphs``)."""
 
     @torch.no_grad()
     def _rope_tables(self, max_seq_len: int, dtype: torch.dtype):
@@ -273,15 +295,23 @@ class BatchedForward:
             torch._dynamo.mark_dynamic(t, 0)
         return self._decode_compiled(ids_n, pos_n, key_pos_L)
 
-    def _compile_every_row_count(self) -> None:
-        """Compile the decode step's two graphs before the first real step: rows 2..max (the
-        dynamic one) and one row (sizes 0/1 are specialised), so a step that first runs a single
-        row later -- the end of a batch, a multi-turn session alone on its engine -- does not
-        pay a compilation mid-rollout. The warm-up steps write keys/values only at position
-        ``max_seq_len - 1`` of rows 0 and 1, which any real sequence writes itself (a decode or
-        prefill writes a position before it reads it) before attending to it."""
+    def _compiled_prefill(self, step: _StepTensors) -> torch.Tensor:
+        for t in step:  # one graph for every token, sequence and key count
+            torch._dynamo.mark_dynamic(t, 0)
+        return self._prefill_compiled(step, fresh=False, shared=True)
+
+    def _compile_graphs(self) -> None:
+        """Compile every graph before the first real step, while no row caches anything: the
+        decode step for rows 2..max (the dynamic graph) and for one row, the prefill step for
+        two sequences and for one (sizes 0/1 are specialised), so a step that first runs a
+        single row or sequence later -- the end of a batch, a multi-turn session alone on its
+        engine -- does not pay a compilation mid-rollout. The warm-up steps write keys and
+        values only at the last two positions (``max_seq_len - 2``, ``- 1``) of rows 0 and 1,
+        which any real sequence writes itself (a step writes a position before it reads it)
+        before attending to it."""
         last = self.max_seq_len - 1
-        for n in (2, 1) if self.cache.max_batch_size >= 2 else (1,):
+        counts = (2, 1) if self.cache.max_batch_size >= 2 else (1,)
+        for n in counts if self._decode_compiled is not None else ():
             ids, pos, key_pos = (
                 runtime.to_device(t)
                 for t in (
@@ -291,6 +321,10 @@ class BatchedForward:
                 )
             )
             self._compiled_decode(ids, pos, key_pos)
+        width = min(2, self.max_seq_len)
+        for n in counts if self._prefill_compiled is not None else ():
+            warm = Batch(tuple(range(n)), ((0,) * width,) * n, (self.max_seq_len - width,) * n)
+            self._compiled_prefill(_StepIndex.build(warm).on_device())
         self._compiled_ready = True
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -318,6 +352,8 @@ class BatchedForward:
         """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence (with
         ``batch.logits_from``: at its new tokens from that index on, sequence after sequence);
         the new tokens' keys and values are written to the cache."""
+        if not self._compiled_ready:
+            self._compile_graphs()
         if batch.is_decode:
             ids_n, pos_n, key_pos_L = (
                 runtime.to_device(t)
@@ -329,28 +365,41 @@ class BatchedForward:
             )
             if self._decode_compiled is None:
                 return self._decode(ids_n, pos_n, key_pos_L)
-            if not self._compiled_ready:
-                self._compile_every_row_count()
             return self._compiled_decode(ids_n, pos_n, key_pos_L)
         index = _StepIndex.build(batch)
-        ids, pos_T, seq_T, local_T, last_k, key_len, new_len, rows_k, w_rows, w_pos, w_src = (
-            runtime.to_device(t) for t in index.tensors
-        )
-        cos, sin = self.cos[pos_T], self.sin[pos_T]  # [T, 1, 1, rot]: shared by every layer
-        x = self._embed(ids)  # [T, h]
+        step = index.on_device()
+        scores = len(batch.tokens) * self.num_heads * index.max_new * index.max_key_len
+        if self._prefill_compiled is not None and scores <= PREFILL_COMPILE_MAX_SCORES:
+            return self._compiled_prefill(step)
+        return self._prefill(step, fresh=index.fresh, shared=index.shared)
+
+    def _prefill(self, step: _StepTensors, fresh: bool, shared: bool) -> torch.Tensor:
+        """A prefill step (``_StepTensors``): logits ``[R, V]`` of the returned tokens. Only
+        tensors and two flags in, so that one compiled graph serves every such step: compiled,
+        the attention is ``_attend_prefill_fused`` (and the caller passes ``shared=True``,
+        ``fresh=False``); eagerly, SDPA (``_attend_ragged``), causal alone when ``fresh`` (no
+        sequence has a cached prefix), and the keys/values are gathered per write only when
+        ``shared`` (some sequence's go to further rows)."""
+        compiling = torch.compiler.is_compiling()
+        rep = self.num_heads // self.num_groups
+        cos, sin = self.cos[step.pos], self.sin[step.pos]  # [T, 1, 1, rot]: for every layer
+        bias = _prefill_bias(step, self.num_groups, rep, self.cos.dtype) if compiling else None
+        x = self._embed(step.ids)  # [T, h]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            if index.shared:
-                k, v = k[w_src], v[w_src]
-            self.cache.write(i, w_rows, w_pos, k, v)
-            keys, values = self.cache.gather(i, rows_k, index.max_key_len)
-            start = key_len - new_len
-            q = q.reshape(-1, self.num_heads, self.head_dim)
-            ctx = self._attend_ragged(q, keys, values, index, seq_T, local_T, start)
+            if shared:
+                k, v = k[step.w_src], v[step.w_src]
+            self.cache.write(i, step.w_rows, step.w_pos, k, v)
+            keys, values = self.cache.gather(i, step.rows, step.key_pos.size(0))
+            if compiling:
+                ctx = _attend_prefill_fused(q, keys, values, bias, step, self.scale)
+            else:
+                q = q.reshape(-1, self.num_heads, self.head_dim)
+                ctx = self._attend_ragged(q, keys, values, step, fresh)
             if i == len(self.layers) - 1:
                 # Past the last cache write only the tokens whose logits are returned matter:
-                # the last layer's projection and MLP run on those alone ([k, h]).
-                x, ctx = x[last_k], ctx[last_k]
+                # the last layer's projection and MLP run on those alone ([R, h]).
+                x, ctx = x[step.last], ctx[step.last]
             x = self._mlp(layer, self._attn_out(layer, x, ctx))
         return self._logits(self.final_norm(x))
 
@@ -419,34 +468,60 @@ class BatchedForward:
             logits = torch.cat(shards, dim=-1)
         return logits.float()
 
-    def _attend_ragged(self, q_Tnh, keys, values, index, seq_T, local_T, start):
+    def _attend_ragged(self, q_Tnh, keys, values, step: _StepTensors, fresh: bool):
         """Sequences of several new tokens, padded to the longest: causal over each sequence's
         cached prefix and new tokens, padding keys masked."""
-        k_seqs, width = keys.size(0), index.max_new
+        k_seqs, width = keys.size(0), step.width.size(0)
         q = q_Tnh.new_zeros(k_seqs, width, self.num_heads, self.head_dim)
-        q[seq_T, local_T] = q_Tnh
+        q[step.seq, step.local] = q_Tnh
         q = q.transpose(1, 2)  # [k, np, width, hn]
-        if index.fresh:  # no cached prefix: right padding never reaches a real query
+        if fresh:  # no cached prefix: right padding never reaches a real query
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            q_pos = start[:, None] + torch.arange(width, device=q.device)[None, :]
-            k_pos = torch.arange(keys.size(2), device=q.device)
-            mask = k_pos[None, None, :] <= q_pos[:, :, None]
+            q_pos = step.start[:, None] + step.width[None, :]
+            mask = step.key_pos[None, None, :] <= q_pos[:, :, None]
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
             )
-        return out.transpose(1, 2)[seq_T, local_T].reshape(len(seq_T), -1)
+        return out.transpose(1, 2)[step.seq, step.local].reshape(len(step.seq), -1)
+
+
+class _StepTensors(NamedTuple):
+    """A prefill step's index tensors (long, one dimension each)."""
+
+    ids: torch.Tensor
+    """Per new token [T]: its id."""
+    pos: torch.Tensor
+    """[T]: its position."""
+    seq: torch.Tensor
+    """[T]: its sequence."""
+    local: torch.Tensor
+    """[T]: its index among its sequence's new tokens."""
+    last: torch.Tensor
+    """[R]: the tokens whose logits are returned."""
+    start: torch.Tensor
+    """Per sequence [k]: the position of its first new token (what its row caches)."""
+    rows: torch.Tensor
+    """[k]: its cache row."""
+    w_rows: torch.Tensor
+    """Per cache write [W]: the row written."""
+    w_pos: torch.Tensor
+    """[W]: the position written."""
+    w_src: torch.Tensor
+    """[W]: the new token whose key and value are written."""
+    width: torch.Tensor
+    """``arange`` of the most new tokens of a sequence."""
+    key_pos: torch.Tensor
+    """``arange`` of the longest sequence's keys (cached and new)."""
 
 
 @dataclass(frozen=True)
 class _StepIndex:
     """Host index tensors of a step (built once from Python ints)."""
 
-    tensors: tuple[torch.Tensor, ...]
-    """Per token: ids, positions, sequence and local index; per sequence: last-token index, key
-    length, new-token count, row; per cache write: row, position and source token."""
+    tensors: _StepTensors
     fresh: bool
     max_new: int
     max_key_len: int
@@ -475,21 +550,27 @@ class _StepIndex:
             else:
                 last.append(total + n - 1)
             total += n
-        key_len = [start + n for start, n in zip(batch.starts, lengths)]
-        long = torch.long
-        tensors = tuple(
-            torch.tensor(values, dtype=long)
-            for values in (
-                ids, pos, seq, local, last, key_len, lengths, batch.rows, w_rows, w_pos, w_src,
-            )
-        )  # fmt: skip
+        max_key_len = max(start + n for start, n in zip(batch.starts, lengths))
+        tensors = _StepTensors(
+            *(
+                torch.tensor(values, dtype=torch.long)
+                for values in (ids, pos, seq, local, last, batch.starts, batch.rows)
+            ),
+            *(torch.tensor(values, dtype=torch.long) for values in (w_rows, w_pos, w_src)),
+            torch.arange(max(lengths)),
+            torch.arange(max_key_len),
+        )
         return cls(
             tensors,
             fresh=not any(batch.starts),
             max_new=max(lengths),
-            max_key_len=max(key_len),
+            max_key_len=max_key_len,
             shared=any(batch.shared),
         )
+
+    def on_device(self) -> _StepTensors:
+        """The index tensors on the compute device (boundary "engine step inputs")."""
+        return _StepTensors(*(runtime.to_device(t) for t in self.tensors))
 
 
 def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:
@@ -517,6 +598,38 @@ def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.T
     scores = (q_Grh[:, :, None, :] * k_G1Lh).sum(-1) * scale + bias_G1L
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_G1Lh.dtype)
     return (probs[..., None] * v_G1Lh).sum(2).reshape(n, -1)
+
+
+def _prefill_bias(step: _StepTensors, ng: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention bias ``[k * ng, rep * width, L]`` of a prefill step for
+    ``_attend_prefill_fused``: 0 where a (padded) query may see a key -- at or before its own
+    position -- and -inf elsewhere; built once for every layer."""
+    k_seqs, width, length = step.start.size(0), step.width.size(0), step.key_pos.size(0)
+    q_pos = step.start[:, None] + step.width[None, :]  # [k, width]
+    blocked = step.key_pos[None, None, :] > q_pos[:, :, None]  # [k, width, L]
+    bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device)
+    bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None]
+    return bias.expand(k_seqs, ng, rep, width, length).reshape(k_seqs * ng, rep * width, length)
+
+
+def _attend_prefill_fused(q_Tgrh, keys, values, bias, step: _StepTensors, scale: float):
+    """A prefill's attention in the compiled step: the queries scattered into a padded
+    ``[k, width, ng, rep, hn]``, then per (sequence, group) ``softmax(q k^T * scale + bias) v``
+    as two batched matrix products -- each a few hundred thousand multiply-adds at the sizes
+    that compile (``PREFILL_COMPILE_MAX_SCORES``), where SDPA's blockwise kernel costs more than
+    the arithmetic; the softmax and the padding ops fuse. Padded queries see key 0 at least (no
+    row is all -inf) and are dropped. -> ``[T, np * hn]``."""
+    k_seqs, ng, length, hn = keys.shape
+    rep, width = q_Tgrh.size(2), step.width.size(0)
+    q = q_Tgrh.new_zeros(k_seqs, width, ng, rep, hn)
+    q[step.seq, step.local] = q_Tgrh
+    q_Gqh = q.permute(0, 2, 3, 1, 4).reshape(k_seqs * ng, rep * width, hn)
+    k_GhL = keys.reshape(k_seqs * ng, length, hn).transpose(1, 2)
+    scores = torch.baddbmm(bias, q_Gqh, k_GhL, alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    out = torch.bmm(probs, values.reshape(k_seqs * ng, length, hn))
+    out = out.view(k_seqs, ng, rep, width, hn).permute(0, 3, 1, 2, 4)  # [k, width, ng, rep, hn]
+    return out[step.seq, step.local].reshape(step.seq.size(0), -1)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

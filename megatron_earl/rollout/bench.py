@@ -5,6 +5,7 @@
     megatron-earl bench engine --batches 1,8,32,64 --repeats 2        # a batch sweep
     megatron-earl bench engine --tp 2                   # ours on 2 TP processes, HF still on 1
     megatron-earl bench engine --compile-decode         # ours with torch.compile'd decode steps
+    megatron-earl bench engine --compile-decode --compile-prefill   # ... and prefill steps
     megatron-earl bench engine --step-thread            # ours stepping in a worker thread
     megatron-earl bench engine model.num_layers=8 model.hidden_size=256   # another model shape
     python scripts/bench_engine.py --json               # one machine-readable line
@@ -22,10 +23,17 @@ is what RL does): every request has a fresh random prompt of ``--prompt-len`` to
 cache hits), no stop token, and generates exactly the asked number of tokens (HF:
 ``min_new_tokens = max_new_tokens``, ``eos_token_id=None``). A *prefill run* generates 1 token, a
 *full run* ``--new-tokens`` N; the two engines alternate (ours, HF, ours, HF, ...) on the same
-prompts for ``--repeats`` rounds, and the median times give
+prompts for ``--repeats`` rounds (each round: both prefill runs, then both full runs), and the
+median times give
 
     prefill tok/s = B x prompt_len / prefill time
     decode tok/s  = B x (N - 1) / (full time - prefill time)
+
+The ours/HF columns are *paired*: per round, HF's time over ours (prefill: the two prefill
+runs; decode: each engine's full minus its prefill run of that round), then the median over the
+rounds, printed with their range. The machine's speed drifts within minutes (up to ~2x here);
+a round's two runs are back to back, so a drift moves both, where a ratio of medians taken over
+minutes would carry it (``bench peer`` pairs its runs the same way).
 
 Ours runs on ``--tp`` processes (gloo, ``torch`` threads = cores / tp each); HF runs in one process
 (TP rank 0, threads = all cores, while the other ranks wait). Performance figures belong to a quiet
@@ -38,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +75,7 @@ class EngineBenchConfig:
     """Prompt tokens of every request."""
     new_tokens: int = 48
     """Tokens every request generates (the demo's per-turn limit)."""
-    repeats: int = 3
+    repeats: int = 5
     """Interleaved rounds per batch size and sampling mode; medians are reported."""
     tp: int = 1
     """Tensor-parallel processes of our engine (HF always runs in one process)."""
@@ -80,6 +89,9 @@ class EngineBenchConfig:
     compile_decode: bool = False
     """Our engine's ``EmbeddedEngineConfig.compile_decode`` (``torch.compile`` of the decode
     step; its compilation happens in the untimed warm-up and is reported as ``ours_warmup_s``)."""
+    compile_prefill: bool = False
+    """Our engine's ``EmbeddedEngineConfig.compile_prefill`` (``torch.compile`` of prefill
+    steps up to ``PREFILL_COMPILE_MAX_SCORES``; compiled in the same warm-up)."""
     decode_threads: int = 1
     """Our engine's ``EmbeddedEngineConfig.decode_threads`` (the engine's default here): torch
     threads of its decode steps (0: the prefill's, i.e. every core, as HF gets)."""
@@ -144,13 +156,39 @@ class BenchRow:
 
 
 @dataclass(frozen=True)
+class PairedRatio:
+    """Ours/HF speed ratios of one batch size and sampling mode, round by round (module
+    docstring): HF's time over ours on the same prompts, back to back."""
+
+    batch: int
+    sampling: str
+    prefill: tuple[float, ...]
+    """Per round: HF's prefill run time / ours."""
+    decode: tuple[float, ...]
+    """Per round: HF's (full - prefill) run time / ours."""
+
+    @property
+    def prefill_median(self) -> float:
+        return statistics.median(self.prefill)
+
+    @property
+    def decode_median(self) -> float:
+        return statistics.median(self.decode)
+
+
+@dataclass(frozen=True)
 class EngineBenchResult:
-    """Settings, agreement and one row per (batch, sampling, engine)."""
+    """Settings, agreement, one row per (batch, sampling, engine) and the paired ratios."""
 
     settings: dict[str, Any]
     """Model, shapes, processes and threads of both engines, library versions."""
     agreement: Agreement
     rows: tuple[BenchRow, ...]
+    ratios: tuple[PairedRatio, ...]
+    """One per (batch, sampling)."""
+
+    def ratio(self, batch: int, sampling: str) -> PairedRatio:
+        return next(r for r in self.ratios if (r.batch, r.sampling) == (batch, sampling))
 
     def row(self, batch: int, sampling: str, engine: str) -> BenchRow:
         return next(
@@ -211,6 +249,7 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
         max_prefills_per_step=biggest,
         seed=cfg.seed,
         compile_decode=cfg.compile_decode,
+        compile_prefill=cfg.compile_prefill,
         decode_threads=cfg.decode_threads,
         step_thread=cfg.step_thread,
     )
@@ -238,7 +277,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
             f"{bench_hf.LOGITS_TOL} (max |logit| {scale:.3g}); timings would compare two functions"
         )
     per_rank = run_distributed(_bench_rank, cfg.tp, args=(cfg, full), timeout_s=3600)
-    rows, greedy, warmup_s, threads, decode_threads = per_rank[0]
+    rows, ratios, greedy, warmup_s, threads, decode_threads = per_rank[0]
     m = cfg.model
     settings = {
         "model": (
@@ -256,6 +295,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
         "ours_threads_per_process": threads,
         "ours_decode_threads": decode_threads,
         "ours_compile_decode": cfg.compile_decode,
+        "ours_compile_prefill": cfg.compile_prefill,
         "ours_step_thread": cfg.step_thread,
         "ours_warmup_s": warmup_s,
         "hf_processes": 1,
@@ -266,7 +306,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
         "cores": os.cpu_count() or 1,
     }
     agreement = Agreement(diff, bench_hf.LOGITS_TOL, scale, *greedy)
-    return EngineBenchResult(settings, agreement, tuple(rows))
+    return EngineBenchResult(settings, agreement, tuple(rows), tuple(ratios))
 
 
 def _groups(size: int) -> str:
@@ -283,29 +323,37 @@ def format_report(result: EngineBenchResult) -> str:
         f"{s['ours_threads_per_process']} torch threads (decode steps: "
         f"{s['ours_decode_threads']}), steps "
         f"{'in a worker thread' if s['ours_step_thread'] else 'on the event loop thread'}, "
-        f"compile_decode {'on' if s['ours_compile_decode'] else 'off'}"
+        f"compile_decode {'on' if s['ours_compile_decode'] else 'off'}, "
+        f"compile_prefill {'on' if s['ours_compile_prefill'] else 'off'}"
         f" (untimed warm-up incl. any compilation: {s['ours_warmup_s']:.1f} s); "
         f"HF: 1 process x {s['hf_threads']} torch "
         f"threads, {s['hf_attention']} attention, transformers {s['transformers']}; torch "
         f"{s['torch']}, {s['cores']} cores",
         f"prompt {s['prompt_len']} tokens ({_groups(s['group_size'])}), {s['new_tokens']} new "
         "tokens per request (no stop), "
-        f"median of {s['repeats']} interleaved repeats",
+        f"median of {s['repeats']} interleaved repeats; ours/HF: median of the per-repeat "
+        "ratios (range)",
         f"agreement: logits max |diff| {a.logits_max_diff:.2g} (tol {a.logits_tol:g}, max |logit| "
         f"{a.logits_max_abs:.2g}); first-token log p max |diff| {a.first_logprob_max_diff:.2g}; "
         f"greedy tokens agreeing {a.greedy_tokens_agree}/{a.greedy_tokens_compared}",
-        f"{'batch':>5} {'sampling':>8} | {'prefill tok/s':>13} {'HF':>9} {'ours/HF':>7} | "
-        f"{'decode tok/s':>12} {'HF':>9} {'ours/HF':>7}",
+        f"{'batch':>5} {'sampling':>8} | {'prefill tok/s':>13} {'HF':>9} {'ours/HF':>17} | "
+        f"{'decode tok/s':>12} {'HF':>9} {'ours/HF':>17}",
     ]
     for batch in s["batches"]:
         for sampling in SAMPLING_MODES:
             ours, hf = (result.row(batch, sampling, e) for e in ENGINES)
+            paired = result.ratio(batch, sampling)
             lines.append(
                 f"{batch:>5} {sampling:>8} | {ours.prefill_tok_s:>13.0f} {hf.prefill_tok_s:>9.0f} "
-                f"{ours.prefill_tok_s / hf.prefill_tok_s:>7.2f} | {ours.decode_tok_s:>12.0f} "
-                f"{hf.decode_tok_s:>9.0f} {ours.decode_tok_s / hf.decode_tok_s:>7.2f}"
+                f"{_ratio(paired.prefill):>17} | {ours.decode_tok_s:>12.0f} "
+                f"{hf.decode_tok_s:>9.0f} {_ratio(paired.decode):>17}"
             )
     return "\n".join(lines)
+
+
+def _ratio(values: tuple[float, ...]) -> str:
+    """``median (min-max)`` of per-repeat ratios."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -315,7 +363,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default="64", help="comma-separated batch sizes, e.g. 1,8,32,64")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=EngineBenchConfig.repeats)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes of our engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-size", type=int, default=1, help="requests per prompt (8: GRPO groups)")
@@ -323,6 +371,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--compile-decode",
         action="store_true",
         help="torch.compile our engine's decode step (compiled in the warm-up, time reported)",
+    )
+    p.add_argument(
+        "--compile-prefill",
+        action="store_true",
+        help="torch.compile our engine's prefill steps (compiled in the warm-up, time reported)",
     )
     p.add_argument(
         "--decode-threads",
@@ -360,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             group_size=args.group_size,
             compile_decode=args.compile_decode,
+            compile_prefill=args.compile_prefill,
             decode_threads=args.decode_threads,
             step_thread=args.step_thread,
         )

@@ -24,7 +24,7 @@ from megatron_earl.rollout import bench_hf
 from megatron_earl.rollout.engine import GenerateRequest, GenerateResult
 
 if TYPE_CHECKING:
-    from megatron_earl.rollout.bench import BenchRow, EngineBenchConfig
+    from megatron_earl.rollout.bench import BenchRow, EngineBenchConfig, PairedRatio
 
 
 @contextmanager
@@ -103,12 +103,27 @@ def _rows(
     return rows
 
 
+def _paired(batch: int, sampling: str, times: dict[str, list[list[float]]]) -> PairedRatio:
+    """HF's time over ours, repeat by repeat (prefill runs; full minus prefill runs; ``inf``
+    where an outlier prefill run of ours took as long as its full run)."""
+    from megatron_earl.rollout.bench import ENGINES, PairedRatio
+
+    (ours_pre, ours_full), (hf_pre, hf_full) = (times[e] for e in ENGINES)
+    prefill = tuple(h / o for h, o in zip(hf_pre, ours_pre, strict=True))
+    decode = tuple(
+        (hf_f - hf_p) / (o_f - o_p) if o_f > o_p else float("inf")
+        for hf_f, hf_p, o_f, o_p in zip(hf_full, hf_pre, ours_full, ours_pre, strict=True)
+    )
+    return PairedRatio(batch, sampling, prefill, decode)
+
+
 async def drive(
     engine: Any, hf: Any, cfg: EngineBenchConfig
-) -> tuple[list[BenchRow], tuple, float]:
+) -> tuple[list[BenchRow], list[PairedRatio], tuple, float]:
     """Warm up, compare greedy outputs once, then time every (batch, sampling mode): per repeat
     a prefill run and a full run of each engine, ours then HF, on fresh shared prompts. Returns
-    the rows, the greedy agreement and the seconds of our first (warm-up) run."""
+    the rows, the paired ratios, the greedy agreement and the seconds of our first (warm-up)
+    run."""
     from megatron_earl.rollout.bench import ENGINES, SAMPLING_MODES
 
     pair = _Pair(engine, hf)
@@ -127,6 +142,7 @@ async def drive(
     pair.theirs(warm, 2, False)
     greedy = await _agreement(pair, prompts(cfg.batches[0]), min(cfg.agree_tokens, cfg.new_tokens))
     rows: list[BenchRow] = []
+    ratios: list[PairedRatio] = []
     for batch in cfg.batches:
         warm = prompts(batch)  # first use of this batch shape: untimed
         await pair.ours(warm, 2, False)
@@ -142,4 +158,5 @@ async def drive(
                     times[ENGINES[0]][slot].append(ours_s)
                     times[ENGINES[1]][slot].append(hf_s)
             rows += _rows(cfg, batch, sampling, times)
-    return rows, greedy, warmup_s
+            ratios.append(_paired(batch, sampling, times))
+    return rows, ratios, greedy, warmup_s

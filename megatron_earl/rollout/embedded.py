@@ -113,7 +113,12 @@ class EmbeddedEngineConfig:
 
     compile_decode: bool = False
     """``torch.compile`` the decode step (``BatchedForward``; tp 1 only): fewer, fused kernels
-    per step, paid for by a compilation at the first decode step (docs/engines.md)."""
+    per step, paid for by a compilation at the engine's first step (docs/engines.md)."""
+
+    compile_prefill: bool = False
+    """``torch.compile`` the prefill step up to ``PREFILL_COMPILE_MAX_SCORES`` attention scores
+    (``BatchedForward``; tp 1 only; a longer prefill runs eagerly), compiled with the decode
+    step's graphs at the engine's first step (docs/engines.md)."""
 
     step_thread: bool = True
     """Run each step in a worker thread, so the event loop stays responsive while a step
@@ -252,6 +257,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
             self.config.max_batch_size,
             self.config.max_seq_len,
             compile_decode=self.config.compile_decode,
+            compile_prefill=self.config.compile_prefill,
         )
         prefill_threads = torch.get_num_threads()
         self._threads = (prefill_threads, self.config.decode_threads or prefill_threads)

@@ -4,7 +4,7 @@
         [--tokenizer-path DIR] [--served-model-name NAME] [--api-key KEY] [--host 127.0.0.1]
         [--max-batch-size 8] [--max-seq-len 1024] [--seed 0] [--weight-dirs DIR[,DIR]]
         [--dist-timeout 300] [--tp-size N] [--pace-decode-ms X] [--decode-threads 1]
-        [--compile-decode]
+        [--compile-decode] [--compile-prefill]
 
 The model (``serve_model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
 its tokenizer when present), a ``torch.save``'d full Megatron state dict
@@ -557,6 +557,7 @@ def build_engine(
         pace_decode_s=args.pace_decode_ms / 1e3,
         decode_threads=args.decode_threads,
         compile_decode=args.compile_decode,
+        compile_prefill=args.compile_prefill,
     )
     return EmbeddedEngine(
         chunks, model_config, config, weight_version=args.weight_version
@@ -721,7 +722,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile-decode",
         "--enable-torch-compile",
         action="store_true",
-        help="torch.compile the decode step (tp 1; compiled at the first decode step)",
+        help="torch.compile the decode step (tp 1; compiled at the engine's first step)",
+    )
+    p.add_argument(
+        "--compile-prefill",
+        action="store_true",
+        help="torch.compile prefill steps of small attention (tp 1; compiled at the engine's "
+        "first step; longer prefills run eagerly)",
     )
     args = p.parse_args(argv)
     if args.tp_size < 1:
@@ -730,11 +737,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(
             f"--decode-threads must be >= 0 (0: the prefill's threads), got {args.decode_threads}"
         )
-    if args.compile_decode and args.tp_size > 1:
-        p.error(
-            f"--compile-decode needs --tp-size 1 (the compiled step holds no TP collectives), "
-            f"got --tp-size {args.tp_size}"
-        )
+    for flag, on in (("--compile-decode", args.compile_decode),
+                     ("--compile-prefill", args.compile_prefill)):  # fmt: skip
+        if on and args.tp_size > 1:
+            p.error(
+                f"{flag} needs --tp-size 1 (the compiled step holds no TP collectives), "
+                f"got --tp-size {args.tp_size}"
+            )
     raw = os.environ.get(FAULT_CORRUPT_LOADS_ENV, "0")
     args.corrupt_loads = int(raw) if raw.isdigit() else -1
     if args.corrupt_loads < 0:

@@ -62,6 +62,58 @@ def test_compiled_decode_equals_eager(model):
     assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs), graphs
 
 
+def _prefill_eager_vs_compiled(model):
+    """The same prefill steps through an eager and a ``compile_prefill`` forward over the same
+    weights: fresh sequences of different lengths in rows out of order, a GRPO-style group (one
+    sequence's keys also written to a second row), continuations of cached prefixes returning
+    logits from several tokens, one sequence alone, and a step over the size limit (eager in
+    both). Returns (max |logit diff|, max |cache diff| over the written positions, compiled
+    graphs after each step, which steps ran the compiled graph)."""
+    from megatron_earl.rollout import batched_forward as bf
+    from megatron_earl.rollout.batched_forward import Batch, BatchedForward
+
+    chunks, _ = _build(ParallelLayout(), None, model)
+    eager = BatchedForward(chunks[0], 6, MAX_SEQ)
+    compiled = BatchedForward(chunks[0], 6, MAX_SEQ, compile_prefill=True)
+    ran = []
+    run_compiled = compiled._prefill_compiled
+    compiled._prefill_compiled = lambda *a, **k: ran.append(True) or run_compiled(*a, **k)
+    p = _prompts()  # lengths 5, 17, 9, 23, 3, 12
+    steps = [
+        Batch((2, 0, 1), (p[0], p[1], p[2]), (0, 0, 0)),
+        Batch((3, 5), (p[3], p[4]), (0, 0), shared=((4,), ())),
+        Batch((0, 2), (p[5][:4], p[5][4:6]), (17, 5), logits_from=(1, 0)),
+        Batch((1,), (p[5][:3],), (9,)),
+        Batch((4, 3), (p[0], p[2][:2]), (23, 23)),  # run over the lowered limit: eager
+    ]
+    worst, graphs, used = 0.0, [], []
+    for i, batch in enumerate(steps):
+        if i == len(steps) - 1:
+            bf.PREFILL_COMPILE_MAX_SCORES = 0
+        before = len(ran)
+        worst = max(worst, float((eager(batch) - compiled(batch)).abs().max()))
+        used.append(len(ran) > before)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    written = 28  # the steps above write positions < 28; the warm-up wrote the last two
+    cache = max(
+        float((a[:, :, :written] - b[:, :, :written]).abs().max())
+        for a, b in zip(eager.cache.buffers(), compiled.cache.buffers())
+    )
+    return worst, cache, graphs, used
+
+
+@pytest.mark.parametrize("model", [MODEL, QWEN3_LIKE], ids=["qkv_bias", "qk_layernorm"])
+def test_compiled_prefill_equals_eager(model):
+    """... both prefill graphs (several sequences, one) are compiled at the first step, so no
+    later step compiles; the step over ``PREFILL_COMPILE_MAX_SCORES`` runs eagerly."""
+    worst, cache, graphs, used = run_distributed(
+        _prefill_eager_vs_compiled, 1, args=(model,), timeout_s=600
+    )[0]
+    assert worst <= LOGITS_TOL and cache <= LOGITS_TOL, (worst, cache)
+    assert used == [True, True, True, True, False], used
+    assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs), graphs
+
+
 def _engine_greedy(config_kwargs: dict):
     from megatron_earl.config.sampling import SamplingParams
     from megatron_earl.rollout.embedded import (
@@ -84,7 +136,11 @@ def _engine_greedy(config_kwargs: dict):
 
 def test_engine_settings_change_no_token():
     default = run_distributed(_engine_greedy, 1, args=({},), timeout_s=300)[0]
-    for kwargs in ({"compile_decode": True}, {"decode_threads": 0}):
+    for kwargs in (
+        {"compile_decode": True, "compile_prefill": True},
+        {"compile_prefill": True},
+        {"decode_threads": 0},
+    ):
         assert run_distributed(_engine_greedy, 1, args=(kwargs,), timeout_s=600)[0] == default
 
 
@@ -114,22 +170,32 @@ def _serve_engine_settings():
     from megatron_earl.rollout.server import build_engine, parse_args
 
     argv = ["--seed", "0", "--max-seq-len", "64", "--enable-torch-compile", "--decode-threads", "0"]
-    engine, _ = build_engine(parse_args(argv))
-    return engine.config.compile_decode, engine.config.decode_threads
+    engine, _ = build_engine(parse_args([*argv, "--compile-prefill"]))
+    return engine.config.compile_decode, engine.config.compile_prefill, engine.config.decode_threads
 
 
 def test_serve_flags_reach_the_engine(capsys):
-    """``serve --compile-decode`` (SGLang's ``--enable-torch-compile``) and ``--decode-threads``
-    set the engine's settings; a compiled TP engine and negative threads are refused by name."""
+    """``serve --compile-decode`` (SGLang's ``--enable-torch-compile``), ``--compile-prefill``
+    and ``--decode-threads`` set the engine's settings; a compiled TP engine and negative
+    threads are refused by name."""
     from megatron_earl.rollout.server import parse_args
 
-    assert run_distributed(_serve_engine_settings, 1, timeout_s=300)[0] == (True, 0)
+    assert run_distributed(_serve_engine_settings, 1, timeout_s=300)[0] == (True, True, 0)
     defaults = parse_args([])
-    assert (defaults.compile_decode, defaults.decode_threads) == (False, 1)
+    assert (defaults.compile_decode, defaults.compile_prefill, defaults.decode_threads) == (
+        False,
+        False,
+        1,
+    )
     for argv, message, value in (
         (
             ["--compile-decode", "--tp-size", "2"],
             "--compile-decode needs --tp-size 1 ",
+            "got --tp-size 2",
+        ),
+        (
+            ["--compile-prefill", "--tp-size", "2"],
+            "--compile-prefill needs --tp-size 1 ",
             "got --tp-size 2",
         ),
         (["--decode-threads", "-1"], "--decode-threads must be >= 0 ", "got -1"),

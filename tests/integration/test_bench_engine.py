@@ -78,6 +78,26 @@ def test_bench_engine_end_to_end():
     assert "greedy tokens agreeing" in report
     assert sum(line.lstrip().startswith("2 ") for line in report.splitlines()) == 2
     assert json.loads(json.dumps(dataclasses.asdict(result)))["rows"][0]["batch"] == 2
+    assert sorted((r.batch, r.sampling) for r in result.ratios) == [(2, s) for s in SAMPLING_MODES]
+    for paired in result.ratios:
+        assert len(paired.prefill) == len(paired.decode) == cfg.repeats
+        assert all(math.isfinite(v) and v > 0 for v in (*paired.prefill, *paired.decode))
+    assert "ours/HF: median of the per-repeat ratios (range)" in report
+
+
+def test_ratios_are_paired_round_by_round():
+    """Each round's ratio is HF's time over ours in that round (decode: full minus prefill run),
+    so a machine slowing between rounds moves both sides of a ratio, not one median."""
+    from megatron_earl.rollout.bench_driver import _paired
+
+    times = {  # round 2 runs on a machine twice as slow: both engines' times double
+        ENGINES[0]: [[0.02, 0.04, 0.02], [0.12, 0.24, 0.12]],
+        ENGINES[1]: [[0.03, 0.06, 0.03], [0.33, 0.66, 0.33]],
+    }
+    paired = _paired(64, "greedy", times)
+    assert paired.prefill == pytest.approx((1.5, 1.5, 1.5))
+    assert paired.decode == pytest.approx((3.0, 3.0, 3.0))
+    assert (paired.prefill_median, paired.decode_median) == pytest.approx((1.5, 3.0))
 
 
 def _wrong_conversion_diff() -> tuple[float, float]:

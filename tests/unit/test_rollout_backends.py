@@ -109,25 +109,32 @@ def test_sglang_engines_need_urls_and_a_fixed_rollout_layout():
 
 def test_embedded_engine_settings_come_from_the_run_config():
     """``rollout.embedded`` reaches each layout's engine: decode threads everywhere, the compiled
-    decode step on tp1 layouts only (a tp > 1 engine the selector picks runs eagerly), steps in
-    the engine's worker thread; a pinned
-    tp > 1 rollout layout with ``compile_decode`` is refused before anything starts."""
+    decode and prefill steps on tp1 layouts only (a tp > 1 engine the selector picks runs
+    eagerly), steps in the engine's worker thread; a pinned tp > 1 rollout layout with
+    ``compile_decode`` or ``compile_prefill`` is refused before anything starts."""
     config = load_config(
         DEMO,
         [
             "layouts.rollout=tp1cp1pp1dp2",
             "rollout.embedded.compile_decode=true",
+            "rollout.embedded.compile_prefill=true",
             "rollout.embedded.decode_threads=2",
             "rollout.max_concurrency=100",
         ],
     )
     tp1, tp2 = ParallelLayout(dp=2), ParallelLayout(tp=2)
     settings = engine_config(config, tp1)
-    assert (settings.compile_decode, settings.decode_threads) == (True, 2)
+    assert (settings.compile_decode, settings.compile_prefill, settings.decode_threads) == (
+        True,
+        True,
+        2,
+    )
     assert (settings.max_batch_size, settings.max_seq_len) == (64, config.rollout.max_context)
     assert settings.step_thread  # the agent loops' timeouts keep running during a step
-    assert engine_config(config, tp2).compile_decode is False
-    assert engine_config(load_config(DEMO), tp1).compile_decode is False
+    assert not engine_config(config, tp2).compile_decode
+    assert not engine_config(config, tp2).compile_prefill
+    assert not engine_config(load_config(DEMO), tp1).compile_decode
+    assert not engine_config(load_config(DEMO), tp1).compile_prefill
     assert engine_config(load_config(DEMO), tp1).decode_threads == 1
     assert rollout_backend_problems(config) == []
 
@@ -156,8 +163,22 @@ def test_embedded_engine_settings_come_from_the_run_config():
         ],
     )
     assert rollout_backend_problems(selected) == []
+    with pytest.raises(ConfigError) as err:
+        checked_config(
+            [
+                "--config",
+                DEMO,
+                "layouts.rollout=tp2cp1pp1dp1",
+                "rollout.embedded.compile_prefill=true",
+            ],
+            2,
+        )
+    assert "rollout.embedded.compile_prefill needs a tp1 rollout layout" in str(err.value)
+    assert str(err.value).endswith("or set compile_prefill: false")
     with pytest.raises(ConfigError, match=r"decode_threads \(-1\) must be an integer >= 0"):
         load_config(DEMO, ["rollout.embedded.decode_threads=-1"])
+    with pytest.raises(ConfigError, match=r"compile_prefill: expected bool, got 2 \(int\)"):
+        load_config(DEMO, ["rollout.embedded.compile_prefill=2"])
 
 
 def test_launch_scripts_pre_flight_makes_the_engine_checks(capsys):

@@ -30,14 +30,15 @@ def embedded_problems(config: RunConfig) -> list[str]:
             f"(pp={rollout.pp}, cp={rollout.cp}); use e.g. "
             f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
         )
-    compiled = config.rollout.embedded.compile_decode
-    if compiled and rollout.tp > 1 and not _selects_rollout(config):
-        problems.append(
-            f"rollout.embedded.compile_decode needs a tp1 rollout layout (the compiled step "
-            f"holds no TP collectives), got layouts.rollout '{rollout}'; use "
-            f"'tp1cp1pp1dp{rollout.world_size}', let the selector choose the rollout layout, "
-            "or set compile_decode: false"
-        )
+    embedded = config.rollout.embedded
+    for name in ("compile_decode", "compile_prefill"):
+        if getattr(embedded, name) and rollout.tp > 1 and not _selects_rollout(config):
+            problems.append(
+                f"rollout.embedded.{name} needs a tp1 rollout layout (the compiled step "
+                f"holds no TP collectives), got layouts.rollout '{rollout}'; use "
+                f"'tp1cp1pp1dp{rollout.world_size}', let the selector choose the rollout "
+                f"layout, or set {name}: false"
+            )
     return problems
 
 

@@ -48,7 +48,7 @@ from megatron_earl.tokenizer.base import ChatTokenizer
 def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineConfig:
     """The engine settings of ``layout``'s engine: KV rows for ``rollout.max_concurrency`` (at
     most 64), ``rollout.max_context`` per row, ``rollout.embedded``'s threads, and the compiled
-    decode step when asked for and ``layout`` has tp = 1 (else eager). Steps run in the
+    decode and prefill steps when asked for and ``layout`` has tp = 1 (else eager). Steps run in the
     engine's worker thread (``EmbeddedEngineConfig.step_thread``): the agent loops' env and
     reward timeouts keep running during a long step. Pure."""
     rollout = config.rollout
@@ -58,6 +58,7 @@ def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineCo
         seed=config.seed,
         decode_threads=rollout.embedded.decode_threads,
         compile_decode=rollout.embedded.compile_decode and layout.tp == 1,
+        compile_prefill=rollout.embedded.compile_prefill and layout.tp == 1,
     )
 
 
@@ -83,13 +84,14 @@ class EmbeddedBackend(RolloutBackend):
         if layout not in self.engines:
             self.policy.ensure(layout)
             settings = engine_config(self.config, layout)
-            eager = self.config.rollout.embedded.compile_decode and not settings.compile_decode
-            if eager and dist.get_rank() == 0:
-                print(
-                    f"rollout.embedded.compile_decode: the engine of {layout} runs eagerly "
-                    "(compiled decode steps need tp = 1)",
-                    flush=True,
-                )
+            asked = self.config.rollout.embedded
+            for name in ("compile_decode", "compile_prefill"):
+                if getattr(asked, name) and not getattr(settings, name) and dist.get_rank() == 0:
+                    print(
+                        f"rollout.embedded.{name}: the engine of {layout} runs eagerly "
+                        "(compiled steps need tp = 1)",
+                        flush=True,
+                    )
             self.engines[layout] = EmbeddedEngine(
                 [unwrap_chunk(c) for c in self.policy.chunks(layout)],
                 self.config.model,
