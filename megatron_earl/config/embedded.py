@@ -32,14 +32,16 @@ class EmbeddedRolloutConfig:
     wake-up that the arithmetic does not repay."""
     compile_decode: bool = False
     """``torch.compile`` the decode step: fewer, fused kernels per step, paid for by one
-    compilation at the first decode step (seconds from inductor's cache, tens of seconds cold).
+    compilation at the engine's first step (seconds from inductor's cache, tens of seconds cold).
     Engines of rollout layouts with tp = 1 only; an engine of a tp > 1 layout the selector picks
     runs eagerly (said once in the log); a pinned tp > 1 rollout layout is refused."""
     compile_prefill: bool = False
     """``torch.compile`` the prefill steps whose attention scores number at most
-    ``PREFILL_COMPILE_MAX_SCORES`` (a few thousand tokens at once; a longer prefill runs
-    eagerly): the same fusions as the decode step's, compiled with it at the engine's first
-    step. The same tp = 1 condition as ``compile_decode``."""
+    ``PREFILL_COMPILE_MAX_SCORES`` = 2^22 (sequences x query heads x longest new tokens x
+    longest keys: the demo model's 64 prompts of 32 tokens are 2^18; one sequence of a 28-head
+    model reaches it at ~390 tokens) and whose shape a graph compiled at the engine's first step
+    fits; the rest run eagerly. The same fusions as the decode step's; the same tp = 1
+    condition as ``compile_decode``."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -37,7 +37,9 @@ tensors are built on the host from Python ints and moved to the compute device o
 "engine step inputs", docs/devices.md).
 
 Legend: T = tokens in the step, k = sequences in the step, n = running rows, L = cached length,
-h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary.
+h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary,
+R = tokens whose logits a prefill returns, W = a prefill's cache writes, G = sequences (or rows)
+x groups, r/rep = query heads per group, Q = rep x a prefill's widest new tokens.
 Which ranks call: every rank of the TP group runs every step (all-reduces and the vocabulary
 all-gather on the TP group; nothing with tp = 1).
 """
@@ -229,7 +231,8 @@ class BatchedForward:
     and 1 are specialised). ``compile_prefill``: prefill steps up to
     ``PREFILL_COMPILE_MAX_SCORES`` run ``torch.compile`` of ``_prefill`` (the same fusions, the
     attention as ``_attend_prefill_fused``), one graph for several sequences and one for a
-    single sequence; a larger prefill runs eagerly. Every graph is compiled at the first step
+    single sequence returning one token's logits; other shapes (``_fits_compiled_prefill``)
+    and larger prefills run eagerly. Every graph is compiled at the first step
     of any kind, while the cache holds nothing yet (tens of seconds on a CPU, seconds from
     inductor's cache). TP 1 only (the graphs hold no collectives)."""
 
@@ -321,9 +324,9 @@ class BatchedForward:
                 )
             )
             self._compiled_decode(ids, pos, key_pos)
-        width = min(2, self.max_seq_len)
-        for n in counts if self._prefill_compiled is not None else ():
-            warm = Batch(tuple(range(n)), ((0,) * width,) * n, (self.max_seq_len - width,) * n)
+        prefills = self._prefill_compiled is not None and self.max_seq_len >= 2
+        for n in counts if prefills else ():  # the shapes _fits_compiled_prefill admits
+            warm = Batch(tuple(range(n)), ((0, 0),) * n, (self.max_seq_len - 2,) * n)
             self._compiled_prefill(_StepIndex.build(warm).on_device())
         self._compiled_ready = True
 
@@ -368,10 +371,21 @@ class BatchedForward:
             return self._compiled_decode(ids_n, pos_n, key_pos_L)
         index = _StepIndex.build(batch)
         step = index.on_device()
-        scores = len(batch.tokens) * self.num_heads * index.max_new * index.max_key_len
-        if self._prefill_compiled is not None and scores <= PREFILL_COMPILE_MAX_SCORES:
+        if self._prefill_compiled is not None and self._fits_compiled_prefill(index):
             return self._compiled_prefill(step)
         return self._prefill(step, fresh=index.fresh, shared=index.shared)
+
+    def _fits_compiled_prefill(self, index: _StepIndex) -> bool:
+        """Whether a prefill step runs compiled: at most ``PREFILL_COMPILE_MAX_SCORES`` scores,
+        and the shape of a graph compiled at the first step -- several sequences (every size
+        dynamic from 2), or one sequence returning one token's logits -- with at least 2 new
+        tokens in some sequence (a size of 0 or 1 is specialised: any other shape would compile
+        a graph mid-rollout). The rest -- one-token continuations, a single sequence's prompt
+        log-probs, long contexts -- run eagerly."""
+        k = index.num_seqs
+        scores = k * self.num_heads * index.max_new * index.max_key_len
+        warmed = index.max_new >= 2 and (k >= 2 or index.num_returned == 1)
+        return warmed and scores <= PREFILL_COMPILE_MAX_SCORES
 
     def _prefill(self, step: _StepTensors, fresh: bool, shared: bool) -> torch.Tensor:
         """A prefill step (``_StepTensors``): logits ``[R, V]`` of the returned tokens. Only
@@ -383,7 +397,7 @@ class BatchedForward:
         compiling = torch.compiler.is_compiling()
         rep = self.num_heads // self.num_groups
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [T, 1, 1, rot]: for every layer
-        bias = _prefill_bias(step, self.num_groups, rep, self.cos.dtype) if compiling else None
+        bias = _prefill_bias(step, self.num_groups, rep) if compiling else None
         x = self._embed(step.ids)  # [T, h]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
@@ -523,10 +537,22 @@ class _StepIndex:
 
     tensors: _StepTensors
     fresh: bool
+    """No sequence has a cached prefix (every start is 0)."""
     max_new: int
+    """The most new tokens of a sequence (the padded query width)."""
     max_key_len: int
+    """The longest sequence's keys, cached and new."""
     shared: bool = False
     """Some sequence's keys/values also go to other rows (the writes gather by source token)."""
+
+    @property
+    def num_seqs(self) -> int:
+        return self.tensors.rows.numel()
+
+    @property
+    def num_returned(self) -> int:
+        """Tokens whose logits the step returns (R)."""
+        return self.tensors.last.numel()
 
     @classmethod
     def build(cls, batch: Batch) -> _StepIndex:
@@ -600,14 +626,14 @@ def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.T
     return (probs[..., None] * v_G1Lh).sum(2).reshape(n, -1)
 
 
-def _prefill_bias(step: _StepTensors, ng: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive attention bias ``[k * ng, rep * width, L]`` of a prefill step for
+def _prefill_bias(step: _StepTensors, ng: int, rep: int) -> torch.Tensor:
+    """The additive fp32 attention bias ``[k * ng, rep * width, L]`` of a prefill step for
     ``_attend_prefill_fused``: 0 where a (padded) query may see a key -- at or before its own
     position -- and -inf elsewhere; built once for every layer."""
     k_seqs, width, length = step.start.size(0), step.width.size(0), step.key_pos.size(0)
     q_pos = step.start[:, None] + step.width[None, :]  # [k, width]
     blocked = step.key_pos[None, None, :] > q_pos[:, :, None]  # [k, width, L]
-    bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device)
+    bias = torch.zeros(blocked.shape, dtype=torch.float32, device=blocked.device)
     bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None]
     return bias.expand(k_seqs, ng, rep, width, length).reshape(k_seqs * ng, rep * width, length)
 
@@ -618,15 +644,16 @@ def _attend_prefill_fused(q_Tgrh, keys, values, bias, step: _StepTensors, scale:
     as two batched matrix products -- each a few hundred thousand multiply-adds at the sizes
     that compile (``PREFILL_COMPILE_MAX_SCORES``), where SDPA's blockwise kernel costs more than
     the arithmetic; the softmax and the padding ops fuse. Padded queries see key 0 at least (no
-    row is all -inf) and are dropped. -> ``[T, np * hn]``."""
+    row is all -inf) and are dropped. Scores and softmax in fp32 (as SDPA accumulates), whatever
+    the model's dtype. -> ``[T, np * hn]``."""
     k_seqs, ng, length, hn = keys.shape
     rep, width = q_Tgrh.size(2), step.width.size(0)
     q = q_Tgrh.new_zeros(k_seqs, width, ng, rep, hn)
     q[step.seq, step.local] = q_Tgrh
-    q_Gqh = q.permute(0, 2, 3, 1, 4).reshape(k_seqs * ng, rep * width, hn)
+    q_GQh = q.permute(0, 2, 3, 1, 4).reshape(k_seqs * ng, rep * width, hn)
     k_GhL = keys.reshape(k_seqs * ng, length, hn).transpose(1, 2)
-    scores = torch.baddbmm(bias, q_Gqh, k_GhL, alpha=scale)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    scores = torch.baddbmm(bias, q_GQh.float(), k_GhL.float(), alpha=scale)  # fp32, as SDPA
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.bmm(probs, values.reshape(k_seqs * ng, length, hn))
     out = out.view(k_seqs, ng, rep, width, hn).permute(0, 3, 1, 2, 4)  # [k, width, ng, rep, hn]
     return out[step.seq, step.local].reshape(step.seq.size(0), -1)

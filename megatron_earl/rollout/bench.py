@@ -115,6 +115,12 @@ class EngineBenchConfig:
         from megatron_earl.rollout.embedded import EmbeddedEngineConfig
 
         EmbeddedEngineConfig(decode_threads=self.decode_threads)  # the engine's own check, up front
+        compiled = [f for f in ("compile_decode", "compile_prefill") if getattr(self, f)]
+        if compiled and self.tp > 1:
+            raise ValueError(
+                f"{' and '.join(compiled)} must be off with tp > 1 (the compiled steps hold no "
+                f"TP collectives), got tp={self.tp}"
+            )
 
 
 @dataclass(frozen=True)
@@ -164,16 +170,20 @@ class PairedRatio:
     sampling: str
     prefill: tuple[float, ...]
     """Per round: HF's prefill run time / ours."""
-    decode: tuple[float, ...]
-    """Per round: HF's (full - prefill) run time / ours."""
+    decode: tuple[float | None, ...]
+    """Per round: HF's (full - prefill) run time / ours; None where either engine's full run
+    was not longer than its prefill run (an outlier run: no decode time to compare)."""
 
     @property
     def prefill_median(self) -> float:
+        """The median over the rounds."""
         return statistics.median(self.prefill)
 
     @property
-    def decode_median(self) -> float:
-        return statistics.median(self.decode)
+    def decode_median(self) -> float | None:
+        """The median over the rounds with a decode ratio (None: no round has one)."""
+        valid = [r for r in self.decode if r is not None]
+        return statistics.median(valid) if valid else None
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,7 @@ class EngineBenchResult:
     """One per (batch, sampling)."""
 
     def ratio(self, batch: int, sampling: str) -> PairedRatio:
+        """The paired ratios of one batch size and sampling mode."""
         return next(r for r in self.ratios if (r.batch, r.sampling) == (batch, sampling))
 
     def row(self, batch: int, sampling: str, engine: str) -> BenchRow:
@@ -351,9 +362,14 @@ def format_report(result: EngineBenchResult) -> str:
     return "\n".join(lines)
 
 
-def _ratio(values: tuple[float, ...]) -> str:
-    """``median (min-max)`` of per-repeat ratios."""
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+def _ratio(values: tuple[float | None, ...]) -> str:
+    """``median (min to max)`` of the per-repeat ratios, with the count of rounds left out
+    (None: an outlier run, ``PairedRatio.decode``)."""
+    valid = [v for v in values if v is not None]
+    if not valid:
+        return f"n/a ({len(values)} out)"
+    dropped = f", {len(values) - len(valid)} out" if len(valid) < len(values) else ""
+    return f"{statistics.median(valid):.2f} ({min(valid):.2f} to {max(valid):.2f}{dropped})"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -420,5 +436,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # a bad flag value: its message, no traceback
         raise SystemExit(f"bench engine: {err}") from None
     result = measure(cfg)
-    print(json.dumps(dataclasses.asdict(result)) if args.json else format_report(result))
+    report = json.dumps(dataclasses.asdict(result), allow_nan=False)
+    print(report if args.json else format_report(result))
     return 0

@@ -104,14 +104,14 @@ def _rows(
 
 
 def _paired(batch: int, sampling: str, times: dict[str, list[list[float]]]) -> PairedRatio:
-    """HF's time over ours, repeat by repeat (prefill runs; full minus prefill runs; ``inf``
-    where an outlier prefill run of ours took as long as its full run)."""
+    """HF's time over ours, repeat by repeat (prefill runs; full minus prefill runs, None where
+    either engine's prefill run took as long as its full run)."""
     from megatron_earl.rollout.bench import ENGINES, PairedRatio
 
     (ours_pre, ours_full), (hf_pre, hf_full) = (times[e] for e in ENGINES)
     prefill = tuple(h / o for h, o in zip(hf_pre, ours_pre, strict=True))
     decode = tuple(
-        (hf_f - hf_p) / (o_f - o_p) if o_f > o_p else float("inf")
+        (hf_f - hf_p) / (o_f - o_p) if o_f > o_p and hf_f > hf_p else None
         for hf_f, hf_p, o_f, o_p in zip(hf_full, hf_pre, ours_full, ours_pre, strict=True)
     )
     return PairedRatio(batch, sampling, prefill, decode)
@@ -137,7 +137,7 @@ async def drive(
 
     warm = prompts(2)
     start = time.perf_counter()
-    await pair.ours(warm, 2, False)  # the first decode step: compiles it with compile_decode
+    await pair.ours(warm, 2, False)  # the engine's first step compiles every compiled graph
     warmup_s = time.perf_counter() - start
     pair.theirs(warm, 2, False)
     greedy = await _agreement(pair, prompts(cfg.batches[0]), min(cfg.agree_tokens, cfg.new_tokens))

@@ -1,7 +1,9 @@
 """`megatron-earl bench engine` end to end at a tiny size (batch 2, 4 new tokens, 1 repeat): the
 result has one row per (batch, sampling mode, engine) with finite rates, the report prints them,
 and the HF conversion computes the same logits as the Megatron model. The logits check is shown to
-have teeth (a wrong conversion fails it). Timings are the benchmark's business, not this test's.
+have teeth (a wrong conversion fails it). The ours/HF ratios are paired round by round (shown on
+made-up times, with the rounds that have no decode time left out). Timings are the benchmark's
+business, not this test's.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def test_demo_model_is_the_demo_config():
         {"repeats": 0},
         {"tp": 0},
         {"decode_threads": -1},
+        {"tp": 2, "compile_prefill": True},
     ],
 )
 def test_config_rejects_bad_values(bad):
@@ -79,25 +82,35 @@ def test_bench_engine_end_to_end():
     assert sum(line.lstrip().startswith("2 ") for line in report.splitlines()) == 2
     assert json.loads(json.dumps(dataclasses.asdict(result)))["rows"][0]["batch"] == 2
     assert sorted((r.batch, r.sampling) for r in result.ratios) == [(2, s) for s in SAMPLING_MODES]
-    for paired in result.ratios:
+    for paired in result.ratios:  # structure only: timings are the benchmark's business
         assert len(paired.prefill) == len(paired.decode) == cfg.repeats
-        assert all(math.isfinite(v) and v > 0 for v in (*paired.prefill, *paired.decode))
     assert "ours/HF: median of the per-repeat ratios (range)" in report
 
 
 def test_ratios_are_paired_round_by_round():
     """Each round's ratio is HF's time over ours in that round (decode: full minus prefill run),
-    so a machine slowing between rounds moves both sides of a ratio, not one median."""
+    so a machine slowing in one engine's rounds moves both sides of a ratio; a ratio of the two
+    medians would not. A round where an engine's full run is not longer than its prefill run
+    has no decode ratio, is left out of the median and is printed as left out."""
+    from megatron_earl.rollout.bench import _ratio
     from megatron_earl.rollout.bench_driver import _paired
 
-    times = {  # round 2 runs on a machine twice as slow: both engines' times double
-        ENGINES[0]: [[0.02, 0.04, 0.02], [0.12, 0.24, 0.12]],
-        ENGINES[1]: [[0.03, 0.06, 0.03], [0.33, 0.66, 0.33]],
+    times = {  # HF's rounds 0-1 and ours' rounds 2-4 on a machine twice as slow
+        ENGINES[0]: [[0.02, 0.02, 0.04, 0.04, 0.04], [0.12, 0.12, 0.24, 0.24, 0.24]],
+        ENGINES[1]: [[0.06, 0.06, 0.03, 0.03, 0.03], [0.66, 0.66, 0.33, 0.33, 0.33]],
     }
     paired = _paired(64, "greedy", times)
-    assert paired.prefill == pytest.approx((1.5, 1.5, 1.5))
-    assert paired.decode == pytest.approx((3.0, 3.0, 3.0))
-    assert (paired.prefill_median, paired.decode_median) == pytest.approx((1.5, 3.0))
+    assert paired.prefill == pytest.approx((3.0, 3.0, 0.75, 0.75, 0.75))
+    assert paired.decode == pytest.approx((6.0, 6.0, 1.5, 1.5, 1.5))
+    ours, hf = [[0.01, 0.02, 0.04], [1, 1, 1]], [[0.05, 0.03, 0.06], [1, 1, 1]]
+    drift = {ENGINES[0]: ours, ENGINES[1]: hf}
+    # paired: (5, 1.5, 1.5) -> 1.5; the ratio of the medians would be 0.05 / 0.02 = 2.5
+    assert _paired(64, "greedy", drift).prefill_median == pytest.approx(1.5)
+    outlier = {ENGINES[0]: [[0.1, 0.02], [0.1, 0.12]], ENGINES[1]: [[0.03, 0.3], [0.33, 0.3]]}
+    paired = _paired(64, "sampled", outlier)
+    assert paired.decode == (None, None)  # ours' round 0 and HF's round 1 have no decode time
+    assert paired.decode_median is None and _ratio(paired.decode) == "n/a (2 out)"
+    assert _ratio((2.0, None, 1.0)) == "1.50 (1.00 to 2.00, 1 out)"
 
 
 def _wrong_conversion_diff() -> tuple[float, float]:
