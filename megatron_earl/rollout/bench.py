@@ -347,8 +347,8 @@ def format_report(result: EngineBenchResult) -> str:
         f"agreement: logits max |diff| {a.logits_max_diff:.2g} (tol {a.logits_tol:g}, max |logit| "
         f"{a.logits_max_abs:.2g}); first-token log p max |diff| {a.first_logprob_max_diff:.2g}; "
         f"greedy tokens agreeing {a.greedy_tokens_agree}/{a.greedy_tokens_compared}",
-        f"{'batch':>5} {'sampling':>8} | {'prefill tok/s':>13} {'HF':>9} {'ours/HF':>17} | "
-        f"{'decode tok/s':>12} {'HF':>9} {'ours/HF':>17}",
+        f"{'batch':>5} {'sampling':>8} | {'prefill tok/s':>13} {'HF':>9} {'ours/HF':>26} | "
+        f"{'decode tok/s':>12} {'HF':>9} {'ours/HF':>26}",
     ]
     for batch in s["batches"]:
         for sampling in SAMPLING_MODES:
@@ -356,8 +356,8 @@ def format_report(result: EngineBenchResult) -> str:
             paired = result.ratio(batch, sampling)
             lines.append(
                 f"{batch:>5} {sampling:>8} | {ours.prefill_tok_s:>13.0f} {hf.prefill_tok_s:>9.0f} "
-                f"{_ratio(paired.prefill):>17} | {ours.decode_tok_s:>12.0f} "
-                f"{hf.decode_tok_s:>9.0f} {_ratio(paired.decode):>17}"
+                f"{_ratio(paired.prefill):>26} | {ours.decode_tok_s:>12.0f} "
+                f"{hf.decode_tok_s:>9.0f} {_ratio(paired.decode):>26}"
             )
     return "\n".join(lines)
 
