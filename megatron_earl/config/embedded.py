@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+COMPILE_SWITCHES = ("compile_decode", "compile_prefill")
+"""The ``torch.compile`` switches (fields of ``EmbeddedRolloutConfig`` and of
+``EmbeddedEngineConfig``, same names): tp = 1 only, each checked the same way."""
+
 
 class EmbeddedRolloutConfigError(ValueError):
     """An invalid ``rollout.embedded`` section."""
@@ -50,7 +54,7 @@ class EmbeddedRolloutConfig:
             problems.append(
                 f"decode_threads ({threads!r}) must be an integer >= 0 (0: the prefill's threads)"
             )
-        for name in ("compile_decode", "compile_prefill"):
+        for name in COMPILE_SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} ({getattr(self, name)!r}) must be true or false")
         if problems:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from megatron_earl.config.embedded import COMPILE_SWITCHES
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import EngineKind
 
@@ -115,7 +116,7 @@ class EngineBenchConfig:
         from megatron_earl.rollout.embedded import EmbeddedEngineConfig
 
         EmbeddedEngineConfig(decode_threads=self.decode_threads)  # the engine's own check, up front
-        compiled = [f for f in ("compile_decode", "compile_prefill") if getattr(self, f)]
+        compiled = [f for f in COMPILE_SWITCHES if getattr(self, f)]
         if compiled and self.tp > 1:
             raise ValueError(
                 f"{' and '.join(compiled)} must be off with tp > 1 (the compiled steps hold no "
@@ -436,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # a bad flag value: its message, no traceback
         raise SystemExit(f"bench engine: {err}") from None
     result = measure(cfg)
-    report = json.dumps(dataclasses.asdict(result), allow_nan=False)
-    print(report if args.json else format_report(result))
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), allow_nan=False))
+    else:
+        print(format_report(result))
     return 0

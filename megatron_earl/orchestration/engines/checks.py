@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megatron_earl.config.embedded import COMPILE_SWITCHES
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.parallel.layout import phase_layout
@@ -31,7 +32,7 @@ def embedded_problems(config: RunConfig) -> list[str]:
             f"'tp{rollout.tp * rollout.pp * rollout.cp}cp1pp1dp{rollout.dp}'"
         )
     embedded = config.rollout.embedded
-    for name in ("compile_decode", "compile_prefill"):
+    for name in COMPILE_SWITCHES:
         if getattr(embedded, name) and rollout.tp > 1 and not _selects_rollout(config):
             problems.append(
                 f"rollout.embedded.{name} needs a tp1 rollout layout (the compiled step "

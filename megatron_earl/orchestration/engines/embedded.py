@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_earl.config.embedded import COMPILE_SWITCHES
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.orchestration.engines.base import (
@@ -85,7 +86,7 @@ class EmbeddedBackend(RolloutBackend):
             self.policy.ensure(layout)
             settings = engine_config(self.config, layout)
             asked = self.config.rollout.embedded
-            for name in ("compile_decode", "compile_prefill"):
+            for name in COMPILE_SWITCHES:
                 if getattr(asked, name) and not getattr(settings, name) and dist.get_rank() == 0:
                     print(
                         f"rollout.embedded.{name}: the engine of {layout} runs eagerly "
