@@ -178,13 +178,18 @@ class PairedRatio:
     @property
     def prefill_median(self) -> float:
         """The median over the rounds."""
-        return statistics.median(self.prefill)
+        return _median(self.prefill)
 
     @property
     def decode_median(self) -> float | None:
         """The median over the rounds with a decode ratio (None: no round has one)."""
-        valid = [r for r in self.decode if r is not None]
-        return statistics.median(valid) if valid else None
+        return _median(self.decode)
+
+
+def _median(values: tuple[float | None, ...]) -> float | None:
+    """The median of the per-repeat ratios that exist (None: none does)."""
+    valid = [v for v in values if v is not None]
+    return statistics.median(valid) if valid else None
 
 
 @dataclass(frozen=True)
@@ -366,11 +371,12 @@ def format_report(result: EngineBenchResult) -> str:
 def _ratio(values: tuple[float | None, ...]) -> str:
     """``median (min to max)`` of the per-repeat ratios, with the count of rounds left out
     (None: an outlier run, ``PairedRatio.decode``)."""
-    valid = [v for v in values if v is not None]
-    if not valid:
+    median = _median(values)
+    if median is None:
         return f"n/a ({len(values)} out)"
+    valid = [v for v in values if v is not None]
     dropped = f", {len(values) - len(valid)} out" if len(valid) < len(values) else ""
-    return f"{statistics.median(valid):.2f} ({min(valid):.2f} to {max(valid):.2f}{dropped})"
+    return f"{median:.2f} ({min(valid):.2f} to {max(valid):.2f}{dropped})"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
