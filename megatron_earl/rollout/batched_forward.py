@@ -47,6 +47,7 @@ all-gather on the TP group; nothing with tp = 1).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,6 +71,10 @@ longest keys) of a prefill step that runs compiled (``compile_prefill``). The co
 writes its attention out as two batched matrix products around a softmax that inductor fuses,
 which holds every score at once; a larger step (a long context) runs eagerly, where SDPA's
 blockwise kernel never does."""
+
+PREFILL_WARM_TOKENS = 8
+"""New tokens per sequence of the prefill step that compiles the prefill graph
+(``BatchedForward._compile_graphs``)."""
 
 
 @dataclass(frozen=True)
@@ -305,15 +310,26 @@ class BatchedForward:
 
     def _compile_graphs(self) -> None:
         """Compile every graph before the first real step, while no row caches anything: the
-        decode step for rows 2..max (the dynamic graph) and for one row, the prefill step for
-        two sequences and for one (sizes 0/1 are specialised), so a step that first runs a
+        decode step for several rows (the dynamic graph) and for one row, the prefill step for
+        several sequences and for one (sizes 0/1 are specialised), so a step that first runs a
         single row or sequence later -- the end of a batch, a multi-turn session alone on its
-        engine -- does not pay a compilation mid-rollout. The warm-up steps write keys and
-        values only at the last two positions (``max_seq_len - 2``, ``- 1``) of rows 0 and 1,
-        which any real sequence writes itself (a step writes a position before it reads it)
-        before attending to it."""
+        engine -- does not pay a compilation mid-rollout.
+
+        Inductor decides each fused kernel's threading from the sizes it compiles for: it runs
+        a loop on several threads only when those sizes give each thread enough work. So the
+        prefill graph compiles on a step of the engine's scale -- every row, each with
+        ``PREFILL_WARM_TOKENS`` new tokens: compiled on two sequences of two tokens, its norm,
+        RoPE and SwiGLU kernels ran on one thread at any size (docs/engines.md, ninth
+        session). The decode graph compiles on two rows: a decode step's per-row kernels are
+        small enough that threads cost more than they save (measured at 64 rows: the SwiGLU
+        kernel took ~17 us a call on two threads, ~9 us on one). The warm-up steps write keys
+        and values only where any real sequence writes its own before attending to them (a
+        step writes a position before it reads it): the decode step at the last position, the
+        prefill at positions ``[warm, 2 * warm)``, so that its attention stays small whatever
+        ``max_seq_len`` is."""
         last = self.max_seq_len - 1
-        counts = (2, 1) if self.cache.max_batch_size >= 2 else (1,)
+        rows = self.cache.max_batch_size
+        counts = (2, 1) if rows >= 2 else (1,)
         for n in counts if self._decode_compiled is not None else ():
             ids, pos, key_pos = (
                 runtime.to_device(t)
@@ -325,9 +341,11 @@ class BatchedForward:
             )
             self._compiled_decode(ids, pos, key_pos)
         prefills = self._prefill_compiled is not None and self.max_seq_len >= 2
-        for n in counts if prefills else ():  # the shapes _fits_compiled_prefill admits
-            warm = Batch(tuple(range(n)), ((0, 0),) * n, (self.max_seq_len - 2,) * n)
-            self._compiled_prefill(_StepIndex.build(warm).on_device())
+        warm = max(2, min(PREFILL_WARM_TOKENS, self.max_seq_len // 2))
+        start = min(warm, self.max_seq_len - warm)
+        for n in ((rows, 1) if rows >= 2 else (1,)) if prefills else ():
+            batch = Batch(tuple(range(n)), ((0,) * warm,) * n, (start,) * n)
+            self._compiled_prefill(_StepIndex.build(batch).on_device())
         self._compiled_ready = True
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -556,35 +574,37 @@ class _StepIndex:
 
     @classmethod
     def build(cls, batch: Batch) -> _StepIndex:
+        """The index tensors, built with tensor ops over the sequences (a Python loop over every
+        token took ~1 ms at 64 sequences of 32 tokens)."""
+        long = functools.partial(torch.tensor, dtype=torch.long)
         lengths = [len(t) for t in batch.tokens]
-        ids = [t for seq in batch.tokens for t in seq]
-        pos, seq, local, last = [], [], [], []
-        w_rows, w_pos, w_src = [], [], []
+        n_k, start_k = long(lengths), long(batch.starts)
+        seq, local, first_k = _spans(n_k)
+        if batch.logits_from:
+            last = torch.nonzero(local >= long(batch.logits_from)[seq]).flatten()
+        else:
+            last = first_k + n_k - 1
+        # Writes: each sequence's tokens to its row, then to each row it shares them with.
         shared = batch.shared or ((),) * len(lengths)
-        total = 0
-        for s, (row, start, n) in enumerate(zip(batch.rows, batch.starts, lengths)):
-            positions = range(start, start + n)
-            pos.extend(positions)
-            seq.extend([s] * n)
-            local.extend(range(n))
-            for target in (row, *shared[s]):
-                w_rows.extend([target] * n)
-                w_pos.extend(positions)
-                w_src.extend(range(total, total + n))
-            if batch.logits_from:
-                last.extend(range(total + batch.logits_from[s], total + n))
-            else:
-                last.append(total + n - 1)
-            total += n
+        rows = zip(batch.rows, shared)
+        targets = [(s, r) for s, (row, more) in enumerate(rows) for r in (row, *more)]
+        t_seq, t_row = long(targets).T
+        w_target, w_local, _ = _spans(n_k[t_seq])
+        w_seq = t_seq[w_target]
         max_key_len = max(start + n for start, n in zip(batch.starts, lengths))
         tensors = _StepTensors(
-            *(
-                torch.tensor(values, dtype=torch.long)
-                for values in (ids, pos, seq, local, last, batch.starts, batch.rows)
-            ),
-            *(torch.tensor(values, dtype=torch.long) for values in (w_rows, w_pos, w_src)),
-            torch.arange(max(lengths)),
-            torch.arange(max_key_len),
+            ids=long(list(itertools.chain.from_iterable(batch.tokens))),
+            pos=start_k[seq] + local,
+            seq=seq,
+            local=local,
+            last=last,
+            start=start_k,
+            rows=long(batch.rows),
+            w_rows=t_row[w_target],
+            w_pos=start_k[w_seq] + w_local,
+            w_src=first_k[w_seq] + w_local,
+            width=torch.arange(max(lengths)),
+            key_pos=torch.arange(max_key_len),
         )
         return cls(
             tensors,
@@ -597,6 +617,14 @@ class _StepIndex:
     def on_device(self) -> _StepTensors:
         """The index tensors on the compute device (boundary "engine step inputs")."""
         return _StepTensors(*(runtime.to_device(t) for t in self.tensors))
+
+
+def _spans(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Items laid out as consecutive spans of ``counts[i]`` items (host tensors): each item's
+    span, each item's index within its span, and each span's first item."""
+    first = torch.cumsum(counts, 0) - counts
+    span = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return span, torch.arange(span.numel()) - first[span], first
 
 
 def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.rollout.batched_forward import PREFILL_WARM_TOKENS
 from megatron_earl.testing.distributed import run_distributed
 from tests.distributed.test_embedded_engine import MAX_SEQ, MODEL, QWEN3_LIKE, _build, _prompts
 
@@ -85,7 +86,9 @@ def _prefill_eager_vs_compiled(model):
     compiled = BatchedForward(chunks[0], 6, MAX_SEQ, compile_prefill=True)
     ran = []
     run_compiled = compiled._prefill_compiled
-    compiled._prefill_compiled = lambda *a, **k: ran.append(True) or run_compiled(*a, **k)
+    compiled._prefill_compiled = lambda step, **k: (
+        ran.append(step.ids.numel()) or run_compiled(step, **k)
+    )
     p = _prompts()  # lengths 5, 17, 9, 23, 3, 12
     steps = [
         Batch((2, 0, 1), (p[0], p[1], p[2]), (0, 0, 0)),
@@ -106,22 +109,30 @@ def _prefill_eager_vs_compiled(model):
             worst = max(worst, float((eager(batch) - compiled(batch)).abs().max()))
         used.append(len(ran) > before)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    written = 28  # the steps above write positions < 28; the warm-up wrote the last two
+    # Compare what the steps wrote: elsewhere the compiled forward's cache holds its warm-up.
+    written = torch.zeros(6, MAX_SEQ, dtype=torch.bool)
+    for batch in steps:
+        shared = batch.shared or ((),) * len(batch.rows)
+        for row, start, tokens, more in zip(batch.rows, batch.starts, batch.tokens, shared):
+            written[[row, *more], start : start + len(tokens)] = True
     cache = max(
-        float((a[:, :, :written] - b[:, :, :written]).abs().max())
+        float((a[:, :, :MAX_SEQ] - b[:, :, :MAX_SEQ]).abs().permute(0, 2, 1, 3)[written].max())
         for a, b in zip(eager.cache.buffers(), compiled.cache.buffers())
     )
-    return worst, cache, graphs, used
+    return worst, cache, graphs, used, ran[:2]
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN3_LIKE], ids=["qkv_bias", "qk_layernorm"])
 def test_compiled_prefill_equals_eager(model):
-    """... both prefill graphs (several sequences, one) are compiled at the first step, so no
+    """... both prefill graphs (several sequences -- every row, ``PREFILL_WARM_TOKENS`` each --
+    and one) are compiled at the first step, so no
     later step compiles; the shapes no warmed graph fits and the step over
     ``PREFILL_COMPILE_MAX_SCORES`` run eagerly."""
-    worst, cache, graphs, used = run_distributed(
+    worst, cache, graphs, used, warm = run_distributed(
         _prefill_eager_vs_compiled, 1, args=(model,), timeout_s=600
     )[0]
+    # Compiled on a step of the engine's scale (inductor threads its kernels by those sizes).
+    assert warm == [6 * PREFILL_WARM_TOKENS, PREFILL_WARM_TOKENS], warm
     assert worst <= LOGITS_TOL and cache <= LOGITS_TOL, (worst, cache)
     assert used == [True, True, True, True, False, False, False], used
     assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs), graphs
