@@ -304,9 +304,13 @@ class BatchedForward:
             torch._dynamo.mark_dynamic(t, 0)
         return self._decode_compiled(ids_n, pos_n, key_pos_L)
 
-    def _compiled_prefill(self, step: _StepTensors) -> torch.Tensor:
+    def _compiled_prefill(self, step: _StepTensors, warm_up: bool = False) -> torch.Tensor:
+        """``warm_up``: the step that compiles the graph (``_compile_graphs``): its sizes are
+        passed as explicit size hints, which inductor's on-disk cache keys on (it does not key
+        on plain hints: a graph cached by a build that compiled on other sizes would be reused
+        with that build's kernels)."""
         for t in step:  # one graph for every token, sequence and key count
-            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 0, hint_override=t.size(0) if warm_up else None)
         return self._prefill_compiled(step, fresh=False, shared=True)
 
     def _compile_graphs(self) -> None:
@@ -346,7 +350,7 @@ class BatchedForward:
         start = min(warm, self.max_seq_len - warm)
         for n in ((rows, 1) if rows >= 2 else (1,)) if prefills else ():
             batch = Batch(tuple(range(n)), ((0,) * warm,) * n, (start,) * n)
-            self._compiled_prefill(_StepIndex.build(batch).on_device())
+            self._compiled_prefill(_StepIndex.build(batch).on_device(), warm_up=True)
         self._compiled_ready = True
 
     def move_row(self, src: int, dst: int, length: int) -> None:
