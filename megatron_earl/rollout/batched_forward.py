@@ -75,7 +75,7 @@ blockwise kernel never does."""
 
 PREFILL_WARM_TOKENS = 8
 """New tokens per sequence of the prefill step that compiles the prefill graph
-(``BatchedForward._compile_graphs``)."""
+(``BatchedForward._compile_graphs``; fewer when ``max_seq_len // 2`` is smaller, at least 2)."""
 
 
 @dataclass(frozen=True)
@@ -305,10 +305,11 @@ class BatchedForward:
         return self._decode_compiled(ids_n, pos_n, key_pos_L)
 
     def _compiled_prefill(self, step: _StepTensors, warm_up: bool = False) -> torch.Tensor:
-        """``warm_up``: the step that compiles the graph (``_compile_graphs``): its sizes are
-        passed as explicit size hints, which inductor's on-disk cache keys on (it does not key
-        on plain hints: a graph cached by a build that compiled on other sizes would be reused
-        with that build's kernels)."""
+        """Run a prefill step through the compiled graph (every index size dynamic).
+        ``warm_up``: the step that compiles it (``_compile_graphs``), whose sizes are passed as
+        explicit size hints: inductor's on-disk cache keys on those, not on plain hints, so a
+        graph cached by a build that compiled on other sizes is not reused with that build's
+        kernels (and an engine of another ``max_batch_size`` compiles its own)."""
         for t in step:  # one graph for every token, sequence and key count
             torch._dynamo.mark_dynamic(t, 0, hint_override=t.size(0) if warm_up else None)
         return self._prefill_compiled(step, fresh=False, shared=True)
@@ -324,14 +325,14 @@ class BatchedForward:
         a loop on several threads only when those sizes give each thread enough work. So the
         prefill graph compiles on a step of the engine's scale -- every row, each with
         ``PREFILL_WARM_TOKENS`` new tokens: compiled on two sequences of two tokens, its norm,
-        RoPE and SwiGLU kernels ran on one thread at any size (docs/engines.md, ninth
-        session). The decode graph compiles on two rows: a decode step's per-row kernels are
-        small enough that threads cost more than they save (measured at 64 rows: the SwiGLU
-        kernel took ~17 us a call on two threads, ~9 us on one). The warm-up steps write keys
-        and values only where any real sequence writes its own before attending to them (a
-        step writes a position before it reads it): the decode step at the last position, the
-        prefill at positions ``[warm, 2 * warm)``, so that its attention stays small whatever
-        ``max_seq_len`` is."""
+        RoPE and SwiGLU kernels ran on one thread at any size; at most as many rows as keep the
+        warm-up within ``PREFILL_COMPILE_MAX_SCORES``. The decode graph compiles on two rows: a
+        decode step's per-row kernels are small enough that threads cost more than they save
+        (both measured: docs/engines.md, ninth session). The warm-up steps write keys and
+        values only where any real sequence writes its own before attending to them (a step
+        writes a position before it reads it): the decode step at the last position, the
+        prefill at ``[start, start + warm)`` (``[8, 16)`` when ``max_seq_len >= 16``), so that
+        its attention stays small whatever ``max_seq_len`` is."""
         last = self.max_seq_len - 1
         rows = self.cache.max_batch_size
         counts = (2, 1) if rows >= 2 else (1,)
@@ -348,7 +349,10 @@ class BatchedForward:
         prefills = self._prefill_compiled is not None and self.max_seq_len >= 2
         warm = max(2, min(PREFILL_WARM_TOKENS, self.max_seq_len // 2))
         start = min(warm, self.max_seq_len - warm)
-        for n in ((rows, 1) if rows >= 2 else (1,)) if prefills else ():
+        fits = PREFILL_COMPILE_MAX_SCORES // (self.num_heads * warm * (start + warm))
+        several = max(2, min(rows, fits))
+        prefill_counts = (several, 1) if rows >= 2 else (1,)
+        for n in prefill_counts if prefills else ():
             batch = Batch(tuple(range(n)), ((0,) * warm,) * n, (start,) * n)
             self._compiled_prefill(_StepIndex.build(batch).on_device(), warm_up=True)
         self._compiled_ready = True
@@ -579,8 +583,8 @@ class _StepIndex:
 
     @classmethod
     def build(cls, batch: Batch) -> _StepIndex:
-        """The index tensors, computed with numpy over the sequences (a Python loop over every
-        token took ~1 ms at 64 sequences of 32 tokens)."""
+        """The index tensors, computed with numpy over the sequences, not a Python loop over
+        every token (docs/engines.md, ninth session)."""
         lengths = [len(t) for t in batch.tokens]
         n_k, start_k = np.array(lengths), np.array(batch.starts)
         seq, local, first_k = _spans(n_k)
@@ -590,11 +594,12 @@ class _StepIndex:
             last = first_k + n_k - 1
         # Writes: each sequence's tokens to its row, then to each row it shares them with.
         shared = batch.shared or ((),) * len(lengths)
-        rows = zip(batch.rows, shared)
-        targets = [(s, r) for s, (row, more) in enumerate(rows) for r in (row, *more)]
-        t_seq, t_row = np.array(targets).T
-        w_target, w_local, _ = _spans(n_k[t_seq])
-        w_seq = t_seq[w_target]
+        targets = [
+            (s, r) for s, (row, more) in enumerate(zip(batch.rows, shared)) for r in (row, *more)
+        ]
+        target_seq, target_row = np.array(targets).T
+        w_target, w_local, _ = _spans(n_k[target_seq])
+        w_seq = target_seq[w_target]
         max_key_len = max(start + n for start, n in zip(batch.starts, lengths))
         ids = np.fromiter(itertools.chain.from_iterable(batch.tokens), np.int64, len(seq))
         tensors = _StepTensors(
@@ -608,7 +613,7 @@ class _StepIndex:
                     last,
                     start_k,
                     np.array(batch.rows),
-                    t_row[w_target],
+                    target_row[w_target],
                     start_k[w_seq] + w_local,
                     first_k[w_seq] + w_local,
                     np.arange(max(lengths)),
@@ -702,7 +707,7 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     non-interleaved ``t * cos + cat(-x2, x1) * sin`` written as ``t * cos + cat(x2, x1) *
     signed_sin`` (the same products; three ops instead of six); dims beyond ``rot`` pass
     through. The halves are swapped with ``cat``, not ``roll`` (the same values): inductor
-    compiles a ``roll`` to a per-element gather, ~14x slower on 2,048 tokens (ninth session)."""
+    compiles a ``roll`` to a per-element gather (docs/engines.md, ninth session)."""
     rot = cos.size(-1)
     head, tail = t[..., :rot], t[..., rot:]
     swapped = torch.cat((head[..., rot // 2 :], head[..., : rot // 2]), dim=-1)

@@ -77,18 +77,30 @@ def _prefill_eager_vs_compiled(model):
     sequence returning several tokens' logits, one-token continuations, a step over the size
     limit. Every step after the first runs under ``fail_on_recompile``. Returns (max |logit
     diff|, max |cache diff| over the written positions, compiled graphs after each step, which
-    steps ran the compiled graph)."""
+    steps ran the compiled graph, the token count of the two warm-up steps, and per compiled
+    step whether every index size went to dynamo as an explicit hint equal to it)."""
     from megatron_earl.rollout import batched_forward as bf
     from megatron_earl.rollout.batched_forward import Batch, BatchedForward
 
     chunks, _ = _build(ParallelLayout(), None, model)
     eager = BatchedForward(chunks[0], 6, MAX_SEQ)
     compiled = BatchedForward(chunks[0], 6, MAX_SEQ, compile_prefill=True)
-    ran = []
+    ran, hinted, marks = [], [], []
     run_compiled = compiled._prefill_compiled
-    compiled._prefill_compiled = lambda step, **k: (
-        ran.append(step.ids.numel()) or run_compiled(step, **k)
-    )
+
+    def counted(step, **kwargs):
+        ran.append(step.ids.numel())
+        hinted.append(all(hint == t.size(0) for t, hint in marks[-len(step) :]))
+        return run_compiled(step, **kwargs)
+
+    compiled._prefill_compiled = counted
+    mark_dynamic = torch._dynamo.mark_dynamic
+
+    def recorded(t, index, **kwargs):
+        marks.append((t, kwargs.get("hint_override")))
+        return mark_dynamic(t, index, **kwargs)
+
+    torch._dynamo.mark_dynamic = recorded
     p = _prompts()  # lengths 5, 17, 9, 23, 3, 12
     steps = [
         Batch((2, 0, 1), (p[0], p[1], p[2]), (0, 0, 0)),
@@ -119,20 +131,22 @@ def _prefill_eager_vs_compiled(model):
         float((a[:, :, :MAX_SEQ] - b[:, :, :MAX_SEQ]).abs().permute(0, 2, 1, 3)[written].max())
         for a, b in zip(eager.cache.buffers(), compiled.cache.buffers())
     )
-    return worst, cache, graphs, used, ran[:2]
+    torch._dynamo.mark_dynamic = mark_dynamic
+    return worst, cache, graphs, used, ran[:2], hinted
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN3_LIKE], ids=["qkv_bias", "qk_layernorm"])
 def test_compiled_prefill_equals_eager(model):
-    """... both prefill graphs (several sequences -- every row, ``PREFILL_WARM_TOKENS`` each --
-    and one) are compiled at the first step, so no
-    later step compiles; the shapes no warmed graph fits and the step over
-    ``PREFILL_COMPILE_MAX_SCORES`` run eagerly."""
-    worst, cache, graphs, used, warm = run_distributed(
+    """... both prefill graphs (several sequences: every row with ``PREFILL_WARM_TOKENS``
+    tokens; one sequence) are compiled at the first step, so no later step compiles; the shapes
+    no warmed graph fits and the step over ``PREFILL_COMPILE_MAX_SCORES`` run eagerly."""
+    worst, cache, graphs, used, warm, hinted = run_distributed(
         _prefill_eager_vs_compiled, 1, args=(model,), timeout_s=600
     )[0]
-    # Compiled on a step of the engine's scale (inductor threads its kernels by those sizes).
+    # Compiled on a step of the engine's scale (inductor threads its kernels by those sizes),
+    # whose sizes are explicit hints (inductor's cache keys on them); later steps pass none.
     assert warm == [6 * PREFILL_WARM_TOKENS, PREFILL_WARM_TOKENS], warm
+    assert hinted[:2] == [True, True] and not any(hinted[2:]), hinted
     assert worst <= LOGITS_TOL and cache <= LOGITS_TOL, (worst, cache)
     assert used == [True, True, True, True, False, False, False], used
     assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs), graphs

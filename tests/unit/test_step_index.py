@@ -1,7 +1,10 @@
-"""The embedded engine's prefill index tensors (``batched_forward._StepIndex.build``), written
-out by hand for a step with a cached prefix, a shared row and prompt log-probs."""
+"""The embedded engine's prefill index tensors (``batched_forward._StepIndex.build``): written
+out by hand for a step with a cached prefix, a shared row and prompt log-probs, and against a
+loop over every token on random steps."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -42,3 +45,44 @@ def test_index_of_fresh_sequences_returning_their_last_token():
     assert lists["w_rows"] == [1, 0, 0, 0, 2, 2] and lists["w_src"] == list(range(6))
     assert lists["pos"] == lists["local"] == [0, 0, 1, 2, 0, 1]
     assert (index.fresh, index.max_new, index.max_key_len, index.shared) == (True, 3, 3, False)
+
+
+def _reference(batch: Batch) -> dict[str, list[int]]:
+    """The index lists by a loop over every token (the engine's code before it used numpy)."""
+    out = {name: [] for name in ("ids", "pos", "seq", "local", "last")}
+    out.update(start=list(batch.starts), rows=list(batch.rows), w_rows=[], w_pos=[], w_src=[])
+    shared = batch.shared or ((),) * len(batch.tokens)
+    total = 0
+    for s, (row, start, tokens) in enumerate(zip(batch.rows, batch.starts, batch.tokens)):
+        n = len(tokens)
+        out["ids"] += tokens
+        out["pos"] += range(start, start + n)
+        out["seq"] += [s] * n
+        out["local"] += range(n)
+        for target in (row, *shared[s]):
+            out["w_rows"] += [target] * n
+            out["w_pos"] += range(start, start + n)
+            out["w_src"] += range(total, total + n)
+        first = batch.logits_from[s] if batch.logits_from else n - 1
+        out["last"] += range(total + first, total + n)
+        total += n
+    out["width"] = list(range(max(len(t) for t in batch.tokens)))
+    key_len = max(start + len(t) for start, t in zip(batch.starts, batch.tokens))
+    out["key_pos"] = list(range(key_len))
+    return out
+
+
+def test_index_matches_a_per_token_loop_on_random_steps():
+    rng = random.Random(0)
+    for _ in range(300):
+        k = rng.randint(1, 6)
+        rows = rng.sample(range(16), k)
+        free = [r for r in range(16) if r not in rows]
+        tokens = tuple(tuple(rng.randrange(50) for _ in range(rng.randint(1, 5))) for _ in rows)
+        shared = ()
+        if rng.random() < 0.5:  # any sequence may share with 0-2 further rows
+            shared = tuple(tuple(free.pop() for _ in range(rng.randint(0, 2))) for _ in rows)
+        logits_from = tuple(rng.randrange(len(t)) for t in tokens) if rng.random() < 0.5 else ()
+        starts = tuple(rng.randint(0, 9) for _ in rows)
+        batch = Batch(tuple(rows), tokens, starts, shared, logits_from)
+        assert _lists(_StepIndex.build(batch)) == _reference(batch), batch
