@@ -32,9 +32,8 @@ forward, at TP1 and TP2. Attention: SDPA, GQA without repeating keys (decode: th
 a group attend as a group; prefill: ``enable_gqa``), a key-padding mask for rows of different
 lengths. A decode step is one tensor-only function (``_decode``), optionally run compiled
 (``compile_decode``); so is a prefill step (``_prefill``, ``compile_prefill``: its attention
-then written out as matrix products, up to ``PREFILL_COMPILE_MAX_SCORES``). The step's index
-tensors are built on the host from Python ints and moved to the compute device once (boundary
-"engine step inputs", docs/devices.md).
+then written out as matrix products, up to ``PREFILL_COMPILE_MAX_SCORES``). A step's sequences
+(``Batch``) and a prefill's index tensors (``StepIndex``) come from ``rollout/engine_step.py``.
 
 Legend: T = tokens in the step, k = sequences in the step, n = running rows, L = cached length,
 h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary,
@@ -46,13 +45,8 @@ all-gather on the TP group; nothing with tp = 1).
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -64,6 +58,7 @@ from torch import nn
 from megatron_earl import runtime
 from megatron_earl.models.rotary import cos_signed_sin
 from megatron_earl.parallel.ddp import unwrap_chunk
+from megatron_earl.rollout.engine_step import Batch, StepIndex, StepTensors
 from megatron_earl.rollout.kv_cache import RowCache
 
 PREFILL_COMPILE_MAX_SCORES = 1 << 22
@@ -76,59 +71,6 @@ blockwise kernel never does."""
 PREFILL_WARM_TOKENS = 8
 """New tokens per sequence of the prefill step that compiles the prefill graph
 (``BatchedForward._compile_graphs``; fewer when ``max_seq_len // 2`` is smaller, at least 2)."""
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One step's sequences, each in its cache row with new tokens after what the row caches."""
-
-    rows: tuple[int, ...]
-    """Cache row of each sequence (a decode step: exactly ``0 .. n-1``)."""
-    tokens: tuple[tuple[int, ...], ...]
-    """New token ids per sequence (decode: one each; prefill: the uncached rest of the context)."""
-    starts: tuple[int, ...]
-    """Tokens the row already caches (the position of the sequence's first new token)."""
-    shared: tuple[tuple[int, ...], ...] = ()
-    """Per sequence, further rows that receive the same keys and values (requests with the
-    identical context: a GRPO group's prompt is prefilled once); empty = none."""
-    logits_from: tuple[int, ...] = ()
-    """Per sequence, the index (within its new tokens) of the first token whose logits are
-    returned, up to its last (prompt log-probs); empty = the last token of each only."""
-
-    def __post_init__(self) -> None:
-        k = len(self.tokens)
-        if not k or len(self.rows) != k or len(self.starts) != k:
-            raise ValueError(
-                f"a step needs >= 1 sequence and one row and start per sequence, got {k} token "
-                f"lists, {len(self.rows)} rows and {len(self.starts)} starts"
-            )
-        if self.shared and len(self.shared) != k:
-            raise ValueError(f"shared needs one entry per sequence ({k}), got {len(self.shared)}")
-        if any(not t for t in self.tokens):
-            raise ValueError("every sequence of a step needs at least one new token")
-        if self.logits_from and (
-            len(self.logits_from) != k
-            or not all(0 <= f < len(t) for f, t in zip(self.logits_from, self.tokens))
-        ):
-            raise ValueError(
-                f"logits_from needs one index per sequence within its new tokens, got "
-                f"{self.logits_from} for {[len(t) for t in self.tokens]} new tokens"
-            )
-
-    @classmethod
-    def decode(cls, lengths: Sequence[int], tokens: Sequence[int]) -> Batch:
-        return cls(tuple(range(len(tokens))), tuple((int(t),) for t in tokens), tuple(lengths))
-
-    @functools.cached_property
-    def is_decode(self) -> bool:
-        """One new token per row, rows ``0 .. n-1`` in order (a decode step; the forward reads
-        the cache as a view). A prefill of one-token contexts is not one."""
-        return (
-            all(len(t) == 1 for t in self.tokens)
-            and not any(self.shared)
-            and not self.logits_from
-            and self.rows == tuple(range(len(self.rows)))
-        )
 
 
 def check_supported(gpt: nn.Module) -> None:
@@ -304,7 +246,7 @@ class BatchedForward:
             torch._dynamo.mark_dynamic(t, 0)
         return self._decode_compiled(ids_n, pos_n, key_pos_L)
 
-    def _compiled_prefill(self, step: _StepTensors, warm_up: bool = False) -> torch.Tensor:
+    def _compiled_prefill(self, step: StepTensors, warm_up: bool = False) -> torch.Tensor:
         """Run a prefill step through the compiled graph (every index size dynamic).
         ``warm_up``: the step that compiles it (``_compile_graphs``), whose sizes are passed as
         explicit size hints: inductor's on-disk cache keys on those, not on plain hints, so a
@@ -354,7 +296,7 @@ class BatchedForward:
         prefill_counts = (several, 1) if rows >= 2 else (1,)
         for n in prefill_counts if prefills else ():
             batch = Batch(tuple(range(n)), ((0,) * warm,) * n, (start,) * n)
-            self._compiled_prefill(_StepIndex.build(batch).on_device(), warm_up=True)
+            self._compiled_prefill(StepIndex.build(batch).on_device(), warm_up=True)
         self._compiled_ready = True
 
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -396,13 +338,13 @@ class BatchedForward:
             if self._decode_compiled is None:
                 return self._decode(ids_n, pos_n, key_pos_L)
             return self._compiled_decode(ids_n, pos_n, key_pos_L)
-        index = _StepIndex.build(batch)
+        index = StepIndex.build(batch)
         step = index.on_device()
         if self._prefill_compiled is not None and self._fits_compiled_prefill(index):
             return self._compiled_prefill(step)
         return self._prefill(step, fresh=index.fresh, shared=index.shared)
 
-    def _fits_compiled_prefill(self, index: _StepIndex) -> bool:
+    def _fits_compiled_prefill(self, index: StepIndex) -> bool:
         """Whether a prefill step runs compiled: at most ``PREFILL_COMPILE_MAX_SCORES`` scores,
         and the shape of a graph compiled at the first step -- several sequences (every size
         dynamic from 2), or one sequence returning one token's logits -- with at least 2 new
@@ -414,8 +356,8 @@ class BatchedForward:
         warmed = index.max_new >= 2 and (k >= 2 or index.num_returned == 1)
         return warmed and scores <= PREFILL_COMPILE_MAX_SCORES
 
-    def _prefill(self, step: _StepTensors, fresh: bool, shared: bool) -> torch.Tensor:
-        """A prefill step (``_StepTensors``): logits ``[R, V]`` of the returned tokens. Only
+    def _prefill(self, step: StepTensors, fresh: bool, shared: bool) -> torch.Tensor:
+        """A prefill step (``StepTensors``): logits ``[R, V]`` of the returned tokens. Only
         tensors and two flags in, so that one compiled graph serves every such step: compiled,
         the attention is ``_attend_prefill_fused`` (and the caller passes ``shared=True``,
         ``fresh=False``); eagerly, SDPA (``_attend_ragged``), causal alone when ``fresh`` (no
@@ -509,7 +451,7 @@ class BatchedForward:
             logits = torch.cat(shards, dim=-1)
         return logits.float()
 
-    def _attend_ragged(self, q_Tnh, keys, values, step: _StepTensors, fresh: bool):
+    def _attend_ragged(self, q_Tnh, keys, values, step: StepTensors, fresh: bool):
         """Sequences of several new tokens, padded to the longest: causal over each sequence's
         cached prefix and new tokens, padding keys masked."""
         k_seqs, width = keys.size(0), step.width.size(0)
@@ -527,119 +469,6 @@ class BatchedForward:
                 q, keys, values, attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
             )
         return out.transpose(1, 2)[step.seq, step.local].reshape(len(step.seq), -1)
-
-
-class _StepTensors(NamedTuple):
-    """A prefill step's index tensors (long, one dimension each)."""
-
-    ids: torch.Tensor
-    """Per new token [T]: its id."""
-    pos: torch.Tensor
-    """[T]: its position."""
-    seq: torch.Tensor
-    """[T]: its sequence."""
-    local: torch.Tensor
-    """[T]: its index among its sequence's new tokens."""
-    last: torch.Tensor
-    """[R]: the tokens whose logits are returned."""
-    start: torch.Tensor
-    """Per sequence [k]: the position of its first new token (what its row caches)."""
-    rows: torch.Tensor
-    """[k]: its cache row."""
-    w_rows: torch.Tensor
-    """Per cache write [W]: the row written."""
-    w_pos: torch.Tensor
-    """[W]: the position written."""
-    w_src: torch.Tensor
-    """[W]: the new token whose key and value are written."""
-    width: torch.Tensor
-    """``arange`` of the most new tokens of a sequence."""
-    key_pos: torch.Tensor
-    """``arange`` of the longest sequence's keys (cached and new)."""
-
-
-@dataclass(frozen=True)
-class _StepIndex:
-    """Host index tensors of a step (built once from Python ints)."""
-
-    tensors: _StepTensors
-    fresh: bool
-    """No sequence has a cached prefix (every start is 0)."""
-    max_new: int
-    """The most new tokens of a sequence (the padded query width)."""
-    max_key_len: int
-    """The longest sequence's keys, cached and new."""
-    shared: bool = False
-    """Some sequence's keys/values also go to other rows (the writes gather by source token)."""
-
-    @property
-    def num_seqs(self) -> int:
-        return self.tensors.rows.numel()
-
-    @property
-    def num_returned(self) -> int:
-        """Tokens whose logits the step returns (R)."""
-        return self.tensors.last.numel()
-
-    @classmethod
-    def build(cls, batch: Batch) -> _StepIndex:
-        """The index tensors, computed with numpy over the sequences, not a Python loop over
-        every token (docs/engines.md, ninth session)."""
-        lengths = [len(t) for t in batch.tokens]
-        n_k, start_k = np.array(lengths), np.array(batch.starts)
-        seq, local, first_k = _spans(n_k)
-        if batch.logits_from:
-            last = np.flatnonzero(local >= np.array(batch.logits_from)[seq])
-        else:
-            last = first_k + n_k - 1
-        # Writes: each sequence's tokens to its row, then to each row it shares them with.
-        shared = batch.shared or ((),) * len(lengths)
-        targets = [
-            (s, r) for s, (row, more) in enumerate(zip(batch.rows, shared)) for r in (row, *more)
-        ]
-        target_seq, target_row = np.array(targets).T
-        w_target, w_local, _ = _spans(n_k[target_seq])
-        w_seq = target_seq[w_target]
-        max_key_len = max(start + n for start, n in zip(batch.starts, lengths))
-        ids = np.fromiter(itertools.chain.from_iterable(batch.tokens), np.int64, len(seq))
-        tensors = _StepTensors(
-            *(
-                torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-                for a in (
-                    ids,
-                    start_k[seq] + local,
-                    seq,
-                    local,
-                    last,
-                    start_k,
-                    np.array(batch.rows),
-                    target_row[w_target],
-                    start_k[w_seq] + w_local,
-                    first_k[w_seq] + w_local,
-                    np.arange(max(lengths)),
-                    np.arange(max_key_len),
-                )
-            )
-        )
-        return cls(
-            tensors,
-            fresh=not any(batch.starts),
-            max_new=max(lengths),
-            max_key_len=max_key_len,
-            shared=any(batch.shared),
-        )
-
-    def on_device(self) -> _StepTensors:
-        """The index tensors on the compute device (boundary "engine step inputs")."""
-        return _StepTensors(*(runtime.to_device(t) for t in self.tensors))
-
-
-def _spans(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Items laid out as consecutive spans of ``counts[i]`` items: each item's span, each item's
-    index within its span, and each span's first item."""
-    first = np.cumsum(counts) - counts
-    span = np.repeat(np.arange(counts.size), counts)
-    return span, np.arange(span.size) - first[span], first
 
 
 def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:
@@ -669,7 +498,7 @@ def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.T
     return (probs[..., None] * v_G1Lh).sum(2).reshape(n, -1)
 
 
-def _prefill_bias(step: _StepTensors, ng: int, rep: int) -> torch.Tensor:
+def _prefill_bias(step: StepTensors, ng: int, rep: int) -> torch.Tensor:
     """The additive fp32 attention bias ``[k * ng, rep * width, L]`` of a prefill step for
     ``_attend_prefill_fused``: 0 where a (padded) query may see a key -- at or before its own
     position -- and -inf elsewhere; built once for every layer."""
@@ -681,7 +510,7 @@ def _prefill_bias(step: _StepTensors, ng: int, rep: int) -> torch.Tensor:
     return bias.expand(k_seqs, ng, rep, width, length).reshape(k_seqs * ng, rep * width, length)
 
 
-def _attend_prefill_fused(q_Tgrh, keys, values, bias, step: _StepTensors, scale: float):
+def _attend_prefill_fused(q_Tgrh, keys, values, bias, step: StepTensors, scale: float):
     """A prefill's attention in the compiled step: the queries scattered into a padded
     ``[k, width, ng, rep, hn]``, then per (sequence, group) ``softmax(q k^T * scale + bias) v``
     as two batched matrix products -- each a few hundred thousand multiply-adds at the sizes

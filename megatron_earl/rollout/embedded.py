@@ -56,7 +56,7 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import MemoryTag, TransformerImpl
 from megatron_earl.models.impl import machine_transformer_impl
 from megatron_earl.parallel.groups import host_group
-from megatron_earl.rollout.batched_forward import Batch, BatchedForward
+from megatron_earl.rollout.batched_forward import BatchedForward
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -65,6 +65,7 @@ from megatron_earl.rollout.engine import (
     GenerateResult,
 )
 from megatron_earl.rollout.engine_results import EngineRequest, StepResults, prompt_start
+from megatron_earl.rollout.engine_step import Batch
 from megatron_earl.rollout.kv_cache import RowTable
 from megatron_earl.rollout.memory_occupation import EngineMemory, WeightBackup
 

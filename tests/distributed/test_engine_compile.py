@@ -32,7 +32,8 @@ def _eager_vs_compiled(model):
     """Prefill the test prompts into an eager and a compiled forward over the same weights, then
     decode greedily, dropping the last row every 4 steps down to one row: (max |logit diff|,
     eager tokens, compiled tokens)."""
-    from megatron_earl.rollout.batched_forward import Batch, BatchedForward
+    from megatron_earl.rollout.batched_forward import BatchedForward
+    from megatron_earl.rollout.engine_step import Batch
 
     chunks, _ = _build(ParallelLayout(), None, model)
     eager = BatchedForward(chunks[0], 6, MAX_SEQ)
@@ -80,7 +81,8 @@ def _prefill_eager_vs_compiled(model):
     steps ran the compiled graph, the token count of the two warm-up steps, and per compiled
     step whether every index size went to dynamo as an explicit hint equal to it)."""
     from megatron_earl.rollout import batched_forward as bf
-    from megatron_earl.rollout.batched_forward import Batch, BatchedForward
+    from megatron_earl.rollout.batched_forward import BatchedForward
+    from megatron_earl.rollout.engine_step import Batch
 
     chunks, _ = _build(ParallelLayout(), None, model)
     eager = BatchedForward(chunks[0], 6, MAX_SEQ)

@@ -31,7 +31,8 @@ PROMPTS = ((5, 9, 2, 17, 33, 4, 8), (7, 1, 60))
 
 def _engine_logits(chunks) -> list[torch.Tensor]:
     """Prefill of two prompts, then one decode step, on the embedded engine's batched forward."""
-    from megatron_earl.rollout.batched_forward import Batch, BatchedForward
+    from megatron_earl.rollout.batched_forward import BatchedForward
+    from megatron_earl.rollout.engine_step import Batch
 
     forward = BatchedForward(chunks[0], max_batch_size=2, max_seq_len=32)
     prefill = forward(Batch(rows=(0, 1), tokens=PROMPTS, starts=(0, 0)))

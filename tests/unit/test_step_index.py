@@ -1,4 +1,4 @@
-"""The embedded engine's prefill index tensors (``batched_forward._StepIndex.build``): written
+"""The embedded engine's prefill index tensors (``batched_forward.StepIndex.build``): written
 out by hand for a step with a cached prefix, a shared row and prompt log-probs, and against a
 loop over every token on random steps."""
 
@@ -8,10 +8,10 @@ import random
 
 import torch
 
-from megatron_earl.rollout.batched_forward import Batch, _StepIndex
+from megatron_earl.rollout.engine_step import Batch, StepIndex
 
 
-def _lists(index: _StepIndex) -> dict[str, list[int]]:
+def _lists(index: StepIndex) -> dict[str, list[int]]:
     assert all(t.dtype == torch.long and t.dim() == 1 for t in index.tensors)
     return {name: t.tolist() for name, t in index.tensors._asdict().items()}
 
@@ -20,7 +20,7 @@ def test_index_of_a_step_with_shared_rows_and_prompt_logprobs():
     # Sequence 0: 3 new tokens after 2 cached, in row 3, keys also to row 4, logits from its
     # 2nd token; sequence 1: 2 fresh tokens in row 0, logits from its 1st.
     batch = Batch((3, 0), ((7, 8, 9), (5, 6)), (2, 0), shared=((4,), ()), logits_from=(1, 0))
-    index = _StepIndex.build(batch)
+    index = StepIndex.build(batch)
     assert _lists(index) == {
         "ids": [7, 8, 9, 5, 6],
         "pos": [2, 3, 4, 0, 1],
@@ -39,7 +39,7 @@ def test_index_of_a_step_with_shared_rows_and_prompt_logprobs():
 
 
 def test_index_of_fresh_sequences_returning_their_last_token():
-    index = _StepIndex.build(Batch((1, 0, 2), ((4,), (5, 6, 7), (8, 9)), (0, 0, 0)))
+    index = StepIndex.build(Batch((1, 0, 2), ((4,), (5, 6, 7), (8, 9)), (0, 0, 0)))
     lists = _lists(index)
     assert lists["last"] == [0, 3, 5]
     assert lists["w_rows"] == [1, 0, 0, 0, 2, 2] and lists["w_src"] == list(range(6))
@@ -85,4 +85,4 @@ def test_index_matches_a_per_token_loop_on_random_steps():
         logits_from = tuple(rng.randrange(len(t)) for t in tokens) if rng.random() < 0.5 else ()
         starts = tuple(rng.randint(0, 9) for _ in rows)
         batch = Batch(tuple(rows), tokens, starts, shared, logits_from)
-        assert _lists(_StepIndex.build(batch)) == _reference(batch), batch
+        assert _lists(StepIndex.build(batch)) == _reference(batch), batch
