@@ -364,9 +364,8 @@ class BatchedForward:
         sequence has a cached prefix), and the keys/values are gathered per write only when
         ``shared`` (some sequence's go to further rows)."""
         compiling = torch.compiler.is_compiling()
-        rep = self.num_heads // self.num_groups
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [T, 1, 1, rot]: for every layer
-        bias = _prefill_bias(step, self.num_groups, rep) if compiling else None
+        blocked = _prefill_blocked(step) if compiling else None
         x = self._embed(step.ids)  # [T, h]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
@@ -375,7 +374,7 @@ class BatchedForward:
             self.cache.write(i, step.w_rows, step.w_pos, k, v)
             keys, values = self.cache.gather(i, step.rows, step.key_pos.size(0))
             if compiling:
-                ctx = _attend_prefill_fused(q, keys, values, bias, step, self.scale)
+                ctx = _attend_prefill_fused(q, keys, values, blocked, step, self.scale)
             else:
                 q = q.reshape(-1, self.num_heads, self.head_dim)
                 ctx = self._attend_ragged(q, keys, values, step, fresh)
@@ -455,9 +454,7 @@ class BatchedForward:
         """Sequences of several new tokens, padded to the longest: causal over each sequence's
         cached prefix and new tokens, padding keys masked."""
         k_seqs, width = keys.size(0), step.width.size(0)
-        q = q_Tnh.new_zeros(k_seqs, width, self.num_heads, self.head_dim)
-        q[step.seq, step.local] = q_Tnh
-        q = q.transpose(1, 2)  # [k, np, width, hn]
+        q = q_Tnh[step.slot].view(k_seqs, width, self.num_heads, self.head_dim).transpose(1, 2)
         if fresh:  # no cached prefix: right padding never reaches a real query
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
@@ -498,34 +495,33 @@ def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.T
     return (probs[..., None] * v_G1Lh).sum(2).reshape(n, -1)
 
 
-def _prefill_bias(step: StepTensors, ng: int, rep: int) -> torch.Tensor:
-    """The additive fp32 attention bias ``[k * ng, rep * width, L]`` of a prefill step for
-    ``_attend_prefill_fused``: 0 where a (padded) query may see a key -- at or before its own
-    position -- and -inf elsewhere; built once for every layer."""
-    k_seqs, width, length = step.start.size(0), step.width.size(0), step.key_pos.size(0)
+def _prefill_blocked(step: StepTensors) -> torch.Tensor:
+    """Which keys each (padded) query of a prefill step may not see -- those after its own
+    position -- as ``[k, width, L]`` booleans for ``_attend_prefill_fused``; built once for every
+    layer."""
     q_pos = step.start[:, None] + step.width[None, :]  # [k, width]
-    blocked = step.key_pos[None, None, :] > q_pos[:, :, None]  # [k, width, L]
-    bias = torch.zeros(blocked.shape, dtype=torch.float32, device=blocked.device)
-    bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None]
-    return bias.expand(k_seqs, ng, rep, width, length).reshape(k_seqs * ng, rep * width, length)
+    return step.key_pos[None, None, :] > q_pos[:, :, None]
 
 
-def _attend_prefill_fused(q_Tgrh, keys, values, bias, step: StepTensors, scale: float):
-    """A prefill's attention in the compiled step: the queries scattered into a padded
-    ``[k, width, ng, rep, hn]``, then per (sequence, group) ``softmax(q k^T * scale + bias) v``
-    as two batched matrix products -- each a few hundred thousand multiply-adds at the sizes
-    that compile (``PREFILL_COMPILE_MAX_SCORES``), where SDPA's blockwise kernel costs more than
-    the arithmetic; the softmax and the padding ops fuse. Padded queries see key 0 at least (no
-    row is all -inf) and are dropped. Scores and softmax in fp32 (as SDPA accumulates), whatever
-    the model's dtype. -> ``[T, np * hn]``."""
+def _attend_prefill_fused(q_Tgrh, keys, values, blocked, step: StepTensors, scale: float):
+    """A prefill's attention in the compiled step: the queries gathered into a padded
+    ``[k, width, ng, rep, hn]`` (``step.slot``), then per (sequence, group) ``softmax(q k^T *
+    scale, keys masked by blocked) v`` as two batched matrix products -- each a few hundred
+    thousand multiply-adds at the sizes that compile (``PREFILL_COMPILE_MAX_SCORES``), where
+    SDPA's blockwise kernel costs more than the arithmetic. Inductor fuses the gather into the
+    layout copy the product reads, and the scale and the mask into the softmax, which reads the
+    ``[k, width, L]`` mask instead of a materialised ``[k * ng, rep * width, L]`` bias. Padded
+    queries (copies of their sequence's last token) see key 0 at least (no row is all -inf) and
+    are dropped. Scores and softmax in fp32 (as SDPA accumulates), whatever the model's dtype.
+    -> ``[T, np * hn]``."""
     k_seqs, ng, length, hn = keys.shape
     rep, width = q_Tgrh.size(2), step.width.size(0)
-    q = q_Tgrh.new_zeros(k_seqs, width, ng, rep, hn)
-    q[step.seq, step.local] = q_Tgrh
+    q = q_Tgrh[step.slot].view(k_seqs, width, ng, rep, hn)
     q_GQh = q.permute(0, 2, 3, 1, 4).reshape(k_seqs * ng, rep * width, hn)
     k_GhL = keys.reshape(k_seqs * ng, length, hn).transpose(1, 2)
-    scores = torch.baddbmm(bias, q_GQh.float(), k_GhL.float(), alpha=scale)  # fp32, as SDPA
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    scores = torch.bmm(q_GQh.float(), k_GhL.float()).view(k_seqs, ng, rep, width, length)
+    scores = (scores * scale).masked_fill(blocked[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(k_seqs * ng, rep * width, length)
     out = torch.bmm(probs, values.reshape(k_seqs * ng, length, hn))
     out = out.view(k_seqs, ng, rep, width, hn).permute(0, 3, 1, 2, 4)  # [k, width, ng, rep, hn]
     return out[step.seq, step.local].reshape(step.seq.size(0), -1)

@@ -102,6 +102,9 @@ class StepTensors(NamedTuple):
     """[W]: the new token whose key and value are written."""
     width: torch.Tensor
     """``arange`` of the most new tokens of a sequence."""
+    slot: torch.Tensor
+    """Per padded query slot ``[k * width]`` (sequence after sequence): the new token it holds,
+    the sequence's last where the slot is past its end (padding)."""
     key_pos: torch.Tensor
     """``arange`` of the longest sequence's keys (cached and new)."""
 
@@ -149,6 +152,8 @@ class StepIndex:
         w_target, w_local, _ = spans(n_k[target_seq])
         w_seq = target_seq[w_target]
         max_key_len = max(start + n for start, n in zip(batch.starts, lengths))
+        width = np.arange(max(lengths))
+        slot = first_k[:, None] + np.minimum(width[None, :], n_k[:, None] - 1)
         ids = np.fromiter(itertools.chain.from_iterable(batch.tokens), np.int64, len(seq))
         tensors = StepTensors(
             *(
@@ -164,7 +169,8 @@ class StepIndex:
                     target_row[w_target],
                     start_k[w_seq] + w_local,
                     first_k[w_seq] + w_local,
-                    np.arange(max(lengths)),
+                    width,
+                    slot.reshape(-1),
                     np.arange(max_key_len),
                 )
             )

@@ -1,4 +1,4 @@
-"""The embedded engine's prefill index tensors (``batched_forward.StepIndex.build``): written
+"""The embedded engine's prefill index tensors (``engine_step.StepIndex.build``): written
 out by hand for a step with a cached prefix, a shared row and prompt log-probs, and against a
 loop over every token on random steps."""
 
@@ -33,6 +33,7 @@ def test_index_of_a_step_with_shared_rows_and_prompt_logprobs():
         "w_pos": [2, 3, 4, 2, 3, 4, 0, 1],
         "w_src": [0, 1, 2, 0, 1, 2, 3, 4],
         "width": [0, 1, 2],
+        "slot": [0, 1, 2, 3, 4, 4],  # sequence 1's 3rd slot is padding: its last token again
         "key_pos": [0, 1, 2, 3, 4],
     }
     assert (index.fresh, index.max_new, index.max_key_len, index.shared) == (False, 3, 5, True)
@@ -44,6 +45,7 @@ def test_index_of_fresh_sequences_returning_their_last_token():
     assert lists["last"] == [0, 3, 5]
     assert lists["w_rows"] == [1, 0, 0, 0, 2, 2] and lists["w_src"] == list(range(6))
     assert lists["pos"] == lists["local"] == [0, 0, 1, 2, 0, 1]
+    assert lists["slot"] == [0, 0, 0, 1, 2, 3, 4, 5, 5]
     assert (index.fresh, index.max_new, index.max_key_len, index.shared) == (True, 3, 3, False)
 
 
@@ -66,7 +68,12 @@ def _reference(batch: Batch) -> dict[str, list[int]]:
         first = batch.logits_from[s] if batch.logits_from else n - 1
         out["last"] += range(total + first, total + n)
         total += n
-    out["width"] = list(range(max(len(t) for t in batch.tokens)))
+    width = max(len(t) for t in batch.tokens)
+    out["width"] = list(range(width))
+    firsts = [sum(len(t) for t in batch.tokens[:s]) for s in range(len(batch.tokens))]
+    out["slot"] = [
+        first + min(j, len(t) - 1) for first, t in zip(firsts, batch.tokens) for j in range(width)
+    ]
     key_len = max(start + len(t) for start, t in zip(batch.starts, batch.tokens))
     out["key_pos"] = list(range(key_len))
     return out
