@@ -376,7 +376,6 @@ class BatchedForward:
             if compiling:
                 ctx = _attend_prefill_fused(q, keys, values, blocked, step, self.scale)
             else:
-                q = q.reshape(-1, self.num_heads, self.head_dim)
                 ctx = self._attend_ragged(q, keys, values, step, fresh)
             if i == len(self.layers) - 1:
                 # Past the last cache write only the tokens whose logits are returned matter:
@@ -450,20 +449,20 @@ class BatchedForward:
             logits = torch.cat(shards, dim=-1)
         return logits.float()
 
-    def _attend_ragged(self, q_Tnh, keys, values, step: StepTensors, fresh: bool):
-        """Sequences of several new tokens, padded to the longest: causal over each sequence's
-        cached prefix and new tokens, padding keys masked."""
+    def _attend_ragged(self, q_Tgrh, keys, values, step: StepTensors, fresh: bool):
+        """Sequences of several new tokens, padded to the longest (the queries gathered by
+        ``step.slot``): causal over each sequence's cached prefix and new tokens, padding keys
+        masked."""
         k_seqs, width = keys.size(0), step.width.size(0)
-        q = q_Tnh[step.slot].view(k_seqs, width, self.num_heads, self.head_dim).transpose(1, 2)
+        q = q_Tgrh[step.slot].view(k_seqs, width, self.num_heads, self.head_dim).transpose(1, 2)
         if fresh:  # no cached prefix: right padding never reaches a real query
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            q_pos = step.start[:, None] + step.width[None, :]
-            mask = step.key_pos[None, None, :] <= q_pos[:, :, None]
+            visible = ~_prefill_blocked(step)
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+                q, keys, values, attn_mask=visible[:, None], scale=self.scale, enable_gqa=True
             )
         return out.transpose(1, 2)[step.seq, step.local].reshape(len(step.seq), -1)
 

@@ -138,7 +138,7 @@ class StepIndex:
         every token (docs/engines.md, ninth session)."""
         lengths = [len(t) for t in batch.tokens]
         n_k, start_k = np.array(lengths), np.array(batch.starts)
-        seq, local, first_k = spans(n_k)
+        seq, local, first_k = _spans(n_k)
         if batch.logits_from:
             last = np.flatnonzero(local >= np.array(batch.logits_from)[seq])
         else:
@@ -149,7 +149,7 @@ class StepIndex:
             (s, r) for s, (row, more) in enumerate(zip(batch.rows, shared)) for r in (row, *more)
         ]
         target_seq, target_row = np.array(targets).T
-        w_target, w_local, _ = spans(n_k[target_seq])
+        w_target, w_local, _ = _spans(n_k[target_seq])
         w_seq = target_seq[w_target]
         max_key_len = max(start + n for start, n in zip(batch.starts, lengths))
         width = np.arange(max(lengths))
@@ -188,7 +188,7 @@ class StepIndex:
         return StepTensors(*(runtime.to_device(t) for t in self.tensors))
 
 
-def spans(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _spans(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Items laid out as consecutive spans of ``counts[i]`` items: each item's span, each item's
     index within its span, and each span's first item."""
     first = np.cumsum(counts) - counts

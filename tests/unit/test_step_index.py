@@ -92,4 +92,14 @@ def test_index_matches_a_per_token_loop_on_random_steps():
         logits_from = tuple(rng.randrange(len(t)) for t in tokens) if rng.random() < 0.5 else ()
         starts = tuple(rng.randint(0, 9) for _ in rows)
         batch = Batch(tuple(rows), tokens, starts, shared, logits_from)
-        assert _lists(StepIndex.build(batch)) == _reference(batch), batch
+        index = StepIndex.build(batch)
+        assert _lists(index) == _reference(batch), batch
+        # What the attention relies on: token t sits in its sequence's slot at its local index,
+        # and a padding slot repeats its sequence's last token.
+        t = index.tensors
+        slots = t.slot.view(len(rows), -1)
+        assert torch.equal(slots[t.seq, t.local], torch.arange(t.seq.numel()))
+        lengths = torch.tensor([len(x) for x in tokens])
+        pad = t.width[None, :] >= lengths[:, None]
+        last = (torch.cumsum(lengths, 0) - 1)[:, None].expand_as(slots)
+        assert torch.equal(slots[pad], last[pad])
