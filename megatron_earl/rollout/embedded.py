@@ -358,7 +358,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
         n = len(request.input_ids)
         if n == 0:
             raise RequestError("input_ids is empty; give at least one token id")
-        bad = _outside_vocab(request.input_ids, vocab)
+        bad = [t for t in request.input_ids if not 0 <= int(t) < vocab]
         if bad:
             raise RequestError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
         total = n + request.sampling.max_new_tokens
@@ -746,18 +746,6 @@ def _assemble(ranks: list[list[tuple[str, tuple, tuple, torch.Tensor]]]) -> dict
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _outside_vocab(ids: Sequence[int], vocab: int) -> list:
-    """The ids outside ``[0, vocab)``: their min and max first (loops in C), then id by id only
-    when those are out of range or not comparable. Checking every id in Python cost ~10 us a
-    request of a few dozen tokens, ~0.6-0.9 ms of a 64-request prefill (docs/engines.md)."""
-    try:
-        if 0 <= min(ids) and max(ids) < vocab:
-            return []
-    except TypeError:
-        pass
-    return [t for t in ids if not 0 <= int(t) < vocab]
 
 
 def run_engine(
