@@ -254,7 +254,7 @@ class BatchedForward:
         kernels (and an engine of another ``max_batch_size`` compiles its own)."""
         for t in step:  # one graph for every token, sequence and key count
             torch._dynamo.mark_dynamic(t, 0, hint_override=t.size(0) if warm_up else None)
-        return self._prefill_compiled(step, fresh=False, shared=True)
+        return self._prefill_compiled(step, fresh=False, shared=True, last_only=True)
 
     def _compile_graphs(self) -> None:
         """Compile every graph before the first real step, while no row caches anything: the
@@ -342,47 +342,66 @@ class BatchedForward:
         step = index.on_device()
         if self._prefill_compiled is not None and self._fits_compiled_prefill(index):
             return self._compiled_prefill(step)
-        return self._prefill(step, fresh=index.fresh, shared=index.shared)
+        last_only = index.num_returned == index.num_seqs
+        return self._prefill(step, index.fresh, index.shared, last_only)
 
     def _fits_compiled_prefill(self, index: StepIndex) -> bool:
         """Whether a prefill step runs compiled: at most ``PREFILL_COMPILE_MAX_SCORES`` scores,
         and the shape of a graph compiled at the first step -- several sequences (every size
-        dynamic from 2), or one sequence returning one token's logits -- with at least 2 new
+        dynamic from 2) or one, each returning its last token's logits -- with at least 2 new
         tokens in some sequence (a size of 0 or 1 is specialised: any other shape would compile
-        a graph mid-rollout). The rest -- one-token continuations, a single sequence's prompt
-        log-probs, long contexts -- run eagerly."""
+        a graph mid-rollout). The rest -- one-token continuations, prompt log-probs, long
+        contexts -- run eagerly."""
         k = index.num_seqs
         scores = k * self.num_heads * index.max_new * index.max_key_len
-        warmed = index.max_new >= 2 and (k >= 2 or index.num_returned == 1)
+        warmed = index.max_new >= 2 and index.num_returned == k
         return warmed and scores <= PREFILL_COMPILE_MAX_SCORES
 
-    def _prefill(self, step: StepTensors, fresh: bool, shared: bool) -> torch.Tensor:
+    def _prefill(
+        self, step: StepTensors, fresh: bool, shared: bool, last_only: bool
+    ) -> torch.Tensor:
         """A prefill step (``StepTensors``): logits ``[R, V]`` of the returned tokens. Only
-        tensors and two flags in, so that one compiled graph serves every such step: compiled,
-        the attention is ``_attend_prefill_fused`` (and the caller passes ``shared=True``,
-        ``fresh=False``); eagerly, SDPA (``_attend_ragged``), causal alone when ``fresh`` (no
-        sequence has a cached prefix), and the keys/values are gathered per write only when
-        ``shared`` (some sequence's go to further rows)."""
+        tensors and three flags in, so that one compiled graph serves every such step:
+        compiled, the attention is ``_attend_prefill_fused`` (and the caller passes
+        ``shared=True``, ``fresh=False``, ``last_only=True``); eagerly, SDPA (``_attend_ragged``),
+        causal alone when ``fresh`` (no sequence has a cached prefix), and the keys/values are
+        gathered per write only when ``shared`` (some sequence's go to further rows).
+
+        Past the last layer's cache write only the returned tokens matter: its output projection
+        and MLP run on those alone, and when each sequence returns its last token only
+        (``last_only``: no prompt log-probs) so does its attention -- one query per sequence and
+        group over the sequence's keys, as a decode step attends."""
         compiling = torch.compiler.is_compiling()
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [T, 1, 1, rot]: for every layer
         blocked = _prefill_blocked(step) if compiling else None
         x = self._embed(step.ids)  # [T, h]
+        final = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             if shared:
                 k, v = k[step.w_src], v[step.w_src]
             self.cache.write(i, step.w_rows, step.w_pos, k, v)
             keys, values = self.cache.gather(i, step.rows, step.key_pos.size(0))
-            if compiling:
+            if i == final and last_only:
+                ctx = self._attend_last(q[step.last], keys, values, step)
+            elif compiling:
                 ctx = _attend_prefill_fused(q, keys, values, blocked, step, self.scale)
             else:
                 ctx = self._attend_ragged(q, keys, values, step, fresh)
-            if i == len(self.layers) - 1:
-                # Past the last cache write only the tokens whose logits are returned matter:
-                # the last layer's projection and MLP run on those alone ([R, h]).
-                x, ctx = x[step.last], ctx[step.last]
+            if i == final:  # [R, h] from here on
+                x = x[step.last]
+                ctx = ctx if last_only else ctx[step.last]
             x = self._mlp(layer, self._attn_out(layer, x, ctx))
         return self._logits(self.final_norm(x))
+
+    def _attend_last(self, q_kgrh, keys, values, step: StepTensors) -> torch.Tensor:
+        """One query per sequence (its last new token) and group over the sequence's keys
+        ``[k, ng, L, hn]``, keys past the query masked: the decode step's attention
+        (``_attend_decode``, fused when compiled). -> ``[k, np * hn]``."""
+        k_seqs, ng, _, hn = keys.shape
+        bias = _key_bias(step.pos[step.last], step.key_pos, ng, self.cos.dtype)
+        attend = _attend_decode_fused if torch.compiler.is_compiling() else _attend_decode
+        return attend(q_kgrh.reshape(k_seqs * ng, -1, hn), keys, values, bias, self.scale)
 
     def _decode(self, ids_n: torch.Tensor, pos_n: torch.Tensor, key_pos_L: torch.Tensor):
         """A decode step: row r's one new token ``ids_n[r]`` at position ``pos_n[r]``, rows
@@ -391,11 +410,7 @@ class BatchedForward:
         n, ng, hn, length = ids_n.size(0), self.num_groups, self.head_dim, key_pos_L.size(0)
         rep = self.num_heads // ng
         cos, sin = self.cos[pos_n], self.sin[pos_n]  # [n, 1, 1, rot]: shared by every layer
-        # One additive key-padding bias [n * ng, 1, L] for every layer.
-        blocked = key_pos_L[None, :] > pos_n[:, None]
-        bias = torch.zeros(blocked.shape, dtype=self.cos.dtype, device=blocked.device)
-        bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
-        bias = bias.expand(n, ng, 1, length).reshape(n * ng, 1, length)
+        bias = _key_bias(pos_n, key_pos_L, ng, self.cos.dtype)  # for every layer
         rows = torch.arange(n, device=pos_n.device)
         attend = _attend_decode_fused if torch.compiler.is_compiling() else _attend_decode
         x = self._embed(ids_n)  # [n, h]
@@ -465,6 +480,16 @@ class BatchedForward:
                 q, keys, values, attn_mask=visible[:, None], scale=self.scale, enable_gqa=True
             )
         return out.transpose(1, 2)[step.seq, step.local].reshape(len(step.seq), -1)
+
+
+def _key_bias(pos_n, key_pos_L, ng: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive key-padding bias ``[n * ng, 1, L]`` of one query per row and group at
+    ``pos_n``, keys at ``key_pos_L = arange(L)``: 0 at or before the query, -inf after."""
+    length = key_pos_L.size(0)
+    blocked = key_pos_L[None, :] > pos_n[:, None]
+    bias = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device)
+    bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
+    return bias.expand(-1, ng, 1, length).reshape(-1, 1, length)
 
 
 def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:

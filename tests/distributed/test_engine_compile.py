@@ -73,10 +73,10 @@ def test_compiled_decode_equals_eager(model):
 def _prefill_eager_vs_compiled(model):
     """The same prefill steps through an eager and a ``compile_prefill`` forward over the same
     weights: fresh sequences of different lengths in rows out of order, a GRPO-style group (one
-    sequence's keys also written to a second row), continuations of cached prefixes returning
-    logits from several tokens, one sequence alone; then the shapes that run eagerly: one
-    sequence returning several tokens' logits, one-token continuations, a step over the size
-    limit. Every step after the first runs under ``fail_on_recompile``. Returns (max |logit
+    sequence's keys also written to a second row), continuations of cached prefixes, one
+    sequence alone; then the shapes that run eagerly: prompt log-probs (logits from several
+    tokens of a sequence), of several sequences and of one, one-token continuations, a step
+    over the size limit. Every step after the first runs under ``fail_on_recompile``. Returns (max |logit
     diff|, max |cache diff| over the written positions, compiled graphs after each step, which
     steps ran the compiled graph, the token count of the two warm-up steps, and per compiled
     step whether every index size went to dynamo as an explicit hint equal to it)."""
@@ -107,10 +107,11 @@ def _prefill_eager_vs_compiled(model):
     steps = [
         Batch((2, 0, 1), (p[0], p[1], p[2]), (0, 0, 0)),
         Batch((3, 5), (p[3], p[4]), (0, 0), shared=((4,), ())),
-        Batch((0, 2), (p[5][:4], p[5][4:6]), (17, 5), logits_from=(1, 0)),
+        Batch((0, 2), (p[5][:4], p[5][4:6]), (17, 5)),
         Batch((1,), (p[5][:3],), (9,)),
+        Batch((0, 2), (p[5][:4], p[5][4:6]), (21, 7), logits_from=(1, 0)),  # prompt logits: eager
         Batch((5,), (p[1][:4],), (3,), logits_from=(1,)),  # one sequence, 3 logits: eager
-        Batch((0, 2), ((p[1][0],), (p[1][1],)), (21, 7)),  # one new token each: eager
+        Batch((0, 2), ((p[1][0],), (p[1][1],)), (25, 9)),  # one new token each: eager
         Batch((4, 3), (p[0], p[2][:2]), (23, 23)),  # run over the lowered limit: eager
     ]
     worst, graphs, used = 0.0, [], []
@@ -150,7 +151,7 @@ def test_compiled_prefill_equals_eager(model):
     assert warm == [6 * PREFILL_WARM_TOKENS, PREFILL_WARM_TOKENS], warm
     assert hinted[:2] == [True, True] and not any(hinted[2:]), hinted
     assert worst <= LOGITS_TOL and cache <= LOGITS_TOL, (worst, cache)
-    assert used == [True, True, True, True, False, False, False], used
+    assert used == [True, True, True, True, False, False, False, False], used
     assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs), graphs
 
 
