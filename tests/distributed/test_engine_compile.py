@@ -76,10 +76,10 @@ def _prefill_eager_vs_compiled(model):
     sequence's keys also written to a second row), continuations of cached prefixes, one
     sequence alone; then the shapes that run eagerly: prompt log-probs (logits from several
     tokens of a sequence), of several sequences and of one, one-token continuations, a step
-    over the size limit. Every step after the first runs under ``fail_on_recompile``. Returns (max |logit
-    diff|, max |cache diff| over the written positions, compiled graphs after each step, which
-    steps ran the compiled graph, the token count of the two warm-up steps, and per compiled
-    step whether every index size went to dynamo as an explicit hint equal to it)."""
+    over the size limit. Every step after the first runs under ``fail_on_recompile``. Returns
+    (max |logit diff|, max |cache diff| over the written positions, compiled graphs after each
+    step, which steps ran the compiled graph, the token count of the two warm-up steps, and per
+    compiled step whether every index size went to dynamo as an explicit hint equal to it)."""
     from megatron_earl.rollout import batched_forward as bf
     from megatron_earl.rollout.batched_forward import BatchedForward
     from megatron_earl.rollout.engine_step import Batch
