@@ -17,7 +17,8 @@ whole contexts of the requests admitted together) over the model's own parameter
     attention, output projection + TP all-reduce + bias, residual, pre_mlp_layernorm, fc1,
     SwiGLU, fc2 + TP all-reduce + bias, residual -> final_layernorm and output layer (+ TP
     all-gather of the vocabulary) on each sequence's last token only (a prefill's last layer runs
-    its output projection and MLP on those tokens only: nothing reads the others).
+    its output projection and MLP on those tokens only, and its attention too when no prompt
+    log-probs are asked: nothing reads the others).
 
 The projections are ``F.linear`` on the Megatron modules' own parameters (the local shards of a
 column-/row-parallel layer) with the reductions Megatron's tensor-parallel layers perform, the
@@ -29,7 +30,8 @@ model's own rotary module (computed once; YaRN's mscale applied as Megatron's at
 ``check_supported`` rejects model features this order does not cover. The engine tests compare
 greedy tokens with a no-cache ``GPTModel.forward`` decode and log-probs with the training
 forward, at TP1 and TP2. Attention: SDPA, GQA without repeating keys (decode: the query heads of
-a group attend as a group; prefill: ``enable_gqa``), a key-padding mask for rows of different
+a group attend as a group, and so do a prefill's last tokens in its last layer; prefill:
+``enable_gqa``), a key-padding mask for rows of different
 lengths. A decode step is one tensor-only function (``_decode``), optionally run compiled
 (``compile_decode``); so is a prefill step (``_prefill``, ``compile_prefill``: its attention
 then written out as matrix products, up to ``PREFILL_COMPILE_MAX_SCORES``). A step's sequences
@@ -179,7 +181,8 @@ class BatchedForward:
     and 1 are specialised). ``compile_prefill``: prefill steps up to
     ``PREFILL_COMPILE_MAX_SCORES`` run ``torch.compile`` of ``_prefill`` (the same fusions, the
     attention as ``_attend_prefill_fused``), one graph for several sequences and one for a
-    single sequence returning one token's logits; other shapes (``_fits_compiled_prefill``)
+    single sequence, each returning its last token's logits; other shapes
+    (``_fits_compiled_prefill``: one-token continuations, prompt log-probs)
     and larger prefills run eagerly. Every graph is compiled at the first step
     of any kind, while the cache holds nothing yet (tens of seconds on a CPU, seconds from
     inductor's cache). TP 1 only (the graphs hold no collectives)."""
@@ -494,8 +497,10 @@ def _key_bias(pos_n, key_pos_L, ng: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _attend_decode(q_Grh, keys, values, bias_G1L, scale: float) -> torch.Tensor:
     """One new query per row; the ``rep`` query heads of a group attend together to the group's
-    cached keys (G = rows x groups; keys/values ``[n, ng, L, hn]`` views of the cache, merged
-    to ``[G, L, hn]`` without a copy): scores, softmax in fp32, weighted values -> ``[n, np*hn]``.
+    cached keys (G = rows x groups; keys/values ``[n, ng, L, hn]``: views of the cache in a
+    decode step, merged to ``[G, L, hn]`` without a copy, or the rows a prefill gathered for its
+    last layer): scores in the model's dtype, softmax in fp32, weighted values ->
+    ``[n, np*hn]``.
     Three batched matmul-sized ops; SDPA with a mask costs twice as much at decode sizes."""
     n, ng, length, hn = keys.shape
     k_GLh, v_GLh = keys.reshape(n * ng, length, hn), values.reshape(n * ng, length, hn)

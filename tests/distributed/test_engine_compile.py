@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -135,7 +137,14 @@ def _prefill_eager_vs_compiled(model):
         for a, b in zip(eager.cache.buffers(), compiled.cache.buffers())
     )
     torch._dynamo.mark_dynamic = mark_dynamic
-    return worst, cache, graphs, used, ran[:2], hinted
+    # The last layer's attention for the last tokens only (``_attend_last``, both forwards)
+    # against the same step attending for every token (prompt log-probs: ``_attend_ragged``):
+    # two sequences of 4 and 2 new tokens after cached prefixes of 17 and 5. Run again, the
+    # step writes the same keys and values.
+    again = steps[2]
+    every = eager(dataclasses.replace(again, logits_from=(0, 0)))  # [4 + 2, V]
+    last_vs_every = float((every[[3, 5]] - eager(again)).abs().max())
+    return worst, cache, graphs, used, ran[:2], hinted, last_vs_every
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN3_LIKE], ids=["qkv_bias", "qk_layernorm"])
@@ -143,9 +152,10 @@ def test_compiled_prefill_equals_eager(model):
     """... both prefill graphs (several sequences: every row with ``PREFILL_WARM_TOKENS``
     tokens; one sequence) are compiled at the first step, so no later step compiles; the shapes
     no warmed graph fits and the step over ``PREFILL_COMPILE_MAX_SCORES`` run eagerly."""
-    worst, cache, graphs, used, warm, hinted = run_distributed(
+    worst, cache, graphs, used, warm, hinted, last_vs_every = run_distributed(
         _prefill_eager_vs_compiled, 1, args=(model,), timeout_s=600
     )[0]
+    assert last_vs_every <= LOGITS_TOL, last_vs_every
     # Compiled on a step of the engine's scale (inductor threads its kernels by those sizes),
     # whose sizes are explicit hints (inductor's cache keys on them); later steps pass none.
     assert warm == [6 * PREFILL_WARM_TOKENS, PREFILL_WARM_TOKENS], warm
