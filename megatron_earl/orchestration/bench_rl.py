@@ -335,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                 for run in runs:
                     for row in run.rows:
                         f.write(json.dumps({"run": run.name, **row}) + "\n")
+    # As every entry point does: a process that exits with its gloo groups alive can abort in
+    # their threads' teardown ("terminate called without an active exception", seen once in CI).
+    from megatron_earl.parallel.state import destroy_layouts
+
+    destroy_layouts()
+    dist.destroy_process_group()
     return 0
 
 
