@@ -376,7 +376,7 @@ class BatchedForward:
         group over the sequence's keys, as a decode step attends."""
         compiling = torch.compiler.is_compiling()
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [T, 1, 1, rot]: for every layer
-        blocked = _prefill_blocked(step) if compiling else None
+        blocked = _prefill_blocked(step) if compiling or not fresh else None  # for every layer
         x = self._embed(step.ids)  # [T, h]
         final = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -390,7 +390,7 @@ class BatchedForward:
             elif compiling:
                 ctx = _attend_prefill_fused(q, keys, values, blocked, step, self.scale)
             else:
-                ctx = self._attend_ragged(q, keys, values, step, fresh)
+                ctx = self._attend_ragged(q, keys, values, step, blocked)
             if i == final:  # [R, h] from here on
                 x = x[step.last]
                 ctx = ctx if last_only else ctx[step.last]
@@ -467,20 +467,20 @@ class BatchedForward:
             logits = torch.cat(shards, dim=-1)
         return logits.float()
 
-    def _attend_ragged(self, q_Tgrh, keys, values, step: StepTensors, fresh: bool):
+    def _attend_ragged(self, q_Tgrh, keys, values, step: StepTensors, blocked):
         """Sequences of several new tokens, padded to the longest (the queries gathered by
         ``step.slot``): causal over each sequence's cached prefix and new tokens, padding keys
-        masked."""
+        masked -- by ``blocked`` (``_prefill_blocked``), or, when it is None (no sequence has a
+        cached prefix), by SDPA's causal mask alone."""
         k_seqs, width = keys.size(0), step.width.size(0)
         q = q_Tgrh[step.slot].view(k_seqs, width, self.num_heads, self.head_dim).transpose(1, 2)
-        if fresh:  # no cached prefix: right padding never reaches a real query
+        if blocked is None:  # no cached prefix: right padding never reaches a real query
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            visible = ~_prefill_blocked(step)
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=visible[:, None], scale=self.scale, enable_gqa=True
+                q, keys, values, attn_mask=~blocked[:, None], scale=self.scale, enable_gqa=True
             )
         return out.transpose(1, 2)[step.seq, step.local].reshape(len(step.seq), -1)
 
