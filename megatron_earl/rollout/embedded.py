@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import math
@@ -319,18 +318,16 @@ class EmbeddedEngine(StepResults, EngineMemory):
         last is sampled (streaming; an exception from it fails the request)."""
         self._check_running()
         self.validate(request)
-        rid = request.rid or f"emb-{next(self._ids)}"
-        if request.rid != rid:
-            request = dataclasses.replace(request, rid=rid)
         seed = request.sampling.seed
         gen = self._stream if seed is None else random.Random(seed)
         entry = EngineRequest(request, asyncio.get_running_loop().create_future(), gen)
+        entry.rid = request.rid or f"emb-{next(self._ids)}"
         entry.top_k, entry.progress = request.top_logprobs_num, progress
         entry.extras = bool(entry.top_k or progress)
         self._waiting.append(entry)
         self._wake.set()
         try:
-            return await asyncio.shield(entry.future)
+            return await entry.future
         except asyncio.CancelledError:
             entry.abort_message = "caller cancelled"
             self._wake.set()
@@ -338,7 +335,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
 
     async def abort(self, rid: str) -> None:
         for entry in itertools.chain(self._waiting, self._table.items):
-            if entry.request.rid == rid:
+            if entry.rid == rid:
                 entry.abort_message = "aborted by request"
         self._wake.set()
 

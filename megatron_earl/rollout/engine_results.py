@@ -34,6 +34,8 @@ class EngineRequest:
     request: GenerateRequest
     future: asyncio.Future
     generator: random.Random
+    rid: str = ""
+    """The request's id: ``request.rid``, or the one the engine gave it."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     abort_message: str | None = None
@@ -132,7 +134,7 @@ class StepResults:
                     if entry.top_k:
                         tops.append(row)
                     if entry.progress is not None and reason is None:
-                        entry.progress(entry.request.rid, token, logprob)
+                        entry.progress(entry.rid, token, logprob)
             except Exception as err:
                 reason = f"stop check or progress failed: {err!r}"
             if reason is not None:
@@ -205,7 +207,7 @@ class StepResults:
     def _fail(self, entry: EngineRequest, message: str) -> None:
         if not entry.future.done():
             entry.future.set_exception(
-                EngineError(f"request {entry.request.rid!r} failed: {message}")
+                EngineError(f"request {entry.rid!r} failed: {message}")
             )
 
     def _finish(self, entry: EngineRequest, reason: FinishReason) -> None:
@@ -214,7 +216,7 @@ class StepResults:
         req = entry.request
         entry.future.set_result(
             GenerateResult(
-                rid=req.rid,
+                rid=entry.rid,
                 output_ids=tuple(entry.output_ids),
                 output_logprobs=tuple(entry.logprobs),
                 finish_reason=reason,
