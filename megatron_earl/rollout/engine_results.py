@@ -206,9 +206,7 @@ class StepResults:
 
     def _fail(self, entry: EngineRequest, message: str) -> None:
         if not entry.future.done():
-            entry.future.set_exception(
-                EngineError(f"request {entry.rid!r} failed: {message}")
-            )
+            entry.future.set_exception(EngineError(f"request {entry.rid!r} failed: {message}"))
 
     def _finish(self, entry: EngineRequest, reason: FinishReason) -> None:
         if entry.future.done():
