@@ -320,8 +320,8 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self.validate(request)
         seed = request.sampling.seed
         gen = self._stream if seed is None else random.Random(seed)
-        entry = EngineRequest(request, asyncio.get_running_loop().create_future(), gen)
-        entry.rid = request.rid or f"emb-{next(self._ids)}"
+        rid = request.rid or f"emb-{next(self._ids)}"
+        entry = EngineRequest(request, asyncio.get_running_loop().create_future(), gen, rid)
         entry.top_k, entry.progress = request.top_logprobs_num, progress
         entry.extras = bool(entry.top_k or progress)
         self._waiting.append(entry)

@@ -34,8 +34,9 @@ class EngineRequest:
     request: GenerateRequest
     future: asyncio.Future
     generator: random.Random
-    rid: str = ""
-    """The request's id: ``request.rid``, or the one the engine gave it."""
+    rid: str
+    """The request's id: ``request.rid``, or the one the engine gave it (read this, not
+    ``request.rid``, which stays empty for a request that came without one)."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     abort_message: str | None = None

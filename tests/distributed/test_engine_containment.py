@@ -7,6 +7,9 @@
 * Non-finite weights (a diverged update loaded by an external reshard) fail each request with a
   message naming non-finite logits (prompt log-probs too); the engine stays healthy and serves
   again once finite weights are loaded.
+* A caller that cancels its ``generate`` (a client gone) cancels only that request, running or
+  queued: its row is freed, the others finish, the engine serves the next one; a request sent
+  without an id gets the engine's, which its result carries and ``abort`` finds.
 """
 
 from __future__ import annotations
@@ -179,3 +182,53 @@ def _top_failure_run():
 def test_failing_top_logprobs_fail_only_their_request():
     plain, running, healthy = run_distributed(_top_failure_run, 1, timeout_s=120)[0]
     assert len(plain.output_ids) == 4 and running == 0 and healthy
+
+
+def _cancel_run():
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.engine import GenerateRequest
+
+    long = SamplingParams(max_new_tokens=60, temperature=0.0)
+    engine = _engine(faulty_prefill=False)  # 4 rows
+
+    async def until_running(eng, rows):
+        while eng.num_running < rows:
+            await asyncio.sleep(0.001)
+
+    async def driver(eng):
+        calls = [eng.generate(GenerateRequest((1 + i, 2, 3), long)) for i in range(5)]
+        tasks = [asyncio.create_task(call) for call in calls]
+        await until_running(eng, 4)  # four decoding, the fifth queued
+        running, queued = tasks[0], tasks[4]
+        waiting = eng.num_requests - eng.num_running
+        running.cancel()
+        queued.cancel()
+        cancelled = await asyncio.gather(running, queued, return_exceptions=True)
+        others = await asyncio.gather(*tasks[1:4])
+        after = await eng.generate(GenerateRequest((9, 9), long))
+        rids = []
+        named = asyncio.create_task(
+            eng.generate(GenerateRequest((4, 5), long), lambda rid, *_: rids.append(rid))
+        )
+        while not rids:
+            await asyncio.sleep(0.001)
+        await eng.abort(rids[0])
+        aborted = await named
+        left = (eng.num_requests, await eng.health())
+        return waiting, [type(c).__name__ for c in cancelled], others, after, rids[0], aborted, left
+
+    return run_engine(engine, driver)
+
+
+def test_a_cancelled_call_cancels_only_its_request():
+    from megatron_earl.rollout.engine import FinishType
+
+    waiting, cancelled, others, after, rid, aborted, left = run_distributed(
+        _cancel_run, 1, timeout_s=120
+    )[0]
+    assert waiting == 1 and cancelled == ["CancelledError", "CancelledError"]
+    assert [len(r.output_ids) for r in others] == [60, 60, 60] and len(after.output_ids) == 60
+    assert rid.startswith("emb-") and aborted.rid == rid
+    assert aborted.finish_reason.type == FinishType.ABORT and 0 < len(aborted.output_ids) < 60
+    assert left == (0, True)
