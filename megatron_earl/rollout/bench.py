@@ -7,6 +7,7 @@
     megatron-earl bench engine --compile-decode         # ours with torch.compile'd decode steps
     megatron-earl bench engine --compile-decode --compile-prefill   # ... and prefill steps
     megatron-earl bench engine --step-thread            # ours stepping in a worker thread
+    megatron-earl bench engine --floor                  # ... and our prefill's projections alone
     megatron-earl bench engine model.num_layers=8 model.hidden_size=256   # another model shape
     python scripts/bench_engine.py --json               # one machine-readable line
 
@@ -28,6 +29,12 @@ median times give
 
     prefill tok/s = B x prompt_len / prefill time
     decode tok/s  = B x (N - 1) / (full time - prefill time)
+
+With ``--floor``, each round also times the matrix products our prefill step runs, alone
+(``rollout/bench_floor.py``: the step's projection-bound floor at this size), right after HF's
+prefill run; HF's prefill time over theirs, per round, is the ours/HF prefill ratio our engine
+would reach if everything else in its prefill run -- attention, norms, RoPE, cache writes, host
+work -- took no time (printed as the *ceiling*).
 
 The ours/HF columns are *paired*: per round, HF's time over ours (prefill: the two prefill
 runs; decode: each engine's full minus its prefill run of that round), then the median over the
@@ -100,6 +107,8 @@ class EngineBenchConfig:
     """Our engine's ``EmbeddedEngineConfig.step_thread``. Off by default: HF runs in this
     process's main thread, and our worker thread's own OpenMP team next to HF's slows every
     parallel op of HF's (~1.7x on 2 cores; docs/engines.md, "Correction")."""
+    floor: bool = False
+    """Also time our prefill step's projections alone each round (module docstring)."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -174,6 +183,11 @@ class PairedRatio:
     decode: tuple[float | None, ...]
     """Per round: HF's (full - prefill) run time / ours; None where either engine's full run
     was not longer than its prefill run (an outlier run: no decode time to compare)."""
+    floor_s: tuple[float, ...] = ()
+    """Per round (``--floor``; else empty): seconds of our prefill step's projections alone."""
+    ceiling: tuple[float, ...] = ()
+    """Per round (``--floor``): HF's prefill run time / ``floor_s`` -- the prefill ratio with
+    nothing but those products on our side."""
 
     @property
     def prefill_median(self) -> float:
@@ -314,6 +328,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
         "ours_compile_decode": cfg.compile_decode,
         "ours_compile_prefill": cfg.compile_prefill,
         "ours_step_thread": cfg.step_thread,
+        "floor": cfg.floor,
         "ours_warmup_s": warmup_s,
         "hf_processes": 1,
         "hf_threads": os.cpu_count() or 1,
@@ -365,6 +380,14 @@ def format_report(result: EngineBenchResult) -> str:
                 f"{_ratio(paired.prefill):>26} | {ours.decode_tok_s:>12.0f} "
                 f"{hf.decode_tok_s:>9.0f} {_ratio(paired.decode):>26}"
             )
+    for paired in result.ratios if s.get("floor") else ():
+        ours = result.row(paired.batch, paired.sampling, ENGINES[0])
+        floor_s = statistics.median(paired.floor_s)
+        lines.append(
+            f"floor {paired.batch:>4} {paired.sampling:>8} | our prefill's projections alone "
+            f"{floor_s * 1e3:.2f} ms (our prefill run {ours.prefill_s * 1e3:.2f} ms); ceiling "
+            f"of ours/HF prefill (HF's prefill run / them): {_ratio(paired.ceiling)}"
+        )
     return "\n".join(lines)
 
 
@@ -412,6 +435,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="run our engine's steps in a worker thread, as serve and the trainer do (default: "
         "on the event loop thread, so that no second OpenMP team slows HF's side)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time our prefill step's projections alone each round and print HF's prefill "
+        "time over theirs (the ceiling of the prefill ratio)",
+    )
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
     return p.parse_args(argv)
 
@@ -439,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             compile_prefill=args.compile_prefill,
             decode_threads=args.decode_threads,
             step_thread=args.step_thread,
+            floor=args.floor,
         )
     except ValueError as err:  # a bad flag value: its message, no traceback
         raise SystemExit(f"bench engine: {err}") from None

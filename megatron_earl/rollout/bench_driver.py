@@ -13,7 +13,7 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -103,9 +103,12 @@ def _rows(
     return rows
 
 
-def _paired(batch: int, sampling: str, times: dict[str, list[list[float]]]) -> PairedRatio:
+def _paired(
+    batch: int, sampling: str, times: dict[str, list[list[float]]], floor_s: Sequence[float] = ()
+) -> PairedRatio:
     """HF's time over ours, repeat by repeat (prefill runs; full minus prefill runs, None where
-    either engine's prefill run took as long as its full run)."""
+    either engine's prefill run took as long as its full run); with ``floor_s`` (our prefill's
+    projections alone, per repeat), HF's prefill run time over it."""
     from megatron_earl.rollout.bench import ENGINES, PairedRatio
 
     (ours_pre, ours_full), (hf_pre, hf_full) = (times[e] for e in ENGINES)
@@ -114,17 +117,22 @@ def _paired(batch: int, sampling: str, times: dict[str, list[list[float]]]) -> P
         (hf_f - hf_p) / (o_f - o_p) if o_f > o_p and hf_f > hf_p else None
         for hf_f, hf_p, o_f, o_p in zip(hf_full, hf_pre, ours_full, ours_pre, strict=True)
     )
-    return PairedRatio(batch, sampling, prefill, decode)
+    ceiling = tuple(h / f for h, f in zip(hf_pre, floor_s, strict=True)) if floor_s else ()
+    return PairedRatio(batch, sampling, prefill, decode, tuple(floor_s), ceiling)
 
 
 async def drive(
     engine: Any, hf: Any, cfg: EngineBenchConfig
 ) -> tuple[list[BenchRow], list[PairedRatio], tuple, float]:
     """Warm up, compare greedy outputs once, then time every (batch, sampling mode): per repeat
-    a prefill run and a full run of each engine, ours then HF, on fresh shared prompts. Returns
-    the rows, the paired ratios, the greedy agreement and the seconds of our first (warm-up)
-    run."""
+    a prefill run and a full run of each engine, ours then HF, on fresh shared prompts (with
+    ``cfg.floor``: our prefill's projections alone after HF's prefill run, on the threads our
+    prefill steps use). Returns the rows, the paired ratios, the greedy agreement and the
+    seconds of our first (warm-up) run."""
     from megatron_earl.rollout.bench import ENGINES, SAMPLING_MODES
+    from megatron_earl.rollout.bench_floor import prefill_projections, time_projections
+
+    prefill_threads = torch.get_num_threads()  # as the engine read them when it was built
 
     pair = _Pair(engine, hf)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
@@ -147,9 +155,14 @@ async def drive(
         warm = prompts(batch)  # first use of this batch shape: untimed
         await pair.ours(warm, 2, False)
         pair.theirs(warm, 2, False)
+        sequences = -(-batch // cfg.group_size)  # a group's requests share one prefill
+        tokens = sequences * cfg.prompt_len
+        chunk = engine.model_chunks[0]
+        projections = prefill_projections(chunk, tokens, sequences) if cfg.floor else []
         for sampling in SAMPLING_MODES:
             sampled = sampling == "sampled"
             times: dict[str, list[list[float]]] = {e: [[], []] for e in ENGINES}
+            floor_s: list[float] = []
             for _ in range(cfg.repeats):
                 for slot, new_tokens in enumerate((1, cfg.new_tokens)):
                     shared = prompts(batch)
@@ -157,6 +170,9 @@ async def drive(
                     hf_s, _ = pair.theirs(shared, new_tokens, sampled)
                     times[ENGINES[0]][slot].append(ours_s)
                     times[ENGINES[1]][slot].append(hf_s)
+                    if cfg.floor and slot == 0:
+                        with _threads(prefill_threads):
+                            floor_s.append(time_projections(projections))
             rows += _rows(cfg, batch, sampling, times)
-            ratios.append(_paired(batch, sampling, times))
+            ratios.append(_paired(batch, sampling, times, floor_s))
     return rows, ratios, greedy, warmup_s

@@ -1,8 +1,10 @@
-"""`megatron-earl bench engine` end to end at a tiny size (batch 2, 4 new tokens, 1 repeat): the
-result has one row per (batch, sampling mode, engine) with finite rates, the report prints them,
+"""`megatron-earl bench engine` end to end at a tiny size (batch 2, 4 new tokens, 1 repeat, with
+``--floor``): the result has one row per (batch, sampling mode, engine) with finite rates and a
+floor time and ceiling per round, the report prints them,
 and the HF conversion computes the same logits as the Megatron model. The logits check is shown to
 have teeth (a wrong conversion fails it). The ours/HF ratios are paired round by round (shown on
-made-up times, with the rounds that have no decode time left out). Timings are the benchmark's
+made-up times, with the rounds that have no decode time left out; the ceiling is HF's prefill
+time over the floor, round by round). Timings are the benchmark's
 business, not this test's.
 """
 
@@ -61,7 +63,13 @@ def test_config_rejects_bad_values(bad):
 
 def test_bench_engine_end_to_end():
     cfg = EngineBenchConfig(
-        model=demo_model(), batches=(2,), prompt_len=8, new_tokens=4, repeats=1, agree_tokens=4
+        model=demo_model(),
+        batches=(2,),
+        prompt_len=8,
+        new_tokens=4,
+        repeats=1,
+        agree_tokens=4,
+        floor=True,
     )
     result = measure(cfg)
     keys = sorted((r.batch, r.sampling, r.engine) for r in result.rows)
@@ -84,6 +92,10 @@ def test_bench_engine_end_to_end():
     assert sorted((r.batch, r.sampling) for r in result.ratios) == [(2, s) for s in SAMPLING_MODES]
     for paired in result.ratios:  # structure only: timings are the benchmark's business
         assert len(paired.prefill) == len(paired.decode) == cfg.repeats
+        assert len(paired.floor_s) == len(paired.ceiling) == cfg.repeats
+        assert all(math.isfinite(v) and v > 0 for v in paired.floor_s + paired.ceiling)
+    assert sum(line.startswith("floor    2 ") for line in report.splitlines()) == 2
+    assert "our prefill's projections alone" in report
     assert "ours/HF: median of the per-repeat ratios (range)" in report
 
 
@@ -111,6 +123,10 @@ def test_ratios_are_paired_round_by_round():
     assert paired.decode == (None, None)  # ours' round 0 and HF's round 1 have no decode time
     assert paired.decode_median is None and _ratio(paired.decode) == "n/a (2 out)"
     assert _ratio((2.0, None, 1.0)) == "1.50 (1.00 to 2.00, 1 out)"
+    floored = _paired(64, "greedy", times, [0.01, 0.01, 0.02, 0.015, 0.015])
+    assert floored.ceiling == pytest.approx((6.0, 6.0, 1.5, 2.0, 2.0))
+    assert floored.floor_s == (0.01, 0.01, 0.02, 0.015, 0.015)
+    assert _paired(64, "greedy", times).ceiling == ()  # no --floor: no ceiling
 
 
 def _wrong_conversion_diff() -> tuple[float, float]:
