@@ -30,11 +30,12 @@ median times give
     prefill tok/s = B x prompt_len / prefill time
     decode tok/s  = B x (N - 1) / (full time - prefill time)
 
-With ``--floor``, each round also times the matrix products our prefill step runs, alone
-(``rollout/bench_floor.py``: the step's projection-bound floor at this size), right after HF's
-prefill run; HF's prefill time over theirs, per round, is the ours/HF prefill ratio our engine
+With ``--floor``, each round also times the matrix products our prefill run's steps run, alone
+(``rollout/bench_floor.py``: the projection-bound floor of our forward at this size), right after
+HF's prefill run; HF's prefill time over theirs, per round, is the ours/HF prefill ratio our engine
 would reach if everything else in its prefill run -- attention, norms, RoPE, cache writes, host
-work -- took no time (printed as the *ceiling*).
+work -- took no time (printed as the *ceiling*). With ``--tp`` > 1: TP rank 0's shards on its
+threads (one rank's part of each step; the other ranks wait, collectives not counted).
 
 The ours/HF columns are *paired*: per round, HF's time over ours (prefill: the two prefill
 runs; decode: each engine's full minus its prefill run of that round), then the median over the

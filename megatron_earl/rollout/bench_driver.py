@@ -81,6 +81,12 @@ async def _agreement(pair: _Pair, prompts: torch.Tensor, num_tokens: int) -> tup
     return diff, agree, prompts.size(0) * num_tokens
 
 
+def _sequences(batch: int, group_size: int) -> int:
+    """Distinct prompts of a batch of ``group_size``-request groups: the sequences our engine
+    prefills (a group's requests share one prefill)."""
+    return -(-batch // group_size)
+
+
 def _rows(
     cfg: EngineBenchConfig, batch: int, sampling: str, times: dict[str, list[list[float]]]
 ) -> list[BenchRow]:
@@ -130,7 +136,7 @@ async def drive(
     prefill steps use). Returns the rows, the paired ratios, the greedy agreement and the
     seconds of our first (warm-up) run."""
     from megatron_earl.rollout.bench import ENGINES, SAMPLING_MODES
-    from megatron_earl.rollout.bench_floor import prefill_projections, time_projections
+    from megatron_earl.rollout.bench_floor import prefill_run_projections, time_projections
 
     prefill_threads = torch.get_num_threads()  # as the engine read them when it was built
 
@@ -139,7 +145,7 @@ async def drive(
 
     def prompts(batch: int) -> torch.Tensor:
         """Fresh random prompts, each repeated for ``group_size`` consecutive requests."""
-        distinct = -(-batch // cfg.group_size)
+        distinct = _sequences(batch, cfg.group_size)
         fresh = torch.randint(0, cfg.model.vocab_size, (distinct, cfg.prompt_len), generator=gen)
         return fresh.repeat_interleave(cfg.group_size, dim=0)[:batch]
 
@@ -155,10 +161,16 @@ async def drive(
         warm = prompts(batch)  # first use of this batch shape: untimed
         await pair.ours(warm, 2, False)
         pair.theirs(warm, 2, False)
-        sequences = -(-batch // cfg.group_size)  # a group's requests share one prefill
-        tokens = sequences * cfg.prompt_len
-        chunk = engine.model_chunks[0]
-        projections = prefill_projections(chunk, tokens, sequences) if cfg.floor else []
+        projections = (
+            prefill_run_projections(
+                engine.model_chunks[0],
+                _sequences(batch, cfg.group_size),
+                cfg.prompt_len,
+                engine.config.max_prefill_tokens,
+            )
+            if cfg.floor
+            else []
+        )
         for sampling in SAMPLING_MODES:
             sampled = sampling == "sampled"
             times: dict[str, list[list[float]]] = {e: [[], []] for e in ENGINES}

@@ -1,9 +1,9 @@
 """``bench engine --floor``'s products (``rollout/bench_floor.py``) are the ones the embedded
 engine's prefill forward runs: recorded at the dispatcher during a prefill step of fresh sequences
 of different lengths, the 2-D matrix products (rows, in, out) are exactly those
-``prefill_projections`` lists -- for the qkv-bias model (``addmm``) and the tied-embedding,
-q/k-layernorm one (``mm``). If the forward changes its products, this fails until the floor
-follows. Bad input: a returned count outside [1, tokens] is refused with the values named.
+``prefill_projections`` lists, in the same order -- for the qkv-bias model and the tied-embedding,
+q/k-layernorm one. If the forward changes its products, this fails until the floor follows. Bad
+input: a returned count outside [1, tokens] is refused with the values named.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _forward_vs_floor(model):
     calls = prefill_projections(chunks[0], tokens, len(prompts))
     listed = [(c.rows, c.weight.size(1), c.weight.size(0)) for c in calls]
     assert time_projections(calls) > 0
-    return sorted(products.shapes), sorted(listed)
+    return products.shapes, listed
 
 
 @pytest.mark.parametrize("model", [MODEL, QWEN3_LIKE], ids=["qkv_bias", "qk_layernorm_tied"])
