@@ -109,7 +109,7 @@ class EngineBenchConfig:
     process's main thread, and our worker thread's own OpenMP team next to HF's slows every
     parallel op of HF's (~1.7x on 2 cores; docs/engines.md, "Correction")."""
     floor: bool = False
-    """Also time our prefill step's projections alone each round (module docstring)."""
+    """Also time our prefill run's projections alone each round (module docstring)."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -185,7 +185,7 @@ class PairedRatio:
     """Per round: HF's (full - prefill) run time / ours; None where either engine's full run
     was not longer than its prefill run (an outlier run: no decode time to compare)."""
     floor_s: tuple[float, ...] = ()
-    """Per round (``--floor``; else empty): seconds of our prefill step's projections alone."""
+    """Per round (``--floor``; else empty): seconds of our prefill run's projections alone."""
     ceiling: tuple[float, ...] = ()
     """Per round (``--floor``): HF's prefill run time / ``floor_s`` -- the prefill ratio with
     nothing but those products on our side."""
@@ -381,7 +381,7 @@ def format_report(result: EngineBenchResult) -> str:
                 f"{_ratio(paired.prefill):>26} | {ours.decode_tok_s:>12.0f} "
                 f"{hf.decode_tok_s:>9.0f} {_ratio(paired.decode):>26}"
             )
-    for paired in result.ratios if s.get("floor") else ():
+    for paired in result.ratios if s["floor"] else ():
         ours = result.row(paired.batch, paired.sampling, ENGINES[0])
         floor_s = statistics.median(paired.floor_s)
         lines.append(
@@ -439,7 +439,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--floor",
         action="store_true",
-        help="also time our prefill step's projections alone each round and print HF's prefill "
+        help="also time our prefill run's projections alone each round and print HF's prefill "
         "time over theirs (the ceiling of the prefill ratio)",
     )
     p.add_argument("--json", action="store_true", help="print one machine-readable line")
