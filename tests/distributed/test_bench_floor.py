@@ -2,7 +2,9 @@
 engine's prefill forward runs: recorded at the dispatcher during a prefill step of fresh sequences
 of different lengths, the 2-D matrix products (rows, in, out) are exactly those
 ``prefill_projections`` lists, in the same order -- for the qkv-bias model and the tied-embedding,
-q/k-layernorm one. If the forward changes its products, this fails until the floor follows. Bad
+q/k-layernorm one. If the forward changes its products, this fails until the floor follows. The
+split of a prefill run into steps (``prefill_steps``) is the real engine's: a run of prefill-only
+requests over a small ``max_prefill_tokens`` takes as many prefill forwards as it lists. Bad
 input: a returned count outside [1, tokens] is refused with the values named.
 """
 
@@ -62,6 +64,43 @@ def test_floor_lists_the_prefill_forwards_products(model):
     recorded, listed = run_distributed(_forward_vs_floor, 1, args=(model,), timeout_s=300)[0]
     assert recorded == listed
     assert len(listed) == 4 * model.num_layers + 1
+
+
+def _engine_prefill_steps(budget: int, sequences: int, prompt_len: int):
+    """(prefill forwards the engine ran, ``prefill_steps``) for one run of ``sequences`` fresh
+    prompts of ``prompt_len`` tokens, 1 new token each."""
+    import asyncio
+
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.bench_floor import prefill_steps
+    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.engine import GenerateRequest
+
+    chunks, _ = _build(ParallelLayout(), None, MODEL)
+    config = EmbeddedEngineConfig(
+        max_batch_size=sequences,
+        max_seq_len=MAX_SEQ,
+        max_prefills_per_step=sequences,
+        max_prefill_tokens=budget,
+    )
+    engine = EmbeddedEngine(chunks, MODEL, config)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+    prompts = [tuple(range(i, i + prompt_len)) for i in range(sequences)]
+
+    async def drive(eng):
+        await asyncio.gather(*(eng.generate(GenerateRequest(p, one)) for p in prompts))
+        return eng.pace_stats.prefill_steps
+
+    ran = run_engine(engine, drive)
+    return ran, len(prefill_steps(sequences, prompt_len, budget))
+
+
+@pytest.mark.parametrize(("budget", "sequences", "prompt_len"), [(64, 7, 20), (30, 3, 20)])
+def test_prefill_steps_are_the_engines(budget, sequences, prompt_len):
+    ran, listed = run_distributed(
+        _engine_prefill_steps, 1, args=(budget, sequences, prompt_len), timeout_s=300
+    )[0]
+    assert ran == listed > 1
 
 
 def _refused():
