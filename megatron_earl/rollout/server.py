@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from megatron_earl.compat.http_guard import parse_json, route_path
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import PauseMode
 from megatron_earl.rollout import serve_tp
@@ -175,39 +176,40 @@ class Server(WeightEndpoints, MemoryEndpoints):
             client_max_size=max(self.limits.max_body_bytes, self.limits.max_weight_body_bytes),
         )
         routes = [
-            ("*", "/generate", self.generate),
-            ("GET", "/health", self.health),
-            ("GET", "/health_generate", self.health_generate),
-            ("GET", "/get_model_info", self.model_info),
-            ("GET", "/model_info", self.model_info),
-            ("GET", "/get_server_info", self.server_info),
-            ("GET", "/server_info", self.server_info),
-            ("GET", "/v1/models", self.models),
-            ("GET", "/v1/models/{model:.+}", self.model_card),
-            ("GET", "/get_load", self.load),
-            ("GET", "/get_weight_version", self.weight_version),
-            ("*", "/flush_cache", self.flush_cache),
-            ("POST", "/update_weights_from_tensor", self.update_from_tensor),
-            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
-            ("POST", "/init_weights_update_group", self.init_weights_update_group),
-            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
-            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
-            ("*", "/get_weights_by_name", self.get_weights_by_name),
-            ("POST", "/pause_generation", self.pause),
-            ("POST", "/continue_generation", self.resume),
-            ("POST", "/abort_request", self.abort),
-            ("*", "/release_memory_occupation", self.release_memory_occupation),
-            ("*", "/resume_memory_occupation", self.resume_memory_occupation),
+            (("POST", "PUT"), "/generate", self.generate),
+            (("GET",), "/health", self.health),
+            (("GET",), "/health_generate", self.health_generate),
+            (("GET",), "/get_model_info", self.model_info),
+            (("GET",), "/model_info", self.model_info),
+            (("GET",), "/get_server_info", self.server_info),
+            (("GET",), "/server_info", self.server_info),
+            (("GET",), "/v1/models", self.models),
+            (("GET",), "/v1/models/{model:.+}", self.model_card),
+            (("GET",), "/get_load", self.load),
+            (("GET",), "/get_weight_version", self.weight_version),
+            (("GET", "POST"), "/flush_cache", self.flush_cache),
+            (("POST",), "/update_weights_from_tensor", self.update_from_tensor),
+            (("POST",), "/update_weights_from_disk", self.update_weights_from_disk),
+            (("POST",), "/init_weights_update_group", self.init_weights_update_group),
+            (("POST",), "/update_weights_from_distributed", self.update_weights_from_distributed),
+            (("POST",), "/destroy_weights_update_group", self.destroy_weights_update_group),
+            (("GET", "POST"), "/get_weights_by_name", self.get_weights_by_name),
+            (("POST",), "/pause_generation", self.pause),
+            (("POST",), "/continue_generation", self.resume),
+            (("POST",), "/abort_request", self.abort),
+            (("GET", "POST"), "/release_memory_occupation", self.release_memory_occupation),
+            (("GET", "POST"), "/resume_memory_occupation", self.resume_memory_occupation),
         ]
-        for method, path, handler in routes:
-            app.router.add_route(method, path, handler)
+        for methods, path, handler in routes:  # SGLang's methods per route, never "*"
+            for method in methods:
+                app.router.add_route(method, path, handler)
         return app
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
-        header = request.headers.get("Authorization")
-        if not allowed(request.method, request.path, header, self.api_key, self.admin_api_key):
-            kind = "admin key" if request.path in ADMIN_PATHS and self.admin_api_key else "api key"
+        header, route = request.headers.get("Authorization"), route_path(request)
+        if not allowed(route, header, self.api_key, self.admin_api_key):
+            kind = "admin key" if route in ADMIN_PATHS and self.admin_api_key else "api key"
             return error_response(401, f"{request.path} needs 'Authorization: Bearer <{kind}>'")
         limit = self.limits.for_path(request.path)
         if request.content_length is not None and request.content_length > limit:
@@ -262,10 +264,12 @@ class Server(WeightEndpoints, MemoryEndpoints):
             ) from None
         try:  # a weight payload of up to --max-weight-body-mb: decoded off the event loop
             body = (
-                await asyncio.to_thread(json.loads, raw) if len(raw) > 1 << 20 else json.loads(raw)
+                await asyncio.to_thread(parse_json, raw, what)
+                if len(raw) > 1 << 20
+                else parse_json(raw, what)
             )
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise BadRequest(f"malformed JSON in {what}: {err}") from None
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
         return _check_fields(body, allowed, what)
 
     # ------------------------------------------------------------------ generation

@@ -4,12 +4,18 @@ Authorization follows SGLang 0.5.23's ``sglang.srt.utils.auth.decide_request_aut
 the pinned wheel; the decision table is in ``megatron_earl/docs/engines.md``):
 
 * health, readiness and metrics paths (prefixes ``/health``, ``/ready``, ``/metrics``) are always
-  open, so probes (the router's, Kubernetes') need no secret; ``OPTIONS`` too;
+  open, so probes (the router's, Kubernetes') need no secret;
 * *admin* endpoints (SGLang's ``AuthLevel.ADMIN_OPTIONAL``: weight updates, flush, pause/continue,
   abort, memory release) need the admin key when one is set, else the API key when one is set,
   else nothing;
 * every other endpoint (generation, model/server info, load, ...) needs the API key when one is
   set (an admin key alone leaves them open, as in SGLang).
+
+One cell differs from SGLang's table: SGLang lets ``OPTIONS`` through unchecked (its routes then
+answer 405); here ``OPTIONS`` needs the key like every method (then 405 as well: every route is
+registered for SGLang's methods, never ``*``, so no handler runs). The path decided on is the
+matched route's registered path (``compat.http_guard.route_path``), never the raw request path;
+a request that matched no route needs the API key when one is set.
 
 Keys travel as ``Authorization: Bearer KEY`` and are compared in constant time. A refusal is 401
 (wrong or missing key). Pure functions, no I/O; ``error_response`` builds the one error body
@@ -18,11 +24,12 @@ every endpoint answers with (``{"error": {"message", "code"}}``).
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
+
+from megatron_earl.compat.http_guard import bearer_matches
 
 
 def error_response(
@@ -57,23 +64,17 @@ WEIGHT_PATHS = frozenset(
 """Endpoints whose bodies may be as large as a weight bucket."""
 
 
-def _bearer_matches(header: str | None, key: str) -> bool:
-    if not header:
-        return False
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
-
-
 def allowed(
-    method: str, path: str, header: str | None, api_key: str | None, admin_key: str | None
+    path: str | None, header: str | None, api_key: str | None, admin_key: str | None
 ) -> bool:
-    """Whether a request with ``Authorization: header`` may call ``method path``."""
-    if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+    """Whether a request with ``Authorization: header`` may call the route registered as
+    ``path`` (None: a request that matched no route), whatever its method."""
+    if path is not None and path.startswith(OPEN_PREFIXES):
         return True
     if path in ADMIN_PATHS:
         key = admin_key or api_key
-        return key is None or _bearer_matches(header, key)
-    return api_key is None or _bearer_matches(header, api_key)
+        return key is None or bearer_matches(header, key)
+    return api_key is None or bearer_matches(header, api_key)
 
 
 @dataclass(frozen=True)

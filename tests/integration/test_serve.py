@@ -12,6 +12,7 @@ import json
 import time
 
 import aiohttp
+import yarl
 import pytest
 import torch
 
@@ -329,28 +330,80 @@ def test_weight_update_with_non_finite_or_misshapen_values_is_refused(servers):
     asyncio.run(body())
 
 
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+SPELLINGS = (  # path spellings that must not reach /generate's handler without the key
+    "/generate/",
+    "//generate",
+    "/GENERATE",
+    "/health/../generate",
+    "/health%2F..%2Fgenerate",
+    "/health/%2e%2e/generate",
+    "/./generate",
+)
+
+
 def test_every_endpoint_but_health_probes_needs_the_key(servers):
-    """Routes are read off the server's own app, so a new endpoint is covered automatically."""
+    """Every method (``OPTIONS`` included) on every route, and other spellings of a keyed path:
+    401 without the key, except the open health probes. Routes are read off the server's own
+    app, so a new endpoint is covered automatically."""
     from megatron_earl.rollout.server import Server
     from megatron_earl.rollout.server_auth import OPEN_PREFIXES, RequestLimits
 
     shell = Server.__new__(Server)  # only to list the routes: no engine behind it
     shell.limits = RequestLimits()
-    routes = {
-        (r.method if r.method != "*" else "POST", r.resource.canonical)
-        for r in shell.app().router.routes()
-    }
-    assert len(routes) > 10
+    registered = {(r.method, r.resource.canonical) for r in shell.app().router.routes()}
+    paths = {path for _, path in registered}
+    assert len(paths) > 10 and "*" not in {method for method, _ in registered}
 
     async def body():
         async with aiohttp.ClientSession() as s:
-            for method, path in sorted(routes):
-                for headers in ({}, {"Authorization": f"Bearer {API_KEY}-wrong"}):
-                    async with s.request(method, servers[1].url + path, headers=headers) as resp:
-                        if path.startswith(OPEN_PREFIXES):
-                            assert resp.status in (200, 503), (method, path, resp.status)
-                        else:
-                            assert resp.status == 401, (method, path, resp.status)
+            for path in sorted(paths):
+                for method in METHODS:
+                    for headers in ({}, {"Authorization": f"Bearer {API_KEY}-wrong"}):
+                        url = servers[1].url + path
+                        async with s.request(method, url, headers=headers) as resp:
+                            if path.startswith(OPEN_PREFIXES) and (method, path) in registered:
+                                assert resp.status in (200, 503), (method, path, resp.status)
+                            elif path.startswith(OPEN_PREFIXES):  # a method the probe lacks
+                                assert resp.status == 401, (method, path, resp.status)
+                            else:
+                                assert resp.status == 401, (method, path, resp.status)
+            for path in SPELLINGS:
+                for method in METHODS:
+                    url = servers[1].url + path
+                    async with s.request(method, yarl.URL(url, encoded=True)) as resp:
+                        assert resp.status == 401, (method, path, resp.status)
+        # With the key, OPTIONS is answered with the route's methods (405, as SGLang answers it:
+        # no route takes OPTIONS) and runs no handler: a released engine would answer 503 to the
+        # /generate below.
+        client = _client(servers[1])
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with aiohttp.ClientSession(headers=headers) as s:
+            for path in ("/release_memory_occupation", "/flush_cache", "/generate"):
+                async with s.options(servers[1].url + path) as resp:
+                    assert resp.status == 405, (path, resp.status)
+                    assert "POST" in resp.headers["Allow"] and "*" not in resp.headers["Allow"]
+        ok = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        assert len(ok.output_ids) == 12
+        await client.close()
+
+    asyncio.run(body())
+
+
+def test_json_nested_too_deeply_gets_400_and_the_server_keeps_serving(servers):
+    """100,000 levels of nesting: 400 naming the nesting (Python's parser stops at ~1,000)."""
+    deep = "[" * 100_000 + "]" * 100_000
+
+    async def body():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with aiohttp.ClientSession(headers=headers) as s:
+            for text in (deep, '{"input_ids": ' + deep + "}"):
+                async with s.post(servers[1].url + "/generate", data=text) as resp:
+                    assert resp.status == 400, resp.status
+                    assert "nested too deeply" in (await resp.json())["error"]["message"]
+        client = _client(servers[1])
+        assert len((await client.generate(GenerateRequest(PROMPT, GREEDY))).output_ids) == 12
+        await client.close()
 
     asyncio.run(body())
 
