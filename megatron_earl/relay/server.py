@@ -46,8 +46,14 @@ passes them on without the trainer:
 
 ``GET /relay_info`` reports the versions held and staged, every engine's state and the
 counters (JSON). Errors answer ``{"error": {"message": ...}}`` with a 4xx naming the value.
-Bound to 127.0.0.1 by default; with ``$EARL_RELAY_API_KEY`` set (here and on the publisher)
-every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+Who may publish. With ``$EARL_RELAY_API_KEY`` set (here and on the publisher) every request
+but ``GET /health``, whatever its method or path spelling, needs ``Authorization: Bearer KEY``.
+A relay binds to 127.0.0.1 by default; bound to any other address it refuses to start without a
+key (``--allow-no-key`` says the network is trusted). Without a key every local process may
+publish, so the key is the protection on a shared machine; what no caller can do, key or not, is
+pin the relay to a version its trainer can never follow: a generation (a publisher's start time
+in ms) more than ``--max-clock-skew-s`` ahead of this relay's clock is refused with 400, so a
+``generation=10**15`` cannot make every later publication "older than the newest".
 """
 
 from __future__ import annotations
@@ -56,7 +62,9 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
+import math
 import os
 import signal
 import time
@@ -66,6 +74,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from megatron_earl.compat.http_guard import bearer_matches, parse_json, route_path
 from megatron_earl.config.vocab import PauseMode
 from megatron_earl.relay.applier import EngineApplier, EngineState, backoff_s
 from megatron_earl.relay.versions import (
@@ -112,6 +121,9 @@ class RelaySettings:
     compared with the published values; 0: no read-back."""
     api_key: str | None = None
     """``$EARL_RELAY_API_KEY``: required on every endpoint but ``/health`` when set."""
+    max_clock_skew_s: float = 60.0
+    """A publication's generation (its publisher's start, ms since the epoch) may be at most this
+    far ahead of this relay's clock; a later one is refused (400)."""
     release_holders: int = 0
     """0: load an engine as soon as a newer version is here. N > 0: load it only once N
     distinct holders released it since its last load (``POST /engines/release``; a first load
@@ -126,9 +138,16 @@ class RelaySettings:
             problems.append(
                 f"pause_mode {self.pause_mode!r} is not one of {[str(m) for m in PauseMode]}"
             )
-        for name in ("lease_s", "poll_wait_s", "engine_check_s", "retry_s", "retry_max_s"):
-            if not getattr(self, name) > 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "lease_s",
+            "poll_wait_s",
+            "engine_check_s",
+            "retry_s",
+            "retry_max_s",
+            "max_clock_skew_s",
+        ):
+            if not 0 < getattr(self, name) < math.inf:
+                problems.append(f"{name} must be finite and > 0, got {getattr(self, name)}")
         if self.engine_tp < 1:
             problems.append(f"engine_tp must be >= 1, got {self.engine_tp}")
         if self.release_holders < 0:
@@ -170,6 +189,8 @@ class RelayServer:
         self._released = {url: asyncio.Event() for url in settings.engines}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
+        self._closing = False
+        """Set at shutdown: pending long polls answer at once (the process exits promptly)."""
 
     # -- HTTP -----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -185,14 +206,15 @@ class RelayServer:
         app.router.add_get("/versions/{v}/buckets/{i}", self.get_bucket)
         app.router.add_post("/engines/release", self.release)
         app.on_startup.append(self._start_tasks)
+        app.on_shutdown.append(self._end_long_polls)
         app.on_cleanup.append(self._stop_tasks)
         return app
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         key = self.settings.api_key
-        if key and request.path != "/health":
-            if request.headers.get("Authorization") != f"Bearer {key}":
+        if key and route_path(request) != "/health":
+            if not bearer_matches(request.headers.get("Authorization"), key):
                 return _error(401, "missing or wrong Authorization: Bearer <EARL_RELAY_API_KEY>")
         try:
             return await handler(request)
@@ -228,7 +250,15 @@ class RelayServer:
         )
 
     async def begin(self, request: web.Request) -> web.Response:
-        self.store.begin(_int(request, "v"), int(request.query.get("generation", 0)))
+        generation = _query_int(request, "generation", 0)
+        newest_allowed = time.time_ns() // 1_000_000 + int(self.settings.max_clock_skew_s * 1e3)
+        if generation > newest_allowed:
+            raise ValueError(
+                f"generation {generation} is ahead of this relay's clock ({newest_allowed} ms "
+                f"since the epoch, --max-clock-skew-s {self.settings.max_clock_skew_s:g} "
+                "included); a generation is its publisher's start time in ms since the epoch"
+            )
+        self.store.begin(_int(request, "v"), generation)
         return web.json_response({"ok": True})
 
     async def put_bucket(self, request: web.Request) -> web.Response:
@@ -240,7 +270,7 @@ class RelayServer:
         return web.json_response({"ok": True, "nbytes": len(data)})
 
     async def commit(self, request: web.Request) -> web.Response:
-        manifest = Manifest.from_dict(await request.json())
+        manifest = Manifest.from_dict(parse_json(await request.read(), "the manifest"))
         if manifest.version != _int(request, "v"):
             raise ValueError(
                 f"manifest version {manifest.version} != path version {request.match_info['v']}"
@@ -255,19 +285,22 @@ class RelayServer:
     async def latest(self, request: web.Request) -> web.Response:
         """The newest manifest, after waiting up to ``wait_s`` for one newer than
         (``after_generation``, ``after``); 204 when there is none."""
-        after = (
-            int(request.query.get("after_generation", -1)),
-            int(request.query.get("after", -1)),
-        )
-        wait_s = min(float(request.query.get("wait_s", 0)), 60.0)
-        deadline = time.monotonic() + wait_s
+        after = (_query_int(request, "after_generation", -1), _query_int(request, "after", -1))
+        raw_wait = request.query.get("wait_s", "0")
+        try:
+            wait_s = float(raw_wait)
+        except ValueError:
+            wait_s = math.nan
+        if not 0 <= wait_s < math.inf:
+            raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {raw_wait!r}")
+        deadline = time.monotonic() + min(wait_s, 60.0)
         while True:
             latest = self.store.latest()
             if latest is not None and latest.key > after:
                 self.store.lease(latest.version, time.monotonic() + self.settings.lease_s)
                 return web.json_response(latest.to_dict())
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self._closing:
                 return web.Response(status=204)
             event = self._new_version
             with contextlib.suppress(asyncio.TimeoutError):
@@ -289,7 +322,9 @@ class RelayServer:
         (sent before a load finished) is refused with 409 and not counted. ``"detach": true``:
         the holder stopped, its release stands until it sends ``"attach": true`` (which releases
         nothing)."""
-        body = await request.json()
+        body = parse_json(await request.read(), "the release")
+        if not isinstance(body, dict):
+            raise ValueError(f"a release must be a JSON object, got {type(body).__name__}")
         url, holder = str(body.get("engine", "")).rstrip("/"), body.get("holder")
         if url not in self.engines:
             return _error(404, f"engine {url!r} is not fed by this relay: {list(self.engines)}")
@@ -324,9 +359,17 @@ class RelayServer:
 
     def _announce(self) -> None:
         """Wake every waiter (long polls, appliers) and collect what nobody needs."""
+        self._wake()
+        self.counters.collected += len(self.store.collect(time.monotonic()))
+
+    def _wake(self) -> None:
         event, self._new_version = self._new_version, asyncio.Event()
         event.set()
-        self.counters.collected += len(self.store.collect(time.monotonic()))
+
+    async def _end_long_polls(self, app: web.Application) -> None:
+        """At shutdown, before aiohttp waits for the handlers: every long poll answers 204."""
+        self._closing = True
+        self._wake()
 
     # -- background tasks -----------------------------------------------------------------
     async def _start_tasks(self, app: web.Application) -> None:
@@ -469,6 +512,16 @@ def _int(request: web.Request, name: str) -> int:
     return value
 
 
+def _query_int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r:.80}") from None
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
@@ -487,6 +540,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-wait-s", type=float, default=10.0)
     p.add_argument("--engine-check-s", type=float, default=2.0)
     p.add_argument("--max-bucket-mb", type=int, default=2048)
+    p.add_argument(
+        "--max-clock-skew-s",
+        type=float,
+        default=RelaySettings.max_clock_skew_s,
+        help="a publisher's generation (its start time) may be this far ahead of this relay's "
+        "clock at most",
+    )
+    p.add_argument(
+        "--allow-no-key",
+        action="store_true",
+        help=f"serve without ${API_KEY_ENV} on an address other than loopback (a trusted "
+        "network): anything that reaches the relay may publish weights",
+    )
     p.add_argument(
         "--release-holders",
         type=int,
@@ -520,7 +586,29 @@ def settings_from_args(args: argparse.Namespace) -> RelaySettings:
         release_holders=args.release_holders,
         verify_tensors=args.verify_tensors,
         api_key=os.environ.get(API_KEY_ENV) or None,
+        max_clock_skew_s=args.max_clock_skew_s,
     )
+
+
+def exposure_problem(host: str, api_key: str | None, allow_no_key: bool) -> str | None:
+    """Why a relay may not serve on ``host`` (None when it may): an address other than loopback
+    needs a key unless the network is declared trusted."""
+    if api_key or allow_no_key or _is_loopback(host):
+        return None
+    return (
+        f"--host {host} is reachable from other machines and ${API_KEY_ENV} is not set: anything "
+        f"that reaches the relay could publish weights; set ${API_KEY_ENV} here and on the "
+        "trainer, bind to 127.0.0.1, or pass --allow-no-key for a trusted network"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any address
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -541,9 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     args = parse_args(argv)
     try:
-        settings_from_args(args)
+        settings = settings_from_args(args)
     except ValueError as err:
         print(f"megatron-earl relay: {err}")
+        return 2
+    if (problem := exposure_problem(args.host, settings.api_key, args.allow_no_key)) is not None:
+        print(f"megatron-earl relay: {problem}")
         return 2
     asyncio.run(_serve(args))
     return 0
