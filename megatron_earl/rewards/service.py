@@ -9,10 +9,16 @@ sync or async, given as registered names or dotted paths):
     POST /reward  {"fn": "exact", "input": <RewardInput.to_dict()>}  -> {"reward": 1.0}
     GET  /health                                                    -> {"ok": true, "fns": [...]}
 
-Errors: unknown fn, bad body or a badly shaped input (not an object, a ``RewardInput`` field of
-the wrong type: ``input_problem``) -> 400 (deterministic: not retried); the function raising
-(``SystemExit`` included: the service goes on) or returning a non-finite/non-number -> 500
-(retried). Synchronous functions run on a bounded pool of worker threads (``--threads``,
+Errors: unknown fn, bad body (not JSON, or nested deeper than the parser follows) or a badly
+shaped input (not an object, a ``RewardInput`` field of the wrong type: ``input_problem``; an
+input the function declares it cannot score: ``RewardInputError``, e.g. ``exact_match`` on a
+non-numeric ``task.target``) -> 400 (deterministic: not retried); the function raising anything
+else (``SystemExit`` included: the service goes on) or returning a non-finite/non-number -> 500
+(retried). With ``$EARL_REWARD_API_KEY`` set on the service (and on the trainer, whose client
+sends it) every request but ``GET /health``, whatever its method, needs
+``Authorization: Bearer KEY``.
+
+Synchronous functions run on a bounded pool of worker threads (``--threads``,
 ``rollout.agent.user_threads``), so a slow one does not block the other clients; a call that
 never returns holds its thread. ``launch_reward_service`` starts the process and waits
 for its ready line. The client ``RemoteReward`` is a ``RewardFn`` with a per-request timeout and
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -34,6 +41,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from megatron_earl.compat.http_guard import bearer_matches, parse_json, route_path
 from megatron_earl.envs.tool_env import last_number
 from megatron_earl.rewards.base import RewardInput, WeightedReward
 from megatron_earl.rollout.agent.user_threads import MAX_USER_THREADS, UserThreads, call_user
@@ -42,16 +50,31 @@ from megatron_earl.tools.registry import Registry
 REWARD_FNS: Registry[Callable[[dict[str, Any]], float]] = Registry("reward function")
 """Registry of server-side reward functions (input dict -> float)."""
 READY = "REWARD_SERVICE_READY"
+API_KEY_ENV = "EARL_REWARD_API_KEY"
+"""Environment variable with the service's API key (``Authorization: Bearer``); unset: none."""
+
+
+class RewardInputError(ValueError):
+    """Raised by a reward function for an input it cannot score (the request's error: 400, not
+    retried); the message names the value."""
 
 
 @REWARD_FNS.register("exact_match")
 def exact_match(inp: dict[str, Any]) -> float:
-    """1 when the last number of the last model turn equals ``task["target"]``."""
+    """1 when the last number of the last model turn equals ``task["target"]`` (a number or a
+    numeric string; anything else is a ``RewardInputError``)."""
     turns, target = inp.get("turns") or [], inp.get("task", {}).get("target")
     if not turns or target is None:
         return 0.0
+    try:
+        wanted = float(target)
+    except (TypeError, ValueError):
+        raise RewardInputError(
+            f"exact_match needs input.task.target to be a number or a numeric string, got "
+            f"{target!r:.80}"
+        ) from None
     value = last_number(turns[-1])
-    return float(value is not None and value == float(target))
+    return float(value is not None and value == wanted)
 
 
 INPUT_TYPES: dict[str, tuple[type, ...]] = {
@@ -87,17 +110,29 @@ def input_problem(inp: Any) -> str | None:
 
 
 def build_app(
-    fns: dict[str, Callable[[dict[str, Any]], Any]], threads: UserThreads | None = None
+    fns: dict[str, Callable[[dict[str, Any]], Any]],
+    threads: UserThreads | None = None,
+    api_key: str | None = None,
 ) -> web.Application:
     """The aiohttp application serving ``fns`` by name; synchronous functions run on
-    ``threads`` (default the process's ``USER_THREADS``), never on the event loop."""
+    ``threads`` (default the process's ``USER_THREADS``), never on the event loop. With
+    ``api_key`` every request but ``GET /health`` needs it."""
+
+    @web.middleware
+    async def keyed(request: web.Request, handler):
+        header = request.headers.get("Authorization")
+        if api_key and route_path(request) != "/health" and not bearer_matches(header, api_key):
+            return web.json_response(
+                {"error": f"missing or wrong Authorization: Bearer <{API_KEY_ENV}>"}, status=401
+            )
+        return await handler(request)
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "fns": sorted(fns)})
 
     async def reward(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            body = parse_json(await request.read(), "the request")
             fn = fns[body["fn"]]
             inp = body["input"]
         except (ValueError, KeyError, TypeError) as e:
@@ -115,11 +150,13 @@ def build_app(
             value = float(await call_user(fn, inp, threads=threads))
             if not math.isfinite(value):
                 raise ValueError(f"non-finite reward {value}")
+        except RewardInputError as e:
+            return web.json_response({"error": f"bad request: {e}"}, status=400)
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # the service goes on
             return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
         return web.json_response({"reward": value})
 
-    app = web.Application()
+    app = web.Application(middlewares=[keyed])
     app.router.add_get("/health", health)
     app.router.add_post("/reward", reward)
     return app
@@ -155,7 +192,7 @@ class RemoteReward:
         payload = {"fn": self.fn, "input": inp.to_dict() if isinstance(inp, RewardInput) else inp}
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         last = ""
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=_auth_headers()) as session:
             for attempt in range(self.retries + 1):
                 if attempt:
                     self.num_retries += 1
@@ -259,9 +296,15 @@ def launch_reward_service(
     raise RewardServiceError(f"reward service not ready within {timeout_s}s: {cmd}")
 
 
+def _auth_headers() -> dict[str, str]:
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def serve(fns: dict[str, str], host: str, port: int, threads: int = MAX_USER_THREADS) -> None:
     resolved = {name: REWARD_FNS.resolve(spec) for name, spec in fns.items()}
-    app = build_app(resolved, UserThreads(threads, name="earl-reward"))
+    key = os.environ.get(API_KEY_ENV) or None
+    app = build_app(resolved, UserThreads(threads, name="earl-reward"), api_key=key)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.create_server((host, port))  # bound here so port 0 yields the real port

@@ -221,3 +221,60 @@ def test_a_slow_sync_function_does_not_block_other_clients(service):
     with pytest.raises(RewardServiceError, match="HTTP 500: SystemExit"):
         asyncio.run(RemoteReward(service.url, "exits", retries=0)(_input("11")))
     assert asyncio.run(timed("exact"))[0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ('{"fn": "exact", "input": {"task": {"target": "seven"}, "turns": ["7"]}}', "'seven'"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"fn": "exact", "input": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ],
+)
+def test_a_target_it_cannot_score_or_deep_nesting_is_a_400_not_retried(service, text, fragment):
+    """The probe's inputs answered 500, which the client retries as transient."""
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{service.url}/reward", data=text) as resp:
+                return resp.status, await resp.json()
+
+    status, answer = asyncio.run(go())
+    assert status == 400 and fragment in answer["error"], answer
+    client = RemoteReward(service.url, "exact", retries=3, backoff_s=0.05)
+    with pytest.raises(RewardServiceError, match=r"HTTP 400.*'seven'"):
+        asyncio.run(client(_input("7", target="seven")))
+    assert client.num_retries == 0
+
+
+def test_a_keyed_service_needs_the_key_on_every_method_but_health(monkeypatch):
+    from aiohttp import web
+
+    from megatron_earl.rewards.service import API_KEY_ENV, build_app, exact_match
+
+    key = "reward-key-1"
+
+    async def go():
+        runner = web.AppRunner(build_app({"exact": exact_match}, api_key=key))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/reward", "/nowhere", "/health/../reward", "/reward/"):
+                    for method in ("GET", "POST", "PUT", "DELETE", "OPTIONS", "HEAD"):
+                        for headers in ({}, {"Authorization": f"Bearer {key}x"}):
+                            async with s.request(method, url + path, headers=headers) as resp:
+                                assert resp.status == 401, (method, path, resp.status)
+                async with s.get(url + "/health") as resp:
+                    assert resp.status == 200
+            monkeypatch.delenv(API_KEY_ENV, raising=False)
+            with pytest.raises(RewardServiceError, match="HTTP 401"):
+                await RemoteReward(url, "exact", retries=1)(_input("11"))
+            monkeypatch.setenv(API_KEY_ENV, key)
+            return await RemoteReward(url, "exact")(_input("11"))
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == 1.0
