@@ -7,9 +7,14 @@ a handler runs, in one place so that the three cannot drift apart.
   encoded slash, a dot segment or a prefix such as ``/health%2F..%2Fgenerate`` cannot put a
   request under another route's rule, and a route registered for every method is keyed like
   any other.
+* ``read_body``: a request's body, at most ``limit`` bytes (413 past it, with or without a
+  ``Content-Length``), into a buffer nothing else keeps (aiohttp's ``request.read()`` caches the
+  body on the request for the handler's whole life).
 * ``parse_json``: a request body as JSON; a body nested deeper than the parser's recursion
   limit (Python's ``json`` raises ``RecursionError`` past ~1,000 levels) is the client's
-  malformed input (``ValueError``), not the server's crash.
+  malformed input (``ValueError``), not the server's crash. Given a ``bytearray`` it empties it
+  once decoded, so a body of B bytes peaks at 2B while parsing (the text and what it parses to),
+  not 3B (``json.loads`` of bytes keeps the bytes, their decoded text and the result).
 
 Routes are registered for the methods they take, never ``*``: ``OPTIONS`` (checked for the key
 like every method) then matches no handler and aiohttp answers it 405 with ``Allow``, as SGLang
@@ -40,10 +45,38 @@ def route_path(request: web.Request) -> str | None:
     return None if resource is None else resource.canonical
 
 
-def parse_json(raw: bytes | str, what: str) -> Any:
-    """``raw`` parsed as JSON; ``ValueError`` naming ``what`` when it is not JSON, not UTF-8, or
-    nested deeper than the parser can follow."""
+async def read_body(request: web.Request, limit: int) -> bytearray:
+    """The body of ``request``; ``HTTPRequestEntityTooLarge`` once it passes ``limit`` bytes."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
+    if length is not None:  # filled in place: a growing buffer is copied when it moves
+        body, filled = bytearray(length), 0
+        view = memoryview(body)
+        async for chunk in request.content.iter_chunked(1 << 20):  # at most length bytes
+            view[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        view.release()
+        if filled != length:
+            raise web.HTTPBadRequest(text=f"body of {filled} bytes, Content-Length {length}")
+        return body
+    body = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 20):
+        if len(body) + len(chunk) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body) + len(chunk))
+        body += chunk
+    return body
+
+
+def parse_json(raw: bytes | bytearray | str, what: str) -> Any:
+    """``raw`` parsed as JSON (a ``bytearray`` is emptied once decoded: module docstring);
+    ``ValueError`` naming ``what`` when it is not JSON, not UTF-8, or nested deeper than the
+    parser can follow."""
     try:
+        if isinstance(raw, bytearray):
+            text = raw.decode("utf-8")
+            raw.clear()
+            return json.loads(text)
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"malformed JSON in {what}: {err}") from None

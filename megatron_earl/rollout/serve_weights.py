@@ -55,7 +55,7 @@ from aiohttp import web
 
 from megatron_earl.rollout.generate_api import BadRequest, parse_weight_version
 from megatron_earl.rollout.server_auth import error_response
-from megatron_earl.rollout.tensor_payload import decode_payload, is_portable
+from megatron_earl.rollout.tensor_payload import is_portable, load_payload, payload_bytes
 from megatron_earl.rollout.weight_group import (
     FLATTENED,
     LOAD_FORMATS,
@@ -286,7 +286,7 @@ class WeightEndpoints:
         from megatron_earl.rollout.generate_api import BadRequest
 
         body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
-        payloads = body.get("serialized_named_tensors")
+        payloads = body.pop("serialized_named_tensors", None)
         tp = self.engine.tp_size
         if not isinstance(payloads, list) or len(payloads) != tp:
             raise BadRequest(
@@ -298,16 +298,25 @@ class WeightEndpoints:
                 f"every TP rank, so all {tp} portable payloads must be identical"
             )
         load_format = body.get("load_format")
+        # Each distinct payload once; its string is dropped as soon as it is decoded, so a body
+        # of B bytes holds at most ~1.75B here (a string, its bytes) and 1.5B while the tensors
+        # are built (the bytes, the tensors), never the strings and the tensors together.
+        distinct = list(dict.fromkeys(payloads))
+        del payloads
         try:
             # SGLang gives payload r to TP rank r; serve loads the full tensors of the first on
             # every rank. The others are opened too (an sglang payload's shared memory is freed
             # once its handle is opened) and must hold the same names.
-            named = await asyncio.to_thread(decode_payload, payloads[0], load_format)
-            for other in dict.fromkeys(payloads[1:]):
-                if other != payloads[0]:
-                    rest = await asyncio.to_thread(decode_payload, other, load_format)
-                    if [n for n, _ in rest] != [n for n, _ in named]:
-                        raise ValueError("the TP ranks' payloads hold different tensors")
+            named = None
+            for i in range(len(distinct)):
+                raw = await asyncio.to_thread(payload_bytes, distinct[i])
+                distinct[i] = None
+                tensors = await asyncio.to_thread(load_payload, raw, load_format)
+                del raw
+                if named is None:
+                    named = tensors
+                elif [n for n, _ in tensors] != [n for n, _ in named]:
+                    raise ValueError("the TP ranks' payloads hold different tensors")
             for name, _ in named:
                 hf_target(name, self.engine.model_config)
             check_named(named, self._expected())

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_earl.compat.http_guard import parse_json, route_path
+from megatron_earl.compat.http_guard import parse_json, read_body, route_path
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import PauseMode
 from megatron_earl.rollout import serve_tp
@@ -94,6 +94,7 @@ from megatron_earl.rollout.serve_model import (
 from megatron_earl.rollout.serve_weights import WeightEndpoints
 from megatron_earl.rollout.server_auth import (
     ADMIN_PATHS,
+    WEIGHT_PATHS,
     RequestLimits,
     allowed,
     error_response,
@@ -159,6 +160,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
         self._update_done.set()
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "serve-tokenizer")
         """Parses ``/generate`` bodies (tokenizes their text), one at a time, off the loop."""
+        self._weight_body_slot = asyncio.Semaphore(1)
+        """Held while a weight-update body is read and decoded (peak ~2x its size), so that
+        concurrent updates do not add up in memory."""
         self._control_tasks: set[asyncio.Task] = set()
         """Control handlers running shielded from their client's disconnect (``_middleware``)."""
         self.corrupt_loads = corrupt_loads
@@ -218,7 +222,6 @@ class Server(WeightEndpoints, MemoryEndpoints):
                 f"request body of {request.content_length} bytes exceeds the limit of "
                 f"{limit} bytes for {request.path}",
             )
-        request = request.clone(client_max_size=limit)  # also bounds bodies without a length
         if request.path == "/generate":  # a gone client cancels it: its sequences are aborted
             return await self._answer(request, handler, limit)
         # Every other handler runs to completion whatever the client does: a control or weight
@@ -234,7 +237,10 @@ class Server(WeightEndpoints, MemoryEndpoints):
         self, request: web.Request, handler: Callable[..., Awaitable], limit: int
     ) -> web.StreamResponse:
         try:
-            return await handler(request)
+            if request.path not in WEIGHT_PATHS:
+                return await handler(request)
+            async with self._weight_body_slot:  # one weight body read and decoded at a time
+                return await handler(request)
         except web.HTTPRequestEntityTooLarge:
             return error_response(
                 413, f"request body exceeds the limit of {limit} bytes for {request.path}"
@@ -255,9 +261,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
     async def _json(self, request: web.Request, allowed: frozenset[str], what: str) -> dict:
         if not request.can_read_body:
             return _check_fields({}, allowed, what)
-        timeout = self.limits.body_timeout(request.path)
+        timeout, limit = self.limits.body_timeout(request.path), self.limits.for_path(request.path)
         try:
-            raw = await asyncio.wait_for(request.read(), timeout)
+            raw = await asyncio.wait_for(read_body(request, limit), timeout)
         except TimeoutError:
             raise web.HTTPRequestTimeout(
                 text=f"the request body of {request.path} was not received within {timeout:g}s"
@@ -634,7 +640,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sequences waiting or running at most; more get 429 with Retry-After",
     )
     p.add_argument(
-        "--max-weight-body-mb", type=int, default=2048, help="weight-update body limit (MiB)"
+        "--max-weight-body-mb",
+        type=int,
+        default=RequestLimits.max_weight_body_bytes >> 20,
+        help="weight-update body limit (MiB); an update peaks at ~2x its body in memory",
     )
     p.add_argument(
         "--model-config",

@@ -83,8 +83,10 @@ class RequestLimits:
 
     max_body_bytes: int = 16 << 20
     """Any endpoint but the weight updates (16 MiB: ~2M token ids of JSON)."""
-    max_weight_body_bytes: int = 2 << 30
-    """The weight-update endpoints (a base64 bucket of the default 512 MiB is ~683 MiB)."""
+    max_weight_body_bytes: int = 1 << 30
+    """The weight-update endpoints (a base64 bucket of the default 512 MiB is ~683 MiB). A weight
+    update peaks at ~2x its body in ``serve``'s memory (the JSON text and the payload string it
+    parses to), one body at a time: ~2 GiB at this default."""
     body_timeout_s: float = 30.0
     """Time a client has to send a request body (then 408): a slow or stalled sender holds no
     handler longer (weight updates get 10x)."""

@@ -42,6 +42,7 @@ payload claims (a shorter one would crash the reader on access).
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import os
 import pickle
@@ -365,14 +366,25 @@ def decode_payload(payload: Any, load_format: str | None = None) -> list[NamedTe
     """(name, tensor) pairs of one ``serialized_named_tensors`` entry, in either format
     (told apart by their bytes: a zip archive is portable, a pickle is sglang). ``ValueError``
     (``RefusedGlobal`` for a refused global) says what is wrong; nothing is applied here."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
+    return load_payload(payload_bytes(payload), load_format)
+
+
+def payload_bytes(payload: Any) -> bytes:
+    """The bytes a ``serialized_named_tensors`` entry (a base64 string) carries (``ValueError``
+    when it is not base64). A caller that drops the string before ``load_payload`` does not
+    hold it while the tensors are built."""
     if not isinstance(payload, str):
         raise ValueError(f"a payload is a base64 string, got {type(payload).__name__}")
-    try:
-        raw = base64.b64decode(payload, validate=True)
+    try:  # binascii reads the string in place (b64decode would first copy it into bytes)
+        return binascii.a2b_base64(payload, strict_mode=True)
     except (ValueError, TypeError) as err:
         raise ValueError(f"payload is not valid base64: {err}") from None
+
+
+def load_payload(raw: bytes, load_format: str | None = None) -> list[NamedTensor]:
+    """(name, tensor) pairs of a payload's bytes (``payload_bytes``), in either format."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
     if raw[:4] == b"PK\x03\x04":
         if load_format == FLATTENED:
             raise ValueError(f"load_format {FLATTENED!r} needs the sglang payload, not portable")
