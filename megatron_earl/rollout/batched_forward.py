@@ -273,7 +273,7 @@ class BatchedForward:
         RoPE and SwiGLU kernels ran on one thread at any size; at most as many rows as keep the
         warm-up within ``PREFILL_COMPILE_MAX_SCORES``. The decode graph compiles on two rows: a
         decode step's per-row kernels are small enough that threads cost more than they save
-        (both measured: docs/engines.md, ninth session). The warm-up steps write keys and
+        (both measured: docs/measurements/engine.md). The warm-up steps write keys and
         values only where any real sequence writes its own before attending to them (a step
         writes a position before it reads it): the decode step at the last position, the
         prefill at ``[start, start + warm)`` (``[8, 16)`` when ``max_seq_len >= 16``), so that
@@ -514,7 +514,7 @@ def _attend_decode_fused(q_Grh, keys, values, bias_G1L, scale: float) -> torch.T
     broadcast products summed over the head dimension / the keys, which inductor turns into
     its own fused loops. Each of the ``n * ng`` matrix products is a few thousand
     multiply-adds; as batched GEMM library calls (``_attend_decode``) they took longer inside
-    the compiled step up to a few hundred keys (docs/engines.md, sixth session: measured to
+    the compiled step up to a few hundred keys (docs/measurements/engine.md: measured to
     4,096 keys both ways)."""
     n, ng, length, hn = keys.shape
     k_G1Lh = keys.reshape(n * ng, 1, length, hn)
@@ -561,7 +561,7 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     non-interleaved ``t * cos + cat(-x2, x1) * sin`` written as ``t * cos + cat(x2, x1) *
     signed_sin`` (the same products; three ops instead of six); dims beyond ``rot`` pass
     through. The halves are swapped with ``cat``, not ``roll`` (the same values): inductor
-    compiles a ``roll`` to a per-element gather (docs/engines.md, ninth session)."""
+    compiles a ``roll`` to a per-element gather (docs/measurements/engine.md)."""
     rot = cos.size(-1)
     head, tail = t[..., :rot], t[..., rot:]
     swapped = torch.cat((head[..., rot // 2 :], head[..., : rot // 2]), dim=-1)

@@ -135,7 +135,7 @@ class StepIndex:
     @classmethod
     def build(cls, batch: Batch) -> StepIndex:
         """The index tensors, computed with numpy over the sequences, not a Python loop over
-        every token (docs/engines.md, ninth session)."""
+        every token (docs/measurements/engine.md)."""
         lengths = [len(t) for t in batch.tokens]
         n_k, start_k = np.array(lengths), np.array(batch.starts)
         seq, local, first_k = _spans(n_k)
