@@ -17,6 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_ENGINE_ROWS = 64
+"""KV-cache rows of one embedded engine at most: it decodes ``rollout.max_concurrency`` requests
+at once up to this many (the rest wait) and allocates that many rows of ``rollout.max_context``
+tokens when it is built (``orchestration.engines.embedded.engine_config``)."""
+
 COMPILE_SWITCHES = ("compile_decode", "compile_prefill")
 """The ``torch.compile`` switches (fields of ``EmbeddedRolloutConfig`` and of
 ``EmbeddedEngineConfig``, same names): tp = 1 only, each checked the same way."""

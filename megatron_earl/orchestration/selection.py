@@ -29,7 +29,8 @@ CPU: the embedded engine computes in a worker thread that a dispatch mode does n
 phase's busy time (wall minus run-queue wait, min over ranks) refreshes the throughput table.
 Candidates: experience, every layout of the world the model admits with dp <= samples per step;
 train, dp <= samples per mini-batch; rollout, tp/dp only (the embedded engine needs pp = cp = 1),
-dp <= prompts per step.
+dp <= prompts per step. The rollout phase counts the embedded engine's KV cache as the engine
+allocates it, whole when it is built (``engine_kv``: rows x ``rollout.max_context``).
 
 Which ranks call: every rank of the world, with the same lengths (decisions are deterministic).
 """
@@ -46,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_earl import runtime
+from megatron_earl.config.embedded import MAX_ENGINE_ROWS
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.groups import host_group
-from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.parallel.layout import ParallelLayout, phase_layout
 from megatron_earl.parallel.oom_agreement import agreement_point
 from megatron_earl.selector.budget import BudgetExceeded, MemoryBudget
 from megatron_earl.selector.calibrate import CalibrationPoint, fit
@@ -60,7 +62,14 @@ from megatron_earl.selector.decide import (
     candidate_layouts,
     percentile,
 )
-from megatron_earl.selector.memory import MemoryModel, MemorySettings, MiB
+from megatron_earl.selector.memory import (
+    MemoryModel,
+    MemorySettings,
+    MiB,
+    PhaseWorkload,
+    ReservedKV,
+    per_rank,
+)
 from megatron_earl.selector.oom import run_phase_with_recovery
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.selector.state import load_selector_state, selector_state
@@ -89,6 +98,15 @@ def cpu_measured(
     return phase != Phase.ROLLOUT and predicted_bytes >= measure_above * budget_bytes
 
 
+def engine_kv(config: RunConfig) -> ReservedKV:
+    """The KV cache an embedded engine replica allocates when it is built, whatever the batch
+    (``orchestration.engines.embedded.engine_config``): ``rollout.max_concurrency`` rows (at most
+    ``MAX_ENGINE_ROWS``) of ``rollout.max_context`` tokens. The rollout phase is selected only
+    with the embedded engine (``engines.checks``). Pure."""
+    rollout = config.rollout
+    return ReservedKV(min(rollout.max_concurrency, MAX_ENGINE_ROWS), rollout.max_context)
+
+
 def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str, Selector]:
     """One ``Selector`` per selected phase, sharing the memory model and throughput table. Pure."""
     s = config.selector
@@ -102,12 +120,14 @@ def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str,
         token_budget=config.batch.max_tokens_per_micro_batch,
     )
     # experience/train see the batch's own lengths (the rollout produced them): no
-    # extrapolation; the rollout phase plans from the previous step's lengths, one step ahead
+    # extrapolation; the rollout phase plans from the previous step's lengths, one step ahead,
+    # with the engine's whole KV cache
+    rollout = dataclasses.replace(decide, reserved_kv=engine_kv(config))
     return {
         phase: Selector(
             config.model,
             world_size,
-            decide if phase == Phase.ROLLOUT else dataclasses.replace(decide, lookahead_steps=0.0),
+            rollout if phase == Phase.ROLLOUT else dataclasses.replace(decide, lookahead_steps=0.0),
             memory,
             table,
             phase_candidates(config, phase, world_size),
@@ -117,10 +137,12 @@ def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str,
 
 
 def selector_problems(config: RunConfig, world_size: int) -> list[str]:
-    """Why the selector cannot run ``config`` at all: its budget holds no layout even for the
-    shortest batch (one-token sequences: the weights, train state and fixed buffers), or none for
-    one sequence of ``rollout.max_context`` tokens (the longest a trajectory may grow to).
-    Pure; the launchers call it before any process starts. Empty when the selector is off."""
+    """Why the selector cannot run ``config`` at all: with the rollout phase selected, the
+    embedded engine of ``layouts.rollout`` does not fit its budget (``_start_engine_problem``);
+    its budget holds no layout even for the shortest batch (one-token sequences: the weights,
+    train state and fixed buffers), or none for one sequence of ``rollout.max_context`` tokens
+    (the longest a trajectory may grow to). Pure; the launchers call it before any process
+    starts. Empty when the selector is off."""
     if not config.selector.enabled:
         return []
     problems = []
@@ -135,6 +157,12 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
     except ValueError as err:
         return [f"selector: {err}"]
     budget_mb, margin = config.selector.budget_mb, config.selector.safety_margin
+    engine = None
+    if Phase.ROLLOUT in selectors:
+        engine = _start_engine_problem(config, selectors[Phase.ROLLOUT])
+    if engine is not None:  # it says why the rollout fits no layout: its KV cache
+        problems.append(engine)
+        selectors = {p: s for p, s in selectors.items() if p != Phase.ROLLOUT}
     shortest = [1] * config.batch.samples_per_step
     for phase, layouts, smallest, mib in _infeasible(selectors, shortest):
         problems.append(
@@ -157,6 +185,59 @@ def selector_problems(config: RunConfig, world_size: int) -> list[str]:
             "raise the budget, or give the selector layouts with more cp/tp"
         )
     return problems
+
+
+def _start_engine_problem(config: RunConfig, selector: Selector) -> str | None:
+    """Why the embedded engine of ``layouts.rollout`` does not fit the rollout ``selector``'s
+    budget, or None. That engine is built when the run starts, before any decision (the warm
+    start runs beside it, the first evaluation in it), and allocates its KV cache whole
+    (``engine_kv``); checked with the weights, the train state in ``layouts.train`` and one
+    sequence of ``rollout.max_context`` tokens. The message names the largest
+    ``rollout.max_context`` that layout holds and the rollout layouts that hold this one. Pure."""
+    start = phase_layout(config.layouts, Phase.ROLLOUT)
+    train = phase_layout(config.layouts, Phase.TRAIN)
+    limit = selector.config.budget_bytes / (1 + selector.config.safety_margin)
+    kv = engine_kv(config)
+    others = [1] * (config.batch.samples_per_step - 1)
+
+    def peak(layout: ParallelLayout, context: int):
+        work = PhaseWorkload.for_lengths(
+            Phase.ROLLOUT,
+            [context, *others],
+            token_budget=selector.config.token_budget,
+            dp=layout.dp,
+            reserved_kv=dataclasses.replace(kv, context=context),
+        )
+        return selector.memory.peak(Phase.ROLLOUT, layout, work, train_layout=train)
+
+    need = peak(start, kv.context)
+    if need.total <= limit:
+        return None
+    fits, too_long = 0, kv.context  # bisection: the peak grows with the context
+    while too_long - fits > 1:
+        mid = (fits + too_long) // 2
+        fits, too_long = (mid, too_long) if peak(start, mid).total <= limit else (fits, mid)
+    largest = (
+        f"the largest rollout.max_context {start} holds is {fits}"
+        if fits
+        else f"no rollout.max_context fits {start}"
+    )
+    holders = [
+        f"layouts.rollout={c} ({per_rank(p)})"
+        for c in selector.candidates
+        if c != start and (p := peak(c, kv.context).total) <= limit
+    ]
+    return (
+        f"rollout.max_context ({kv.context} tokens) does not fit selector.budget_mb "
+        f"({config.selector.budget_mb:g} MiB; {per_rank(limit)} with the safety margin "
+        f"{config.selector.safety_margin:.0%}): the embedded engine of layouts.rollout {start} "
+        "is built at start-up, before any layout decision, and allocates its KV cache whole, "
+        f"{kv.rows} rows (rollout.max_concurrency, at most {MAX_ENGINE_ROWS}) x {kv.context} "
+        f"tokens = {per_rank(need.kv_cache)}; with the weights, the train state and one "
+        f"sequence of that length it needs {per_rank(need.total)}. Fits: {largest}"
+        + "".join(f"; {h} holds {kv.context}" for h in holders)
+        + "; or a smaller rollout.max_concurrency, or a larger selector.budget_mb"
+    )
 
 
 def _infeasible(selectors: dict, lengths: list[int]) -> list[tuple[str, list[str], str, float]]:

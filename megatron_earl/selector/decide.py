@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import PHASES
 from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.selector.memory import MemoryModel, PhaseWorkload, per_rank
+from megatron_earl.selector.memory import MemoryModel, PhaseWorkload, ReservedKV, per_rank
 from megatron_earl.selector.throughput import ThroughputTable, bucket_of
 
 logger = logging.getLogger("megatron_earl.selector")
@@ -64,6 +64,9 @@ class SelectorConfig:
     """Tokens per micro-batch per DP replica (before CP); a longer sequence gets its own."""
     concurrent_sequences: int | None = None
     """Rollout: sequences per engine replica (None: the batch spread over dp)."""
+    reserved_kv: ReservedKV | None = None
+    """Rollout: the engine's KV cache when it is allocated whole up front (the embedded engine's
+    rows x ``rollout.max_context``, whatever the batch); None: sized by the batch."""
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
@@ -194,6 +197,7 @@ class Selector:
             dp=layout.dp,
             cp=layout.cp,
             concurrent_sequences=self.config.concurrent_sequences,
+            reserved_kv=self.config.reserved_kv,
         )
 
     def predicted_peak(

@@ -23,7 +23,10 @@ Terms (bytes on the most loaded rank: the first or last pipeline stage):
   the core-attention tensors. Forward-only phases keep no activations: one layer's transient;
 * log-prob buffers: the chunked output layer (``training.logprobs``) holds a few
   ``chunk x V/tp`` fp32 buffers, whatever the sequence length;
-* KV cache (rollout): layers/pp x 2 x kv heads/tp x head dim x tokens x bytes;
+* KV cache (rollout): layers/pp x 2 x kv heads/tp x head dim x tokens x bytes, tokens being the
+  concurrent sequences x the longest (a paged pool), or, for an engine that allocates its cache
+  whole when it is built (``ReservedKV``: the embedded engine's row cache), its rows x its
+  context limit whatever the batch;
 * overhead: a fixed per-rank amount (framework, communicator buffers).
 
 In the RL loop the trainable master copy (weights, gradients, optimizer state) lives in the train
@@ -63,6 +66,24 @@ def per_rank(num_bytes: float) -> str:
 
 
 @dataclass(frozen=True)
+class ReservedKV:
+    """A rollout engine's KV cache allocated whole when the engine is built, whatever the batch:
+    ``rows`` rows of ``context`` tokens per engine replica (the embedded engine's row cache,
+    ``rollout/kv_cache.py``; its RoPE tables span ``context`` too)."""
+
+    rows: int
+    """Requests the engine decodes at once (the embedded engine: ``rollout.max_concurrency``, at
+    most ``config.embedded.MAX_ENGINE_ROWS``)."""
+    context: int
+    """Tokens per row: the engine's context limit (``rollout.max_context``; a compiled engine
+    adds one spare position, less than 1 / context of the cache, not counted)."""
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.context < 1:
+            raise ValueError(f"rows ({self.rows}) and context ({self.context}) must be >= 1")
+
+
+@dataclass(frozen=True)
 class PhaseWorkload:
     """What one phase processes per data-parallel replica (the inputs of the memory model)."""
 
@@ -76,6 +97,9 @@ class PhaseWorkload:
     """Micro-batches per step per DP replica (bounds the micro-batches 1F1B keeps in flight)."""
     concurrent_sequences: int = 1
     """Rollout: sequences decoded at once by one engine replica (their KV cache is resident)."""
+    reserved_kv: ReservedKV | None = None
+    """Rollout: the engine's KV cache when it is allocated whole up front (``ReservedKV``); None:
+    it holds the concurrent sequences' own tokens (a paged pool)."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -103,6 +127,7 @@ class PhaseWorkload:
         dp: int = 1,
         cp: int = 1,
         concurrent_sequences: int | None = None,
+        reserved_kv: ReservedKV | None = None,
     ) -> PhaseWorkload:
         """The workload of the most loaded DP replica when a batch of sequence ``lengths`` is
         spread over ``dp`` replicas the way the dispatcher does (``dispatch.balance``) and packed
@@ -124,6 +149,7 @@ class PhaseWorkload:
             tokens_per_micro_batch=per_mb,
             num_micro_batches=count,
             concurrent_sequences=concurrent_sequences or max(1, math.ceil(len(lengths) / dp)),
+            reserved_kv=reserved_kv,
         )
 
 
@@ -453,9 +479,14 @@ class MemoryModel:
         """RoPE table bytes per rank (not split by any axis): in train/experience, Megatron's
         ``RotaryEmbedding.forward`` LRU cache (``settings.rotary_cache_entries`` entries of ``[s,
         head dim]`` fp32 at most, s up to the longest sequence; with ``rope_type: yarn`` also its
-        cos/sin cache); in rollout the engine's cos and sin ``[s, head dim]``."""
+        cos/sin cache); in rollout the engine's cos and sin ``[s, head dim]``, and with a
+        ``reserved_kv`` engine (the embedded one) over its whole context, plus the fp32 table
+        they are computed from, which Megatron's rotary LRU cache keeps."""
         m, s = self.model, work.max_seq_len
         if phase == Phase.ROLLOUT:
+            if work.reserved_kv is not None:
+                context = work.reserved_kv.context
+                return context * m.head_dim * (2 * self.param_bytes + 4)
             return 2 * s * m.head_dim * self.param_bytes
         tables = self.settings.rotary_cache_entries * s * m.head_dim * 4
         if m.rope_type == "yarn":
@@ -463,9 +494,14 @@ class MemoryModel:
         return tables
 
     def kv_cache(self, layout: ParallelLayout, work: PhaseWorkload) -> float:
+        """KV-cache bytes per rank of a rollout engine replica: its reserved rows x context
+        (``work.reserved_kv``: allocated whole, whatever the lengths), else the concurrent
+        sequences x the longest."""
         m = self.model
         kv_heads = max(1.0, m.query_groups / layout.tp)
         tokens = work.concurrent_sequences * work.max_seq_len
+        if work.reserved_kv is not None:
+            tokens = work.reserved_kv.rows * work.reserved_kv.context
         per_token = 2 * kv_heads * m.head_dim * self.param_bytes
         return m.num_layers / layout.pp * per_token * tokens / layout.cp
 

@@ -173,3 +173,30 @@ def test_demo_selects_dp2_for_every_phase_without_measuring():
             assert not cpu_measured(
                 phase, decision.peak_bytes, s.budget_mb * (1 << 20), s.measure_above
             ), (phase, decision.peak_bytes)
+
+
+def test_preflight_refuses_a_max_context_whose_engine_kv_cache_exceeds_the_budget():
+    """The hostile input: demo_cpu.yaml with rollout.max_context=100000 passed the start-up
+    check, then each rank's embedded engine allocated its 64-row KV cache of 100000 tokens
+    (12.2 GiB) before step 1, past the 8 GiB budget. The check now counts that cache and names
+    the value, the estimate, the budget and the largest max_context that fits (which passes)."""
+    import re
+
+    from megatron_earl.cli.train import checked_config
+    from megatron_earl.config.run import ConfigError
+
+    demo = ["--config", "configs/demo_cpu.yaml"]
+    with pytest.raises(ConfigError) as err:
+        checked_config([*demo, "rollout.max_context=100000"], 2)
+    message = str(err.value)
+    assert "rollout.max_context (100000 tokens) does not fit selector.budget_mb" in message
+    assert "(8192 MiB; 7.273 GiB per rank with the safety margin 10%)" in message
+    assert "64 rows (rollout.max_concurrency, at most 64) x 100000 tokens = 12.207 GiB" in message
+    assert "layouts.rollout=tp2cp1pp1dp1" in message
+    largest = int(re.search(r"largest rollout.max_context tp1cp1pp1dp2 holds is (\d+)", message)[1])
+    assert 50_000 < largest < 100_000
+    checked_config([*demo, f"rollout.max_context={largest}"], 2)
+    with pytest.raises(ConfigError, match=f"rollout.max_context \\({largest + 1} tokens\\)"):
+        checked_config([*demo, f"rollout.max_context={largest + 1}"], 2)
+    checked_config([*demo, "rollout.max_context=100000", "layouts.rollout=tp2cp1pp1dp1"], 2)
+    checked_config(demo, 2)

@@ -187,3 +187,24 @@ def test_rotary_tables_by_hand():
         assert yarn.peak("train", layout, work).rotary_tables == lru + 2 * 4096 * 16 * 4
     rollout = PhaseWorkload("rollout", 4096, 4096, concurrent_sequences=2)
     assert plain.peak("rollout", ParallelLayout(), rollout).rotary_tables == 2 * 4096 * 16 * 4
+
+
+def test_reserved_kv_cache_is_rows_times_context_whatever_the_lengths():
+    """The embedded engine allocates its row cache whole when it is built: every row holds the
+    context limit, whatever the batch, and the RoPE tables span it (cos, sin and Megatron's
+    cached fp32 table); TP splits the KV groups, not the rows."""
+    from megatron_earl.selector.memory import ReservedKV
+
+    mem = MemoryModel(TINY, MemorySettings.gpu(overhead_bytes=0.0))
+    reserved = ReservedKV(rows=64, context=100_000)
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv groups x head dim x fp32
+    for lengths in ([1] * 8, [100_000] + [1] * 7, [300] * 8):
+        for dp in (1, 2):
+            work = PhaseWorkload.for_lengths("rollout", lengths, dp=dp, reserved_kv=reserved)
+            peak = mem.peak("rollout", ParallelLayout(dp=dp), work)
+            assert peak.kv_cache == 64 * 100_000 * per_token
+            assert peak.rotary_tables == 100_000 * 16 * (4 + 4 + 4)
+    work = PhaseWorkload.for_lengths("rollout", [300] * 8, reserved_kv=reserved)
+    assert mem.kv_cache(ParallelLayout(tp=2), work) == 64 * 100_000 * per_token / 2
+    with pytest.raises(ValueError, match="rows"):
+        ReservedKV(rows=0, context=10)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_earl.config.embedded import COMPILE_SWITCHES
+from megatron_earl.config.embedded import COMPILE_SWITCHES, MAX_ENGINE_ROWS
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
 from megatron_earl.orchestration.engines.base import (
@@ -48,13 +48,15 @@ from megatron_earl.tokenizer.base import ChatTokenizer
 
 def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineConfig:
     """The engine settings of ``layout``'s engine: KV rows for ``rollout.max_concurrency`` (at
-    most 64), ``rollout.max_context`` per row, ``rollout.embedded``'s threads, and the compiled
-    decode and prefill steps when asked for and ``layout`` has tp = 1 (else eager). Steps run in the
-    engine's worker thread (``EmbeddedEngineConfig.step_thread``): the agent loops' env and
-    reward timeouts keep running during a long step. Pure."""
+    most ``MAX_ENGINE_ROWS``), ``rollout.max_context`` per row (the whole cache is allocated
+    when the engine is built: the selector counts it, ``orchestration.selection``),
+    ``rollout.embedded``'s threads, and the compiled decode and prefill steps when asked for and
+    ``layout`` has tp = 1 (else eager). Steps run in the engine's worker thread
+    (``EmbeddedEngineConfig.step_thread``): the agent loops' env and reward timeouts keep running
+    during a long step. Pure."""
     rollout = config.rollout
     return EmbeddedEngineConfig(
-        max_batch_size=min(rollout.max_concurrency, 64),
+        max_batch_size=min(rollout.max_concurrency, MAX_ENGINE_ROWS),
         max_seq_len=rollout.max_context,
         seed=config.seed,
         decode_threads=rollout.embedded.decode_threads,
