@@ -45,26 +45,29 @@ def route_path(request: web.Request) -> str | None:
     return None if resource is None else resource.canonical
 
 
-async def read_body(request: web.Request, limit: int) -> bytearray:
-    """The body of ``request``; ``HTTPRequestEntityTooLarge`` once it passes ``limit`` bytes."""
+async def read_body(request: web.Request, limit: int, in_place: bool = False) -> bytearray:
+    """The body of ``request``; ``HTTPRequestEntityTooLarge`` once it passes ``limit`` bytes.
+
+    By default memory grows as bytes arrive (a stalled sender holds only what it sent) and the
+    chunks are joined at the end: ~2x the body for that moment, and the freed chunks may stay in
+    the allocator's heap. ``in_place`` (a body with a ``Content-Length``) allocates the whole
+    buffer first and fills it: 1x, for a caller that lets one such body in at a time."""
     length = request.content_length
-    if length is not None and length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length)
-    if length is not None:  # filled in place: a growing buffer is copied when it moves
+    if in_place and length is not None and length <= limit:
         body, filled = bytearray(length), 0
-        view = memoryview(body)
-        async for chunk in request.content.iter_chunked(1 << 20):  # at most length bytes
-            view[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
-        view.release()
-        if filled != length:
-            raise web.HTTPBadRequest(text=f"body of {filled} bytes, Content-Length {length}")
+        with memoryview(body) as view:
+            async for chunk in request.content.iter_chunked(1 << 20):  # at most length bytes
+                view[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
         return body
-    body = bytearray()
+    chunks, size = [], 0
     async for chunk in request.content.iter_chunked(1 << 20):
-        if len(body) + len(chunk) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body) + len(chunk))
-        body += chunk
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        chunks.append(chunk)
+    body = bytearray().join(chunks)
+    chunks.clear()
     return body
 
 
@@ -73,8 +76,8 @@ def parse_json(raw: bytes | bytearray | str, what: str) -> Any:
     ``ValueError`` naming ``what`` when it is not JSON, not UTF-8, or nested deeper than the
     parser can follow."""
     try:
-        if isinstance(raw, bytearray):
-            text = raw.decode("utf-8")
+        if isinstance(raw, bytearray):  # the encodings json.loads reads (a BOM, UTF-16/32)
+            text = raw.decode(json.detect_encoding(raw), "surrogatepass")
             raw.clear()
             return json.loads(text)
         return json.loads(raw)

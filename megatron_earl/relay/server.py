@@ -47,13 +47,15 @@ passes them on without the trainer:
 ``GET /relay_info`` reports the versions held and staged, every engine's state and the
 counters (JSON). Errors answer ``{"error": {"message": ...}}`` with a 4xx naming the value.
 Who may publish. With ``$EARL_RELAY_API_KEY`` set (here and on the publisher) every request
-but ``GET /health``, whatever its method or path spelling, needs ``Authorization: Bearer KEY``.
-A relay binds to 127.0.0.1 by default; bound to any other address it refuses to start without a
-key (``--allow-no-key`` says the network is trusted). Without a key every local process may
-publish, so the key is the protection on a shared machine; what no caller can do, key or not, is
-pin the relay to a version its trainer can never follow: a generation (a publisher's start time
-in ms) more than ``--max-clock-skew-s`` ahead of this relay's clock is refused with 400, so a
-``generation=10**15`` cannot make every later publication "older than the newest".
+but ``GET``/``HEAD /health``, whatever its method or path spelling, needs
+``Authorization: Bearer KEY``. A relay binds to 127.0.0.1 by default; bound to any other address
+it refuses to start without a key (``--allow-no-key`` says the network is trusted). Without a
+key every local process may publish, and a publish in a generation at or after the running
+trainer's start refuses that trainer's later publications (409) until a trainer started later
+publishes: the key is the only protection of a run in progress. What no caller can do, key or
+not, is pin the relay for every future trainer: a generation (a publisher's start time in ms)
+more than ``--max-clock-skew-s`` ahead of this relay's clock is refused with 400
+(``generation=10**15`` was taken before, and then no trainer could ever publish again).
 """
 
 from __future__ import annotations

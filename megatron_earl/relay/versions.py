@@ -99,8 +99,12 @@ class Manifest:
         try:
             buckets = tuple(BucketInfo.from_dict(b) for b in raw["buckets"])
             return cls(int(raw["version"]), buckets, int(raw.get("generation", 0)))
-        except (KeyError, TypeError, ValueError) as err:
-            raise VersionError(
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+        ) as err:  # the request's error (400), not a conflict
+            raise ValueError(
                 f"malformed manifest {str(raw)[:200]!r}: {err}; expected "
                 "{'version': int, 'buckets': [{'sha256': str, 'nbytes': int, 'tensors': int}]}"
             ) from err

@@ -15,7 +15,7 @@ input the function declares it cannot score: ``RewardInputError``, e.g. ``exact_
 non-numeric ``task.target``) -> 400 (deterministic: not retried); the function raising anything
 else (``SystemExit`` included: the service goes on) or returning a non-finite/non-number -> 500
 (retried). With ``$EARL_REWARD_API_KEY`` set on the service (and on the trainer, whose client
-sends it) every request but ``GET /health``, whatever its method, needs
+sends it) every request but ``GET``/``HEAD /health``, whatever its method, needs
 ``Authorization: Bearer KEY``.
 
 Synchronous functions run on a bounded pool of worker threads (``--threads``,

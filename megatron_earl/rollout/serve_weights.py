@@ -55,7 +55,7 @@ from aiohttp import web
 
 from megatron_earl.rollout.generate_api import BadRequest, parse_weight_version
 from megatron_earl.rollout.server_auth import error_response
-from megatron_earl.rollout.tensor_payload import is_portable, load_payload, payload_bytes
+from megatron_earl.rollout.tensor_payload import is_portable, take_payload
 from megatron_earl.rollout.weight_group import (
     FLATTENED,
     LOAD_FORMATS,
@@ -298,9 +298,13 @@ class WeightEndpoints:
                 f"every TP rank, so all {tp} portable payloads must be identical"
             )
         load_format = body.get("load_format")
-        # Each distinct payload once; its string is dropped as soon as it is decoded, so a body
-        # of B bytes holds at most ~1.75B here (a string, its bytes) and 1.5B while the tensors
-        # are built (the bytes, the tensors), never the strings and the tensors together.
+        if load_format not in LOAD_FORMATS:  # before decoding up to a whole bucket
+            raise BadRequest(f"load_format {load_format!r:.80} is not one of {LOAD_FORMATS}")
+        if (bad := next((p for p in payloads if not isinstance(p, str)), None)) is not None:
+            raise BadRequest(
+                f"serialized_named_tensors holds base64 strings, got {type(bad).__name__}"
+            )
+        # Each distinct payload once, dropped as soon as it is decoded (take_payload).
         distinct = list(dict.fromkeys(payloads))
         del payloads
         try:
@@ -309,10 +313,7 @@ class WeightEndpoints:
             # once its handle is opened) and must hold the same names.
             named = None
             for i in range(len(distinct)):
-                raw = await asyncio.to_thread(payload_bytes, distinct[i])
-                distinct[i] = None
-                tensors = await asyncio.to_thread(load_payload, raw, load_format)
-                del raw
+                tensors = await asyncio.to_thread(take_payload, distinct, i, load_format)
                 if named is None:
                     named = tensors
                 elif [n for n, _ in tensors] != [n for n, _ in named]:
@@ -344,9 +345,9 @@ class WeightEndpoints:
         body = await self._json(request, GET_WEIGHTS_FIELDS, "get_weights_by_name")
         name, size = body.get("name"), body.get("truncate_size", 100)
         if not isinstance(name, str):
-            raise BadRequest(f"get_weights_by_name needs name (a string), got {name!r}")
+            raise BadRequest(f"get_weights_by_name needs name (a string), got {name!r:.80}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise BadRequest(f"truncate_size must be an integer >= 0, got {size!r}")
+            raise BadRequest(f"truncate_size must be an integer >= 0, got {size!r:.80}")
         self.check_weights_resident("get_weights_by_name")
         model = self.engine.model_config
         if read_name(name, model) not in self._expected():
@@ -391,7 +392,7 @@ class WeightEndpoints:
             )
         address = body["master_address"]
         if not isinstance(address, str) or not address:
-            raise BadRequest(f"master_address must be a non-empty string, got {address!r}")
+            raise BadRequest(f"master_address must be a non-empty string, got {address!r:.80}")
         if not isinstance(name, str) or not name:
             raise BadRequest(f"group_name must be a non-empty string, got {name!r}")
         await self._drop_group(name)  # SGLang replaces a group of the same name (a new trainer)

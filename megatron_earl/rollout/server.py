@@ -94,7 +94,7 @@ from megatron_earl.rollout.serve_model import (
 from megatron_earl.rollout.serve_weights import WeightEndpoints
 from megatron_earl.rollout.server_auth import (
     ADMIN_PATHS,
-    WEIGHT_PATHS,
+    TENSOR_UPDATE_PATH,
     RequestLimits,
     allowed,
     error_response,
@@ -160,9 +160,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
         self._update_done.set()
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "serve-tokenizer")
         """Parses ``/generate`` bodies (tokenizes their text), one at a time, off the loop."""
-        self._weight_body_slot = asyncio.Semaphore(1)
-        """Held while a weight-update body is read and decoded (peak ~2x its size), so that
-        concurrent updates do not add up in memory."""
+        self._tensor_update_slot = asyncio.Semaphore(1)
+        """Held by a ``/update_weights_from_tensor`` request for its whole handling (its body
+        peaks at ~2x its size in memory), so that concurrent updates do not add up."""
         self._control_tasks: set[asyncio.Task] = set()
         """Control handlers running shielded from their client's disconnect (``_middleware``)."""
         self.corrupt_loads = corrupt_loads
@@ -237,9 +237,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
         self, request: web.Request, handler: Callable[..., Awaitable], limit: int
     ) -> web.StreamResponse:
         try:
-            if request.path not in WEIGHT_PATHS:
+            if request.path != TENSOR_UPDATE_PATH:
                 return await handler(request)
-            async with self._weight_body_slot:  # one weight body read and decoded at a time
+            async with self._tensor_update_slot:  # one tensor update (its body) at a time
                 return await handler(request)
         except web.HTTPRequestEntityTooLarge:
             return error_response(
@@ -247,6 +247,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
             )
         except (BadRequest, RequestError) as err:
             return error_response(400, str(err))
+        except RecursionError:  # a value nested just under the parser's limit, then walked
+            return error_response(400, f"{request.path}: the request is nested too deeply")
         except web.HTTPException:
             raise
         except Exception as err:  # a bug answered for this request only; the server goes on
@@ -263,7 +265,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
             return _check_fields({}, allowed, what)
         timeout, limit = self.limits.body_timeout(request.path), self.limits.for_path(request.path)
         try:
-            raw = await asyncio.wait_for(read_body(request, limit), timeout)
+            in_place = request.path == TENSOR_UPDATE_PATH  # one at a time: _tensor_update_slot
+            raw = await asyncio.wait_for(read_body(request, limit, in_place), timeout)
         except TimeoutError:
             raise web.HTTPRequestTimeout(
                 text=f"the request body of {request.path} was not received within {timeout:g}s"

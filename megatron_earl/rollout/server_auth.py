@@ -1,7 +1,7 @@
 """Who may call which ``serve`` endpoint, and how large, slow or many its requests may be.
 
 Authorization follows SGLang 0.5.23's ``sglang.srt.utils.auth.decide_request_auth`` (read from
-the pinned wheel; the decision table is in ``megatron_earl/docs/engines.md``):
+the pinned wheel; ``tests/unit/test_server_auth.py`` holds the decision table):
 
 * health, readiness and metrics paths (prefixes ``/health``, ``/ready``, ``/metrics``) are always
   open, so probes (the router's, Kubernetes') need no secret;
@@ -58,8 +58,10 @@ ADMIN_PATHS = frozenset(
         "/continue_generation",
     }
 )
+TENSOR_UPDATE_PATH = "/update_weights_from_tensor"
+"""The one endpoint whose body carries the weights themselves."""
 WEIGHT_PATHS = frozenset(
-    {"/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed"}
+    {TENSOR_UPDATE_PATH, "/update_weights_from_disk", "/update_weights_from_distributed"}
 )
 """Endpoints whose bodies may be as large as a weight bucket."""
 
@@ -86,7 +88,7 @@ class RequestLimits:
     max_weight_body_bytes: int = 1 << 30
     """The weight-update endpoints (a base64 bucket of the default 512 MiB is ~683 MiB). A weight
     update peaks at ~2x its body in ``serve``'s memory (the JSON text and the payload string it
-    parses to), one body at a time: ~2 GiB at this default."""
+    parses to), one tensor update at a time: ~2 GiB at this default."""
     body_timeout_s: float = 30.0
     """Time a client has to send a request body (then 408): a slow or stalled sender holds no
     handler longer (weight updates get 10x)."""

@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 import pytest
+import yarl
 
 from megatron_earl.envs import ArithmeticEnv
 from megatron_earl.rewards import RewardInput, WeightedReward
@@ -265,7 +266,8 @@ def test_a_keyed_service_needs_the_key_on_every_method_but_health(monkeypatch):
                 for path in ("/reward", "/nowhere", "/health/../reward", "/reward/"):
                     for method in ("GET", "POST", "PUT", "DELETE", "OPTIONS", "HEAD"):
                         for headers in ({}, {"Authorization": f"Bearer {key}x"}):
-                            async with s.request(method, url + path, headers=headers) as resp:
+                            target = yarl.URL(url + path, encoded=True)  # sent as spelled
+                            async with s.request(method, target, headers=headers) as resp:
                                 assert resp.status == 401, (method, path, resp.status)
                 async with s.get(url + "/health") as resp:
                     assert resp.status == 200
