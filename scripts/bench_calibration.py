@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_earl.bench.selector import MODEL  # the selector sweep's tiny model
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector import calibrate
-from megatron_earl.selector.bench import MODEL  # the selector sweep's tiny model
 from megatron_earl.selector.memory import MemoryModel, MemorySettings
 from megatron_earl.testing.distributed import run_distributed
 

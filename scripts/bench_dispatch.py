@@ -1,6 +1,6 @@
-"""Dispatch benchmark runner (megatron_earl/dispatch/bench.py): scripts/bench_dispatch.py -h"""
+"""Dispatch benchmark runner (megatron_earl/bench/dispatch.py): scripts/bench_dispatch.py -h"""
 
-from megatron_earl.dispatch.bench import main
+from megatron_earl.bench.dispatch import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

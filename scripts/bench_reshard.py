@@ -1,6 +1,6 @@
-"""Weight reshard benchmark (logic: megatron_earl/redistribute/bench.py). --help for options."""
+"""Weight reshard benchmark (logic: megatron_earl/bench/reshard.py). --help for options."""
 
-from megatron_earl.redistribute.bench import main
+from megatron_earl.bench.reshard import main
 
 if __name__ == "__main__":
     main()

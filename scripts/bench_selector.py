@@ -1,6 +1,6 @@
-"""Selector context-length sweep (logic: megatron_earl/selector/bench.py). --help for options."""
+"""Selector context-length sweep (logic: megatron_earl/bench/selector.py). --help for options."""
 
-from megatron_earl.selector.bench import main
+from megatron_earl.bench.selector import main
 
 if __name__ == "__main__":
     main()

@@ -25,8 +25,8 @@ import itertools
 import json
 import statistics
 
+from megatron_earl.bench.pipeline_sim import LengthDist, SimConfig, simulate
 from megatron_earl.envs import LongTailEnv
-from megatron_earl.orchestration.pipeline_sim import LengthDist, SimConfig, simulate
 
 
 def main() -> None:

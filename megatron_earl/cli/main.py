@@ -47,28 +47,28 @@ from megatron_earl.compat.processes import die_with_parent, skip_exit_gc
 
 # subcommand -> module whose ``main(argv)`` implements it
 _MODULES = {
-    ("bench", "dispatch"): "megatron_earl.dispatch.bench",
-    ("bench", "reshard"): "megatron_earl.redistribute.bench",
-    ("bench", "engine"): "megatron_earl.rollout.bench",
-    ("bench", "serve"): "megatron_earl.rollout.bench_serve",
-    ("bench", "soak"): "megatron_earl.rollout.bench_soak",
+    ("bench", "dispatch"): "megatron_earl.bench.dispatch",
+    ("bench", "reshard"): "megatron_earl.bench.reshard",
+    ("bench", "engine"): "megatron_earl.bench.engine",
+    ("bench", "serve"): "megatron_earl.bench.serve",
+    ("bench", "soak"): "megatron_earl.bench.soak",
     ("serve",): "megatron_earl.rollout.server",
     ("relay",): "megatron_earl.relay.server",
     ("plot",): "megatron_earl.orchestration.plot",
     ("plan",): "megatron_earl.selector.plan_cli",
     ("convert",): "megatron_earl.convert.cli",
-    ("bench", "selector"): "megatron_earl.selector.bench",
-    ("bench", "peer"): "megatron_earl.orchestration.bench_peer",
-    ("bench", "async-sim"): "megatron_earl.orchestration.bench_async_sim",
-    ("bench", "async"): "megatron_earl.orchestration.bench_async",
-    ("bench", "relay"): "megatron_earl.relay.bench",
-    ("bench", "faults"): "megatron_earl.orchestration.fault_suite",
-    ("bench", "repack"): "megatron_earl.orchestration.bench_repack",
+    ("bench", "selector"): "megatron_earl.bench.selector",
+    ("bench", "peer"): "megatron_earl.bench.peer",
+    ("bench", "async-sim"): "megatron_earl.bench.async_sim",
+    ("bench", "async"): "megatron_earl.bench.async_rl",
+    ("bench", "relay"): "megatron_earl.bench.relay",
+    ("bench", "faults"): "megatron_earl.bench.fault_suite",
+    ("bench", "repack"): "megatron_earl.bench.repack",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",
     "train": "megatron_earl.cli.train",
-    "bench-rl-sweep": "megatron_earl.orchestration.bench_rl",
+    "bench-rl-sweep": "megatron_earl.bench.rl",
 }
 
 

@@ -7,6 +7,6 @@
 gated fc1, vocabulary padding); ``dcp`` streams a Megatron ``torch_dist`` checkpoint one layer at
 a time; ``hf_io`` reads and writes sharded safetensors; ``convert`` runs both directions; ``cli``
 is the command line; ``initial`` loads an HF directory or a Megatron checkpoint into a model being
-trained; ``tiny`` builds tiny random HF models; ``bench_memory`` measures the converter's peak
-memory. See megatron_earl/docs/conversion.md.
+trained; ``tiny`` builds tiny random HF models. The converter's peak memory is measured by
+``megatron_earl.bench.convert_memory``. See megatron_earl/docs/conversion.md.
 """

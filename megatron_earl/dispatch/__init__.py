@@ -3,8 +3,9 @@
 Pure: ``batch`` (packed variable-length batch), ``spec`` (the planner's inputs), ``plan`` (CP
 chunks, micro-batches, needs per rank), ``rank_view`` (one rank's view of a plan), ``table``
 (the sample table), ``balance`` (DP assignment), ``route`` (sources, TP fan-out, transfer stages),
-``centralized`` (baseline stages), ``netmodel`` (cluster projection), ``reference`` (test data and
-naive reference). Communicating: ``execute`` (forward), ``reverse`` (results back), ``bench``.
+``centralized`` (the single-controller baseline's stages), ``netmodel`` (cluster projection),
+``reference`` (test data and naive reference). Communicating: ``execute`` (forward), ``reverse``
+(results back). Its benchmark: ``megatron_earl.bench.dispatch``.
 """
 
 from megatron_earl.dispatch.batch import Batch, BatchError, FieldSpec, Schema

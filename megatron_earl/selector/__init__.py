@@ -2,5 +2,6 @@
 
 memory.py (memory model) · throughput.py (tokens/s table + roofline) · decide.py (the decision) ·
 oom.py (OOM recovery) · budget.py (CPU memory budget) · calibrate.py · profile.py (measured runs) ·
-plan_cli.py (``megatron-earl plan``) · bench.py (context-length sweep). See docs/selector.md.
+plan_cli.py (``megatron-earl plan``). The context-length sweep: ``megatron_earl.bench.selector``.
+See docs/selector.md.
 """

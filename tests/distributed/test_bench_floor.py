@@ -1,4 +1,4 @@
-"""``bench engine --floor``'s products (``rollout/bench_floor.py``) are the ones the embedded
+"""``bench engine --floor``'s products (``bench/engine_floor.py``) are the ones the embedded
 engine's prefill forward runs: recorded at the dispatcher during a prefill step of fresh sequences
 of different lengths, the 2-D matrix products (rows, in, out) are exactly those
 ``prefill_projections`` lists, in the same order -- for the qkv-bias model and the tied-embedding,
@@ -42,8 +42,8 @@ class _Products(TorchDispatchMode):
 
 def _forward_vs_floor(model):
     """(products of one eager prefill step, ``prefill_projections`` of the same step)."""
+    from megatron_earl.bench.engine_floor import prefill_projections, time_projections
     from megatron_earl.rollout.batched_forward import BatchedForward
-    from megatron_earl.rollout.bench_floor import prefill_projections, time_projections
     from megatron_earl.rollout.engine_step import Batch
 
     chunks, _ = _build(ParallelLayout(), None, model)
@@ -71,8 +71,8 @@ def _engine_prefill_steps(budget: int, sequences: int, prompt_len: int):
     prompts of ``prompt_len`` tokens, 1 new token each."""
     import asyncio
 
+    from megatron_earl.bench.engine_floor import prefill_steps
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout.bench_floor import prefill_steps
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
     from megatron_earl.rollout.engine import GenerateRequest
 
@@ -104,7 +104,7 @@ def test_prefill_steps_are_the_engines(budget, sequences, prompt_len):
 
 
 def _refused():
-    from megatron_earl.rollout.bench_floor import prefill_projections
+    from megatron_earl.bench.engine_floor import prefill_projections
 
     chunks, _ = _build(ParallelLayout(), None, MODEL)
     errors = []

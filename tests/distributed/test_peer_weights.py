@@ -35,12 +35,12 @@ def _save_convert_and_forward(root: str, tokens: torch.Tensor):
     """Every rank (a world of one): start weights (2 SFT steps) -> HF; our logits after loading
     the Megatron checkpoint as ``checkpoint.load`` does."""
     from megatron_earl import runtime
+    from megatron_earl.bench.peer_weights import save_start_weights
     from megatron_earl.config.loader import load_config
     from megatron_earl.convert.convert import mcore_to_hf
     from megatron_earl.convert.initial import load_initial_weights
     from megatron_earl.models.gpt import build_model
     from megatron_earl.orchestration.checkpoint import resolve_checkpoint
-    from megatron_earl.orchestration.peer_weights import save_start_weights
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import use_layout
     from megatron_earl.training.schedule import forward_backward

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from megatron_earl.rollout.bench import (
+from megatron_earl.bench.engine import (
     ENGINES,
     SAMPLING_MODES,
     EngineBenchConfig,
@@ -25,7 +25,7 @@ from megatron_earl.rollout.bench import (
     format_report,
     measure,
 )
-from megatron_earl.rollout.bench_hf import LOGITS_TOL
+from megatron_earl.bench.engine_hf import LOGITS_TOL
 from megatron_earl.testing.distributed import run_distributed
 
 LOGPROB_TOL = 1e-4
@@ -104,8 +104,8 @@ def test_ratios_are_paired_round_by_round():
     so a machine slowing in one engine's rounds moves both sides of a ratio; a ratio of the two
     medians would not. A round where an engine's full run is not longer than its prefill run
     has no decode ratio, is left out of the median and is printed as left out."""
-    from megatron_earl.rollout.bench import _ratio
-    from megatron_earl.rollout.bench_driver import _paired
+    from megatron_earl.bench.engine import _ratio
+    from megatron_earl.bench.engine_driver import _paired
 
     times = {  # HF's rounds 0-1 and ours' rounds 2-4 on a machine twice as slow
         ENGINES[0]: [[0.02, 0.02, 0.04, 0.04, 0.04], [0.12, 0.12, 0.24, 0.24, 0.24]],
@@ -132,12 +132,12 @@ def test_ratios_are_paired_round_by_round():
 def _wrong_conversion_diff() -> tuple[float, float]:
     """Logits diff when layer 0's fused QKV rows are read as a plain [Q; K; V] concatenation."""
     from megatron_earl import runtime
+    from megatron_earl.bench import engine_hf as bench_hf
     from megatron_earl.models.gpt import build_model
     from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import full_state_dict
-    from megatron_earl.rollout import bench_hf
 
     initialize_layout(ParallelLayout())
     runtime.seed(0)
@@ -161,7 +161,7 @@ def test_logits_check_detects_a_wrong_conversion():
 
 @pytest.mark.parametrize("flags", [["--decode-threads", "-1"], ["--repeats", "0"]])
 def test_a_bad_flag_ends_with_its_message(flags):
-    from megatron_earl.rollout.bench import main
+    from megatron_earl.bench.engine import main
 
     with pytest.raises(SystemExit, match=r"^bench engine: .*(decode_threads|repeats)"):
         main(flags)

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("trl", reason="bench peer needs TRL: pip install -e '.[bench]'")
 
-from megatron_earl.orchestration.peer_workload import WORKLOADS, PeerSettings, workload_config
+from megatron_earl.bench.peer_workload import WORKLOADS, PeerSettings, workload_config
 
 TINY = [
     "batch.prompts_per_step=2",
@@ -32,8 +32,8 @@ TINY = [
 
 
 def test_trl_side_runs_the_multi_turn_workload(tmp_path):
+    from megatron_earl.bench.peer_trl import run
     from megatron_earl.convert.tiny import save_tiny_hf
-    from megatron_earl.orchestration.peer_trl import run
 
     workload = WORKLOADS["multi-turn-tool"]
     settings = PeerSettings.from_run(
@@ -54,7 +54,7 @@ def test_trl_side_runs_the_multi_turn_workload(tmp_path):
 
 @pytest.mark.slow
 def test_bench_peer_end_to_end(tmp_path):
-    from megatron_earl.orchestration.bench_peer import main
+    from megatron_earl.bench.peer import main
 
     out = tmp_path / "peer.json"
     argv = ["--workloads", "single-turn", "--pairs", "1", "--steps", "2", "--nproc", "1"]

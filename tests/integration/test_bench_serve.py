@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from megatron_earl.rollout.bench import demo_model
-from megatron_earl.rollout.bench_serve import ServeLoad, measure, quantile
+from megatron_earl.bench.engine import demo_model
+from megatron_earl.bench.serve import ServeLoad, measure, quantile
 
 
 def test_quantile_and_load_validation():

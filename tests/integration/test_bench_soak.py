@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from megatron_earl.rollout.bench import demo_model
-from megatron_earl.rollout.bench_soak import PROBES, SoakSetting, format_report, run_soak
+from megatron_earl.bench.engine import demo_model
+from megatron_earl.bench.soak import PROBES, SoakSetting, format_report, run_soak
 from megatron_earl.testing.distributed import free_port
 
 

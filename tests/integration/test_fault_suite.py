@@ -1,4 +1,4 @@
-"""Issue 21's fault-injection suite as a test (``orchestration.fault_suite``, the same code as
+"""Issue 21's fault-injection suite as a test (``bench.fault_suite``, the same code as
 ``megatron-earl bench faults``): an asynchronous run with relays on three ``serve`` engines
 survives SIGKILL of an engine, SIGSTOP of an engine (a stall), SIGKILL of a relay, SIGSTOP of a
 relay, SIGKILL of the reward service and SIGKILL of the trainer, each for 4 s: every step
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_earl.orchestration.fault_suite import FAULTS, run_suite
+from megatron_earl.bench.fault_suite import FAULTS, run_suite
 
 pytestmark = pytest.mark.timeout(600)
 

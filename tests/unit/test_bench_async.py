@@ -1,4 +1,4 @@
-"""The paced benchmark's arithmetic (``orchestration.bench_async``): steady-state figures of a run,
+"""The paced benchmark's arithmetic (``bench.async_rl``): steady-state figures of a run,
 the simulator's inputs from a measured synchronous run, the engines' pacing counters between two
 reads, and its bad arguments."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_earl.bench import async_rl as bench
 from megatron_earl.config.loader import load_config
 from megatron_earl.envs.longtail import LongTailEnv
-from megatron_earl.orchestration import bench_async as bench
 
 
 def _record(step_s, rollout_s, tokens, turns_mean=2.0, trajectories=64, push=0.2):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from megatron_earl.bench.async_sim import PUBLISHED, Assumptions
 from megatron_earl.cli.main import main as cli_main
-from megatron_earl.orchestration.bench_async_sim import PUBLISHED, Assumptions
 
 
 def test_placements_map_gpus_to_engines_and_trainer():
@@ -81,7 +81,7 @@ def test_measured_inputs_run_sync_and_async(tmp_path, capsys):
 
 
 def test_assumptions_can_be_changed_and_bad_changes_are_named():
-    from megatron_earl.orchestration.bench_async_sim import with_changes
+    from megatron_earl.bench.async_sim import with_changes
 
     a = with_changes(Assumptions(), ["rollout_fraction=0.5", "lengths.shape=0.5", "group_size=8"])
     assert (a.rollout_fraction, a.lengths.shape, a.group_size) == (0.5, 0.5, 8)

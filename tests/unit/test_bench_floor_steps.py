@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_earl.rollout.bench_floor import prefill_steps
+from megatron_earl.bench.engine_floor import prefill_steps
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ VOCABULARY_MODULES = {"config/vocab.py", "config/loader.py"}
 """The vocabulary's definition and the YAML parser: the words may be spelled out there."""
 NOT_A_VOCABULARY_WORD = {
     ("cli/main.py", "train"): "the `megatron-earl train` subcommand",
-    ("orchestration/bench_async.py", "train"): "the `megatron-earl train` subcommand it runs",
-    ("orchestration/fault_suite.py", "train"): "the `megatron-earl train` subcommand it runs",
+    ("bench/async_rl.py", "train"): "the `megatron-earl train` subcommand it runs",
+    ("bench/fault_suite.py", "train"): "the `megatron-earl train` subcommand it runs",
     ("compat/optional.py", "sglang"): "the name of the sglang Python package",
     ("config/run.py", "rollout"): "the name of the RunConfig section `rollout` in its errors",
     ("config/run.py", "train"): "the name of the RunConfig section `train` in its errors",

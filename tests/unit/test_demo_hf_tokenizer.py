@@ -86,8 +86,8 @@ def test_random_text_and_ids_round_trip_identically(hf):
 
 
 def test_trl_prompt_ids_are_ours():
-    from megatron_earl.orchestration.peer_trl import prompt_texts
-    from megatron_earl.orchestration.peer_workload import WORKLOADS, PeerSettings, workload_config
+    from megatron_earl.bench.peer_trl import prompt_texts
+    from megatron_earl.bench.peer_workload import WORKLOADS, PeerSettings, workload_config
 
     workload = WORKLOADS["multi-turn-tool"]
     settings = PeerSettings.from_run(workload_config("configs/demo_cpu.yaml", workload), workload)

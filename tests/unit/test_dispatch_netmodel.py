@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_earl.bench.dispatch import _args, project
 from megatron_earl.dispatch.batch import FieldSpec
-from megatron_earl.dispatch.bench import _args, project
 from megatron_earl.dispatch.netmodel import NetworkModel
 from megatron_earl.dispatch.route import DispatchError, Piece, Transfer
 

@@ -32,8 +32,8 @@ def _anchors(path: Path) -> frozenset[str]:
 
 
 def test_anchor_matches_github():
-    assert _anchor("Benchmark: `megatron-earl bench engine` (`rollout/bench.py`)") == (
-        "benchmark-megatron-earl-bench-engine-rolloutbenchpy"
+    assert _anchor("Benchmark: `megatron-earl bench engine` (`bench/engine.py`)") == (
+        "benchmark-megatron-earl-bench-engine-benchenginepy"
     )
     assert _anchor("Probes: where a step's time goes") == "probes-where-a-steps-time-goes"
 

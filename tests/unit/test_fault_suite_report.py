@@ -4,7 +4,7 @@ added."""
 
 from __future__ import annotations
 
-from megatron_earl.orchestration import fault_suite
+from megatron_earl.bench import fault_suite
 
 
 def record(consumed: int, failovers: float, moved: float, produced: int | None = None) -> dict:

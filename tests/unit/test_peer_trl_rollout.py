@@ -17,13 +17,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from megatron_earl.envs import ENVS
-from megatron_earl.orchestration.peer_trl import (
+from megatron_earl.bench.peer_trl import (
     multi_turn_rollout,
     prompt_texts,
     single_turn_reward,
 )
-from megatron_earl.orchestration.peer_workload import WORKLOADS, PeerSettings, workload_config
+from megatron_earl.bench.peer_workload import WORKLOADS, PeerSettings, workload_config
+from megatron_earl.envs import ENVS
 from megatron_earl.tokenizer.demo import DemoTokenizer
 from megatron_earl.tokenizer.demo_hf import demo_hf_tokenizer
 

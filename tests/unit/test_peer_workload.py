@@ -13,8 +13,7 @@ import json
 
 import pytest
 
-from megatron_earl.config.loader import load_config
-from megatron_earl.orchestration.bench_peer import (
+from megatron_earl.bench.peer import (
     COMPILE_KEY,
     OURS_PHASES,
     TRL_PHASES,
@@ -26,13 +25,14 @@ from megatron_earl.orchestration.bench_peer import (
     steady_state,
     trl_summary,
 )
-from megatron_earl.orchestration.peer_workload import (
+from megatron_earl.bench.peer_workload import (
     WORKLOADS,
     PeerSettings,
     ours_overrides,
     trl_arguments,
     workload_config,
 )
+from megatron_earl.config.loader import load_config
 
 DEMO = "configs/demo_cpu.yaml"
 

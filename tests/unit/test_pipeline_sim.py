@@ -1,4 +1,4 @@
-"""The pipeline simulator (``orchestration.pipeline_sim``) on hand-computable cases, the
+"""The pipeline simulator (``bench.pipeline_sim``) on hand-computable cases, the
 async-vs-sync relations it must show, its token accounting and its input errors."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron_earl.orchestration.pipeline_sim import LengthDist, SimConfig, simulate
+from megatron_earl.bench.pipeline_sim import LengthDist, SimConfig, simulate
 
 D = 0.01  # s per decode step
 ONE_ENGINE = SimConfig(

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from megatron_earl.relay import bench
+from megatron_earl.bench import relay as bench
 
 
 def _measured(n: int) -> dict:

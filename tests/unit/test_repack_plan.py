@@ -154,7 +154,7 @@ def test_relay_loads_a_held_engine_only_once_every_holder_released_it():
 
 
 def test_utilisation_sums_the_ranks_latest_samples_per_bin(tmp_path):
-    from megatron_earl.orchestration.bench_repack import utilisation
+    from megatron_earl.bench.repack import utilisation
 
     def write(rank: int, rows: list[tuple[float, list[int]]]) -> None:
         with (tmp_path / f"repack_rank{rank}.jsonl").open("w") as f:

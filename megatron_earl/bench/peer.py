@@ -4,16 +4,16 @@
         [--config configs/demo_cpu.yaml] [--nproc 2] [--trl-nproc 1,2] [--json F]
         [--decode compiled|eager] [--work-dir runs/bench_peer]
         [key=value ...]   # overrides of the config, both sides
-    (= python -m megatron_earl.orchestration.bench_peer ...; needs the [bench] extra: trl)
+    (= python -m megatron_earl.bench.peer ...; needs the [bench] extra: trl)
 
-Workloads and the settings both sides share: ``orchestration.peer_workload``. For each workload
+Workloads and the settings both sides share: ``bench.peer_workload``. For each workload
 the shared start weights are made once (``peer_weights`` under torchrun: our initial policy,
 after our SFT warm start for ``multi-turn-tool``; then ``convert mcore-to-hf``) and cached in the
 work directory under a hash of the settings. Then ``--pairs`` times, for each workload: our run
 (``megatron-earl train --nproc N`` with ``checkpoint.load`` = the Megatron copy; ``--decode``:
 our engine's decode step compiled, ``rollout.embedded.compile_decode=true``, the default, or
 eager), then a TRL run
-per ``--trl-nproc`` count (``orchestration.peer_trl`` loading the HF copy: one process, or that
+per ``--trl-nproc`` count (``bench.peer_trl`` loading the HF copy: one process, or that
 many under torchrun on gloo, cores shared out as for ours), each in fresh processes.
 
 Measured per run, steady state: the first (warm-up) step and the start-up are excluded. s/step =
@@ -43,15 +43,15 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_earl.config.vocab import Phase
-from megatron_earl.orchestration.peer_trl import TRL_GENERATE, TRL_UPDATE
-from megatron_earl.orchestration.peer_workload import (
+from megatron_earl.bench.peer_trl import TRL_GENERATE, TRL_UPDATE
+from megatron_earl.bench.peer_workload import (
     WORKLOADS,
     PeerSettings,
     Workload,
     ours_overrides,
     workload_config,
 )
+from megatron_earl.config.vocab import Phase
 
 DECODE_CHOICES = ("compiled", "eager")
 """``--decode``: our engine's decode step, ``rollout.embedded.compile_decode`` true or false."""
@@ -177,7 +177,7 @@ def start_weights(args, workload: Workload, settings: PeerSettings, root: Path) 
         return out
     forced = [f"rollout.max_turns={workload.max_turns}", f"sft.steps={settings.sft_steps}"]
     cmd, env = _torchrun(
-        "megatron_earl.orchestration.peer_weights",
+        "megatron_earl.bench.peer_weights",
         args.nproc,
         ["--config", args.config, "--out", str(out / "mcore"), *args.overrides, *forced],
     )
@@ -210,7 +210,7 @@ def run_trl(args, settings_file: Path, weights: Path, name: str, nproc: int) -> 
     out = root / f"{name}.json"
     argv = ["--settings", str(settings_file), "--hf", str(weights / "hf")]
     argv += ["--steps", str(args.steps), "--out", str(out)]
-    module = "megatron_earl.orchestration.peer_trl"
+    module = "megatron_earl.bench.peer_trl"
     if nproc == 1:
         cmd, env = [sys.executable, "-m", module, *argv], None
     else:

@@ -53,8 +53,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from megatron_earl.rollout.bench import DEMO_CONFIG, demo_model
-from megatron_earl.rollout.bench_serve import _wait_ready, quantile
+from megatron_earl.bench.engine import DEMO_CONFIG, demo_model
+from megatron_earl.bench.serve import _wait_ready, quantile
 
 API_KEY = "soak-key"
 MAX_BODY_MB = 1

@@ -221,8 +221,8 @@ def summarize(measured: dict[int, dict], engines_per_relay: int) -> dict:
 
 def simulated(engines: tuple[int, ...] = PROJECTED, steps: int = SIM_STEPS) -> list[dict]:
     """The pipeline simulator's async throughput, direct push vs relays (module docstring)."""
-    from megatron_earl.orchestration.bench_async_sim import Assumptions
-    from megatron_earl.orchestration.pipeline_sim import simulate
+    from megatron_earl.bench.async_sim import Assumptions
+    from megatron_earl.bench.pipeline_sim import simulate
 
     a = Assumptions()
     rows = []

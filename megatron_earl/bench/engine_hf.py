@@ -1,7 +1,7 @@
 """The Hugging Face side of ``bench engine``: the same weights as a ``transformers`` model, timed
 with ``generate``, and the checks that the two models compute the same function.
 
-Used by ``megatron_earl/rollout/bench.py`` (run ``megatron-earl bench engine``); nothing here runs
+Used by ``megatron_earl/bench/engine.py`` (run ``megatron-earl bench engine``); nothing here runs
 alone. The Megatron state is converted with the project's converter (``models.hf_mapping``, built
 on ``convert.mapping``) and the HF config with ``convert.families``, so a mapping bug shows up as
 a logits mismatch here. Pure single-process code: no torch.distributed.

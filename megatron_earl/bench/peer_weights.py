@@ -2,7 +2,7 @@
 the config asks for one), saved as a Megatron checkpoint; ``bench_peer`` then converts it to HF
 (``megatron-earl convert mcore-to-hf``) so that both sides start from the same weights.
 
-    torchrun --standalone --nproc_per_node 2 -m megatron_earl.orchestration.peer_weights \\
+    torchrun --standalone --nproc_per_node 2 -m megatron_earl.bench.peer_weights \\
         --config configs/demo_cpu.yaml --out work/single-turn/mcore [key=value ...]
 
 The policy is built exactly as a run builds it (``RLLoop``: same seed, same initialisation), the

@@ -34,9 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_earl.config.loader import load_config
-from megatron_earl.config.vocab import RepackPolicy
-from megatron_earl.orchestration.bench_async import (
+from megatron_earl.bench.async_rl import (
     CONFIG,
     KEY,
     paced_engines,
@@ -45,6 +43,8 @@ from megatron_earl.orchestration.bench_async import (
     steady,
     train_run,
 )
+from megatron_earl.config.loader import load_config
+from megatron_earl.config.vocab import RepackPolicy
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.testing.distributed import free_port
 

@@ -12,9 +12,9 @@ the demo's batch, sampling and loss settings:
   on TRL the stock generation path, no ``rollout_func``);
 - ``multi-turn-tool``: warm-started (our SFT), calculator tool, up to ``rollout.max_turns`` (3)
   model turns; on TRL a ``rollout_func`` drives TRL's own generation turn by turn
-  (``orchestration.peer_trl``).
+  (``bench.peer_trl``).
 
-Both sides start from the same weights (``orchestration.peer_weights``). Counting rule, the same
+Both sides start from the same weights (``bench.peer_weights``). Counting rule, the same
 on both sides: completion tokens are the model-generated tokens (the trainable tokens: loss mask
 1); tool-output tokens appended between turns are not counted. Pure: no process group, no TRL
 import (the keyword arguments are checked against ``GRPOConfig`` where TRL runs).

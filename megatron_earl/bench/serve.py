@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from megatron_earl.rollout.bench import DEMO_CONFIG, demo_model
+from megatron_earl.bench.engine import DEMO_CONFIG, demo_model
 
 
 @dataclass(frozen=True)

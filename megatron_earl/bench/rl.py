@@ -1,7 +1,7 @@
 """The RL loop with growing contexts under one memory budget: the selector vs static layouts.
 
     megatron-earl bench-rl-sweep --nproc 2 --budget-mb 14
-    (= torchrun --nproc_per_node 2 -m megatron_earl.orchestration.bench_rl --budget-mb 14)
+    (= torchrun --nproc_per_node 2 -m megatron_earl.bench.rl --budget-mb 14)
 
 The CPU demo's tiny model, warm-started (SFT) on binary-search demonstrations, plays the guessing
 game (``envs.guessing``) whose difficulty grows linearly from ``--start-difficulty`` to

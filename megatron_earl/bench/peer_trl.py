@@ -1,8 +1,8 @@
 """The peer benchmark's TRL side: a workload on Hugging Face TRL's ``GRPOTrainer``, one run.
 
-    python -m megatron_earl.orchestration.peer_trl --settings s.json --hf work/st/hf \\
+    python -m megatron_earl.bench.peer_trl --settings s.json --hf work/st/hf \\
         --steps 4 --out trl.json                 # (bench_peer starts it; needs the [bench] extra)
-    torchrun --standalone --nproc_per_node 2 -m megatron_earl.orchestration.peer_trl ...
+    torchrun --standalone --nproc_per_node 2 -m megatron_earl.bench.peer_trl ...
                                                  # data-parallel over 2 processes (gloo)
 
 The model is the HF copy of the shared start weights (``LlamaForCausalLM``), the tokenizer the
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
+from megatron_earl.bench.peer_workload import PeerSettings, trl_arguments
 from megatron_earl.envs.base import ENVS, Action
-from megatron_earl.orchestration.peer_workload import PeerSettings, trl_arguments
 from megatron_earl.tokenizer.demo import DemoTokenizer
 
 TRL_GENERATE, TRL_UPDATE = "generate", "update"

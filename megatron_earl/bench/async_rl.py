@@ -15,7 +15,7 @@ with ``rollout.engine=sglang``, once in ``rollout.mode=sync`` and once per stale
 (``time/rollout`` / ``time/step``: waiting for rollouts, the push included), the engines' paced
 decode steps and overruns (``/server_info``), discarded groups.
 
-Simulator check: ``orchestration.pipeline_sim`` replays each run -- the pace, the engines'
+Simulator check: ``bench.pipeline_sim`` replays each run -- the pace, the engines'
 measured mean prefill, the trajectories of the task seeds in the order their groups start (a
 trajectory's tokens = its task's turns x the measured tokens per turn), the run's own trainer
 time per token and mean push -- with one input no run measures, the per-turn overhead between two
@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_earl.bench.pipeline_sim import SimConfig, simulate
 from megatron_earl.config.loader import load_config
 from megatron_earl.envs.longtail import LongTailEnv
-from megatron_earl.orchestration.pipeline_sim import SimConfig, simulate
 from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
 from megatron_earl.testing.distributed import free_port

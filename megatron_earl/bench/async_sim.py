@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_earl.orchestration.pipeline_sim import LengthDist, SimConfig, SimResult, simulate
+from megatron_earl.bench.pipeline_sim import LengthDist, SimConfig, SimResult, simulate
 
 WARMUP_STEPS = 1
 """Steps excluded from the steady throughput (async fills its pipeline in the first one)."""
@@ -314,7 +314,7 @@ def report(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as err:
         p.error(str(err))
     out = {
-        "label": "SIMULATED projection (orchestration.pipeline_sim), not a measurement",
+        "label": "SIMULATED projection (bench.pipeline_sim), not a measurement",
         "assumptions": dataclasses.asdict(assumptions)
         | {"lengths": assumptions.lengths.describe(seed=args.seed)},
         "steps": args.steps,
@@ -363,7 +363,7 @@ def _measured(
         p.error(f"--config {args.config}: {err}")
     rows = compare(config, staleness)
     out = {
-        "label": "SIMULATED (orchestration.pipeline_sim) from the inputs of --config",
+        "label": "SIMULATED (bench.pipeline_sim) from the inputs of --config",
         "config": args.config,
         "lengths": config.lengths.describe(seed=config.seed),
         "rows": [{k: v for k, v in r.items() if k != "gpus"} for r in rows],

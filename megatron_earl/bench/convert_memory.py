@@ -1,6 +1,6 @@
 """Benchmark: the converter's peak extra memory grows with one layer, not with the model.
 
-    python -m megatron_earl.convert.bench_memory --layers 4 8 --hidden 512
+    python -m megatron_earl.bench.convert_memory --layers 4 8 --hidden 512
 
 For each layer count it writes a random HF model (``tiny.write_random_hf``), then runs
 hf -> mcore and mcore -> hf, each in a fresh Python process that records its resident memory after

@@ -15,7 +15,7 @@ Model: the ``model:`` section of ``--config`` (default ``configs/demo_cpu.yaml``
 4 layers, hidden 128, FFN 256, 4 heads / 2 KV groups, vocabulary 320 padded to 384, untied, fp32)
 plus dotted overrides. Megatron initialises it (seed ``--seed``) in one process; the same state is
 loaded into our ranks and converted with the project's converter into a ``transformers`` model
-(fp32, CPU, eval, SDPA attention; ``rollout/bench_hf.py``). Before timing, the two models' logits
+(fp32, CPU, eval, SDPA attention; ``bench/engine_hf.py``). Before timing, the two models' logits
 of one prompt must agree within ``bench_hf.LOGITS_TOL`` (else the run stops), and the greedy tokens
 of both engines are compared (reported as a count: an fp32 near-tie may flip one).
 
@@ -31,7 +31,7 @@ median times give
     decode tok/s  = B x (N - 1) / (full time - prefill time)
 
 With ``--floor``, each round also times the matrix products our prefill run's steps run, alone
-(``rollout/bench_floor.py``: the projection-bound floor of our forward at this size), right after
+(``bench/engine_floor.py``: the projection-bound floor of our forward at this size), right after
 HF's prefill run; HF's prefill time over theirs, per round, is the ours/HF prefill ratio our engine
 would reach if everything else in its prefill run -- attention, norms, RoPE, cache writes, host
 work -- took no time (printed as the *ceiling*). With ``--tp`` > 1: TP rank 0's shards on its
@@ -239,12 +239,12 @@ def _initial_state(cfg: EngineBenchConfig, prompt: torch.Tensor):
     """One process (TP1): the seeded Megatron weights as a full state dict and the logits
     comparison with their HF conversion. World of one; no collective."""
     from megatron_earl import runtime
+    from megatron_earl.bench import engine_hf as bench_hf
     from megatron_earl.models.gpt import build_model
     from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import full_state_dict
-    from megatron_earl.rollout import bench_hf
 
     initialize_layout(ParallelLayout())
     runtime.seed(cfg.seed)
@@ -258,16 +258,16 @@ def _initial_state(cfg: EngineBenchConfig, prompt: torch.Tensor):
 
 def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
     """Every rank of the TP group: build our engine on ``full``; the scheduler (rank 0) also
-    builds the HF model and drives the measurement (``rollout/bench_driver.py``)."""
+    builds the HF model and drives the measurement (``bench/engine_driver.py``)."""
     import torch.distributed as dist
 
+    from megatron_earl.bench import engine_hf as bench_hf
+    from megatron_earl.bench.engine_driver import drive
     from megatron_earl.models.gpt import build_model
     from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import load_full_state_dict
-    from megatron_earl.rollout import bench_hf
-    from megatron_earl.rollout.bench_driver import drive
     from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
 
     initialize_layout(ParallelLayout(tp=cfg.tp))
@@ -296,7 +296,7 @@ def measure(cfg: EngineBenchConfig) -> EngineBenchResult:
     """Run the benchmark (spawns 1 then ``cfg.tp`` local processes) and collect the result."""
     import transformers
 
-    from megatron_earl.rollout import bench_hf
+    from megatron_earl.bench import engine_hf as bench_hf
     from megatron_earl.testing.distributed import run_distributed
 
     prompt = torch.randint(
