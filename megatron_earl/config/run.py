@@ -209,7 +209,10 @@ class RolloutConfig:
     max_concurrency: int = 64
     """Trajectories one rank drives concurrently."""
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=64))
-    """Sampling of each model turn; ``sampling.max_new_tokens`` is the per-turn token limit."""
+    """Sampling of each model turn, sent whole with every request: ``sampling.max_new_tokens``
+    is the per-turn token limit, the tokenizer's stop ids join ``stop_token_ids``, and
+    ``sampling.seed`` (with the run's ``seed``) roots the requests' seeds, a distinct one per
+    request (``rollout.agent.loop.AgentLoopConfig``)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """engine=sglang: how the trainer pushes weights to the engines (``config.sglang``)."""
     embedded: EmbeddedRolloutConfig = field(default_factory=EmbeddedRolloutConfig)

@@ -13,6 +13,7 @@ from megatron_earl.envs.base import (
     Environment,
     ResetResult,
     StepResult,
+    check_reset_result,
     check_step_result,
 )
 from megatron_earl.envs.guessing import GuessingEnv
@@ -31,5 +32,6 @@ __all__ = [
     "ResetResult",
     "StepResult",
     "ToolEnv",
+    "check_reset_result",
     "check_step_result",
 ]

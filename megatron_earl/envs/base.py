@@ -23,6 +23,7 @@ dotted path ``"pkg.module:Class"`` works too.
 from __future__ import annotations
 
 import math
+import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,27 +69,48 @@ class StepResult:
     """Chat role of a text observation ("tool" for tool responses, "user" for feedback)."""
 
 
+def check_reset_result(result: Any, vocab_size: int) -> str | None:
+    """None when ``result`` is a usable ``ResetResult``, else what ``reset`` returned wrong,
+    naming the value ("info=None, expected a dict")."""
+    if not isinstance(result, ResetResult):
+        return f"{reprlib.repr(result)}, expected a ResetResult"
+    if not isinstance(result.info, dict):
+        return f"info={reprlib.repr(result.info)}, expected a dict"
+    prompt = result.prompt
+    if isinstance(prompt, list) and (
+        all(isinstance(m, dict) for m in prompt)
+        or all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt)
+    ):
+        return None
+    return (
+        f"prompt={reprlib.repr(prompt)}, expected chat messages or token ids in [0, {vocab_size})"
+    )
+
+
 def check_step_result(result: Any, vocab_size: int) -> str | None:
-    """None when ``result`` is a usable ``StepResult``, else why it is garbage."""
+    """None when ``result`` is a usable ``StepResult``, else what ``step`` returned wrong,
+    naming the value ("observation=42, expected text or token ids in [0, 320)")."""
     if not isinstance(result, StepResult):
-        return f"step returned {type(result).__name__}, expected StepResult"
+        return f"{reprlib.repr(result)}, expected a StepResult"
     if isinstance(result.reward, bool) or not isinstance(result.reward, int | float):
-        return f"reward {result.reward!r} is not a number"
+        return f"reward={reprlib.repr(result.reward)}, expected a number"
     if not math.isfinite(result.reward):
-        return f"reward {result.reward!r} is not finite"
+        return f"reward={result.reward!r}, expected a finite number"
     if not isinstance(result.done, bool):
-        return f"done {result.done!r} is not a bool"
-    if not isinstance(result.info, dict) or not isinstance(result.role, str):
-        return f"info {type(result.info).__name__} / role {result.role!r} have wrong types"
+        return f"done={reprlib.repr(result.done)}, expected a bool"
+    if not isinstance(result.info, dict):
+        return f"info={reprlib.repr(result.info)}, expected a dict"
+    if not isinstance(result.role, str):
+        return f"role={reprlib.repr(result.role)}, expected a str"
     obs = result.observation
     if result.done or obs is None:
-        return None if result.done else "observation is None but done is False"
+        return None if result.done else "observation=None with done=False, expected text or ids"
     if isinstance(obs, str):
         return None
     if not isinstance(obs, Sequence) or not all(
         isinstance(t, int) and 0 <= t < vocab_size for t in obs
     ):
-        return f"observation is neither text nor token ids in [0, {vocab_size})"
+        return f"observation={reprlib.repr(obs)}, expected text or token ids in [0, {vocab_size})"
     return None
 
 

@@ -60,7 +60,7 @@ from megatron_earl.orchestration.async_rollout import (
 )
 from megatron_earl.orchestration.engines import Rollout, rollout_backend_class
 from megatron_earl.orchestration.policy import Policy
-from megatron_earl.orchestration.rollout import PromptSet, group_index
+from megatron_earl.orchestration.rollout import PromptSet, agent_config, group_index
 from megatron_earl.orchestration.samples import (
     consumer_plan,
     model_inputs,
@@ -222,23 +222,6 @@ class RLLoop:
 
     # ------------------------------------------------------------------ phases
 
-    def agent_config(self, *, group_size: int, temperature: float, seed: int) -> AgentLoopConfig:
-        r = self.config.rollout
-        return AgentLoopConfig(
-            max_turns=r.max_turns,
-            max_new_tokens_per_turn=r.sampling.max_new_tokens,
-            max_context_tokens=r.max_context,
-            group_size=group_size,
-            temperature=temperature,
-            top_p=r.sampling.top_p,
-            top_k=r.sampling.top_k,
-            min_p=r.sampling.min_p,
-            sampling_seed=seed,
-            max_concurrency_per_engine=r.max_concurrency,
-            env_timeout_s=r.env_timeout_s,
-            reward_timeout_s=r.reward_timeout_s,
-        )
-
     def rollout(
         self, prompts: PromptSet, agent: AgentLoopConfig, layout: ParallelLayout | None = None
     ) -> Rollout:
@@ -399,7 +382,8 @@ class RLLoop:
         clock = BusyClock()
         start = time.perf_counter()
         prompts = PromptSet(cfg.env.spec(), self.step_seeds(self.step), tag=f"s{self.step}")
-        agent = self.agent_config(
+        agent = agent_config(
+            cfg,
             group_size=cfg.batch.samples_per_prompt,
             temperature=cfg.rollout.sampling.temperature,
             seed=cfg.seed * 1_000_003 + self.step,
@@ -591,7 +575,8 @@ class RLLoop:
             first_step=self.step,  # a resumed run goes on with its step's prompts
         )
         # the per-group sampling seed replaces this config's (GroupPlan.sampling_seed)
-        agent = self.agent_config(
+        agent = agent_config(
+            cfg,
             group_size=cfg.batch.samples_per_prompt,
             temperature=cfg.rollout.sampling.temperature,
             seed=cfg.seed,
@@ -656,7 +641,9 @@ class RLLoop:
         prompts = PromptSet(
             self.config.env.spec(), tuple(range(seed_offset, seed_offset + num_prompts)), "eval"
         )
-        agent = self.agent_config(group_size=samples, temperature=temperature, seed=seed_offset)
+        agent = agent_config(
+            self.config, group_size=samples, temperature=temperature, seed=seed_offset
+        )
         trajs, _ = self.rollout(prompts, agent)
         stats = torch.tensor(
             [len(trajs), sum(t.reward >= 1.0 for t in trajs if t.ok), sum(t.reward for t in trajs)],

@@ -10,9 +10,10 @@ trajectories stay on the driver that generated them (GRPO baselines are computed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from megatron_earl.rollout.agent.loop import RolloutTask
+from megatron_earl.config.run import RunConfig
+from megatron_earl.rollout.agent.loop import AgentLoopConfig, RolloutTask
 from megatron_earl.rollout.agent.trajectory import Trajectory
 
 
@@ -33,6 +34,26 @@ class PromptSet:
             for i, seed in enumerate(self.seeds)
             if i % num_replicas == replica
         ]
+
+
+def agent_config(
+    config: RunConfig, *, group_size: int, temperature: float, seed: int
+) -> AgentLoopConfig:
+    """The agent loop's settings of one rollout of the run: ``rollout``'s limits and its
+    ``sampling`` whole at ``temperature`` (the run's, or the evaluation's), ``group_size``
+    samples per prompt, ``seed`` the rollout's sampling seed (with ``rollout.sampling.seed``,
+    the root of every request's seed). Pure."""
+    r = config.rollout
+    return AgentLoopConfig(
+        max_turns=r.max_turns,
+        max_context_tokens=r.max_context,
+        group_size=group_size,
+        sampling=replace(r.sampling, temperature=temperature),
+        sampling_seed=seed,
+        max_concurrency_per_engine=r.max_concurrency,
+        env_timeout_s=r.env_timeout_s,
+        reward_timeout_s=r.reward_timeout_s,
+    )
 
 
 def group_index(trajectories: Sequence[Trajectory]) -> dict[str, int]:

@@ -9,11 +9,12 @@ Run: python -m pytest -q -p no:warnings tests/integration/test_agent_loop.py   (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -42,6 +43,7 @@ from megatron_earl.rollout.engine import (
     FinishType,
     GenerateRequest,
     GenerateResult,
+    SamplingParams,
 )
 from megatron_earl.tokenizer import DemoTokenizer
 
@@ -257,10 +259,11 @@ def test_limits_end_reasons():
     ).trajectories
     assert t.end_reason is EndReason.MAX_TURNS and t.num_turns == 3 and t.ok
     assert t.response_ids[-1] == TOK.end_of_turn_id
-    # max_new_tokens_per_turn: a turn cut without a stop token is not sent to the env.
+    # sampling.max_new_tokens: a turn cut without a stop token is not sent to the env.
     long = ScriptedEngine(lambda req, k: TOK.encode("1" * 50))
     (t,) = run(
-        AgentLoop(long, TOK, AgentLoopConfig(max_new_tokens_per_turn=8)), [RolloutTask(env, 1)]
+        AgentLoop(long, TOK, AgentLoopConfig(sampling=SamplingParams(max_new_tokens=8))),
+        [RolloutTask(env, 1)],
     ).trajectories
     assert t.end_reason is EndReason.TURN_LENGTH and len(t.response_ids) == 8
     assert t.turns[0].finish == "length"
@@ -268,12 +271,53 @@ def test_limits_end_reasons():
     # fit is not appended (nothing is truncated).
     engine = turns_engine(wrong)
     prompt_len = len(TOK.render_messages([{"role": "user", "content": "guess 1-7"}], True))
-    cfg = AgentLoopConfig(max_context_tokens=prompt_len + 5, max_new_tokens_per_turn=64)
+    cfg = AgentLoopConfig(
+        max_context_tokens=prompt_len + 5, sampling=SamplingParams(max_new_tokens=64)
+    )
     (t,) = run(AgentLoop(engine, TOK, cfg), [RolloutTask(env, 1)]).trajectories
     assert engine.requests[0].sampling.max_new_tokens == 5
     assert t.end_reason is EndReason.CONTEXT_LIMIT and t.num_turns == 1
     assert t.info["dropped_observation_tokens"] > 0
     assert len(t.token_ids) == prompt_len + 2
+
+
+class StopStringEngine(ScriptedEngine):
+    """A ScriptedEngine that also ends a turn at the request's stop strings, as the embedded
+    engine and SGLang do (the ids that complete the string are kept)."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        result = await super().generate(request)
+        for n in range(1, len(result.output_ids) + 1):
+            text = TOK.decode(list(result.output_ids[:n]))
+            matched = next((s for s in request.sampling.stop if s in text), None)
+            if matched is not None:
+                return dataclasses.replace(
+                    result,
+                    output_ids=result.output_ids[:n],
+                    output_logprobs=result.output_logprobs[:n],
+                    finish_reason=FinishReason(FinishType.STOP, matched),
+                )
+        return result
+
+
+def test_configured_stops_end_a_turn_like_the_tokenizers():
+    """``sampling.stop`` and ``sampling.stop_token_ids`` go into every request next to the
+    tokenizer's stop ids, and a turn they end is complete: the environment gets it (a stop
+    string kept in the text, a stop id removed) and the episode goes on from it as it is."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+9+1"}}</tool_call>'
+    bang = TOK.encode("!")[0]
+    turns = [TOK.encode(call + " and more"), TOK.encode("11!")]
+    engine = StopStringEngine(lambda req, t: turns[t])
+    sampling = SamplingParams(stop=("</tool_call>",), stop_token_ids=(bang,))
+    config = AgentLoopConfig(sampling=sampling, format_reward_weight=1.0)
+    (t,) = run(AgentLoop(engine, TOK, config), [RolloutTask("arithmetic", 3)]).trajectories
+    assert (t.end_reason, t.rewards) == (EndReason.DONE, {"outcome": 1.0, "format": 1.0})
+    assert [r.sampling.stop for r in engine.requests] == [("</tool_call>",)] * 2
+    assert engine.requests[0].sampling.stop_token_ids == (*TOK.stop_ids, bang)
+    first, second = (t.response_ids[turn.start : turn.end] for turn in t.turns)
+    assert (first, second) == (TOK.encode(call), TOK.encode("11!"))
+    assert [turn.finish for turn in t.turns] == ["stop", "stop"]
+    check_alignment(t)
 
 
 class SlowEnv(GuessingEnv):
@@ -501,6 +545,58 @@ def test_base_exceptions_and_deaf_envs_fail_only_their_trajectory():
         AgentLoopConfig(reward_timeout_s=float("inf"))
 
 
+class NoneInfoEnv(ArithmeticEnv):
+    """The hostile tester's environment: ``reset`` returns ``info=None``."""
+
+    async def reset(self, seed: int) -> ResetResult:
+        return ResetResult((await super().reset(seed)).prompt, None)
+
+
+class GymStepEnv(ArithmeticEnv):
+    """A gym-style ``step``: an (observation, reward, done, info) tuple."""
+
+    async def step(self, action: Action):
+        return "ok", 0.0, False, {}
+
+
+class NumberObservationEnv(ArithmeticEnv):
+    async def step(self, action: Action) -> StepResult:
+        return StepResult(42)
+
+
+def test_badly_shaped_env_returns_fail_only_their_trajectory():
+    """A hostile tester's environment whose ``reset`` returned ``info=None`` ended the whole batch
+    (``TypeError: 'NoneType' object is not iterable`` in the agent loop). That one and the other
+    badly shaped returns the loop consumes (a gym tuple from ``step``, a number as observation, a
+    factory that returns None) fail only their trajectory (env_garbage) with an error naming the
+    environment, the method and the value; the healthy trajectories of the batch finish."""
+    cases = {
+        "none_info": (NoneInfoEnv, "NoneInfoEnv.reset returned info=None, expected a dict"),
+        "gym_tuple": (
+            GymStepEnv,
+            "GymStepEnv.step returned ('ok', 0.0, False, {}), expected a StepResult",
+        ),
+        "number_observation": (
+            NumberObservationEnv,
+            "NumberObservationEnv.step returned observation=42, expected text or token ids",
+        ),
+        "no_env": (lambda: None, "the environment factory returned None, expected an Environment"),
+    }
+    tasks = [RolloutTask(env, 3, name) for name, (env, _) in cases.items()]
+    tasks += [RolloutTask("arithmetic", 3, f"healthy{i}") for i in range(2)]
+    turns = demo_assistant_turns(ArithmeticEnv(), 3)
+    batch = run(AgentLoop(turns_engine(turns), TOK), tasks)
+    by = {t.group_id: t for t in batch.trajectories}
+    for name, (_, error) in cases.items():
+        assert (by[name].status, by[name].end_reason) == (
+            TrajectoryStatus.FAILED,
+            EndReason.ENV_GARBAGE,
+        ), name
+        assert error in by[name].error, by[name].error
+    assert all(by[f"healthy{i}"].ok and by[f"healthy{i}"].reward == 1.0 for i in range(2))
+    assert batch.metrics.failures == {"env_garbage": 4}
+
+
 class SyncEnv(Environment):
     """A synchronous environment (plain ``def`` methods): one turn, reward 1; ``step`` sleeps
     ``sleep_s`` on the calling thread when the seed is 0."""
@@ -564,3 +660,100 @@ def test_a_blocking_sync_env_or_reward_does_not_stall_the_other_trajectories():
     assert "ran past reward_timeout_s=1" in batch.trajectories[1].error
     assert max(batch.trajectories[i].wall_s for i in (0, 2)) < 0.5
     assert time.monotonic() - start < 5
+
+
+class CancelledCtorEnv(ArithmeticEnv):
+    def __init__(self) -> None:
+        raise asyncio.CancelledError("no environment today")
+
+
+class CancelledResetEnv(ArithmeticEnv):
+    async def reset(self, seed: int) -> ResetResult:
+        raise asyncio.CancelledError("reset gave up")
+
+
+class CancelledStepEnv(ArithmeticEnv):
+    async def step(self, action: Action) -> StepResult:
+        raise asyncio.CancelledError
+
+
+class SelfCancellingStepEnv(ArithmeticEnv):
+    """A step that cancels the task it runs in."""
+
+    async def step(self, action: Action) -> StepResult:
+        asyncio.current_task().cancel()
+        await asyncio.sleep(0)
+        raise AssertionError("unreachable")
+
+
+class SyncCancelledStepEnv(SyncEnv):
+    def step(self, action: Action) -> StepResult:
+        raise asyncio.CancelledError("from a worker thread")
+
+
+def test_cancelled_error_of_an_env_is_contained_but_cancelling_the_batch_cancels_it():
+    """``asyncio.CancelledError`` raised by an environment's own code (constructor, reset, step, a
+    plain-def step on its worker thread, a step that cancels its own task) fails only its trajectory
+    (env_error) and the batch completes; before, it ended the batch. A cancellation by the caller,
+    arriving while a trajectory is inside an environment call, still cancels that call and the
+    batch, or the one trajectory when the caller runs it alone (the asynchronous producer cancels
+    trajectories that way)."""
+    turns = demo_assistant_turns(ArithmeticEnv(), 3)
+    envs = (
+        CancelledCtorEnv,
+        CancelledResetEnv,
+        CancelledStepEnv,
+        SelfCancellingStepEnv,
+        SyncCancelledStepEnv,
+    )
+    config = AgentLoopConfig(env_timeout_s=5.0)
+    tasks = [RolloutTask(env, 3, env.__name__) for env in envs]
+    batch = run(AgentLoop(turns_engine(turns), TOK, config), [*tasks, RolloutTask("arithmetic", 3)])
+    *failed, healthy = batch.trajectories
+    for traj in failed:
+        assert (traj.status, traj.end_reason) == (TrajectoryStatus.FAILED, EndReason.ENV_ERROR)
+        assert "CancelledError" in traj.error, traj.error
+    assert failed[0].error == "creating the environment raised CancelledError: no environment today"
+    assert failed[1].error == (
+        "CancelledResetEnv.reset raised UserCodeExit: CancelledError(reset gave up)"
+    )
+    assert failed[2].error.startswith("CancelledStepEnv.step raised UserCodeExit: CancelledError")
+    assert failed[4].error == (
+        "SyncCancelledStepEnv.step raised UserCodeExit: CancelledError(from a worker thread)"
+    )
+    assert healthy.ok and healthy.reward == 1.0
+    assert batch.metrics.failures == {"env_error": 5}
+
+    step_cancelled: list[bool] = []
+
+    class HangingStepEnv(ArithmeticEnv):
+        async def step(self, action: Action) -> StepResult:
+            step_cancelled.append(False)
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                step_cancelled[-1] = True
+                raise
+            raise AssertionError("unreachable")
+
+    async def cancel_mid_step(work: Callable[[AgentLoop], Awaitable]) -> asyncio.Task:
+        step_cancelled.clear()
+        running = asyncio.create_task(work(AgentLoop(turns_engine(turns), TOK, config)))
+        while not step_cancelled:
+            await asyncio.sleep(0.01)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await asyncio.sleep(0.05)  # the abandoned step gets its cancellation
+        return running
+
+    tasks = [RolloutTask(HangingStepEnv, 3), RolloutTask(CancelledStepEnv, 3)]
+    works = (
+        lambda loop: loop.run_batch(tasks),
+        lambda loop: loop.run_trajectory(HangingStepEnv, 3, "alone"),
+    )
+    for work in works:
+        start = time.monotonic()
+        running = asyncio.run(cancel_mid_step(work))
+        assert running.cancelled() and step_cancelled == [True]
+        assert time.monotonic() - start < 3  # not after env_timeout_s

@@ -9,8 +9,12 @@ One trajectory:  reset -> render prompt -> [generate -> step -> append observati
 The sampled ids are kept exactly (with their log-probs and the policy version of the turn);
 observations are tokenized once (``end_of_turn_suffix + render_turn + generation_prompt``) and
 appended with loss mask 0. Limits end a trajectory with a recorded ``EndReason``: ``max_turns``,
-``max_new_tokens_per_turn`` (TURN_LENGTH), ``max_context_tokens`` (CONTEXT_LIMIT: a turn is
-given only the budget left; an observation that would not fit leaves the context as it is).
+``sampling.max_new_tokens`` per turn (TURN_LENGTH), ``max_context_tokens`` (CONTEXT_LIMIT: a
+turn is given only the budget left; an observation that would not fit leaves the context as it
+is). The config's ``SamplingParams`` goes whole into every request (``AgentLoopConfig.sampling``):
+a turn that ends at a ``sampling.stop`` string or ``sampling.stop_token_ids`` id is complete like
+one that ends at the tokenizer's stop ids (the environment gets it, a stop string kept in its
+text), and the next observation follows it as it is.
 
 Asynchrony: each trajectory is its own task; a per-engine semaphore bounds the generate calls
 in flight (``max_concurrency_per_engine``) and is held only while generating, so a slow
@@ -18,24 +22,33 @@ environment or tool never holds an engine slot nor blocks another trajectory's t
 Synchronous environment methods and reward functions (plain ``def``) run on a bounded pool of
 worker threads (``user_threads``), so one that blocks never stalls the other trajectories; an
 ``async def`` method must not block the event loop itself (no ``time.sleep``, no blocking I/O).
-Failures are contained per trajectory: an environment that raises (``SystemExit`` and
-``KeyboardInterrupt`` included), runs past ``env_timeout_s`` (even one that swallows the
-cancellation: ``bounded``) or returns garbage, an engine error or abort, a reward that fails or
-runs past ``reward_timeout_s`` -> that trajectory is FAILED with its reason; the batch completes
-and ``RolloutMetrics.failures`` counts them.
+Failures are contained per trajectory: an environment that raises (``SystemExit``,
+``KeyboardInterrupt`` and an ``asyncio.CancelledError`` of its own included), runs past
+``env_timeout_s`` (even one that swallows the cancellation: ``bounded``) or returns garbage
+(``check_reset_result``, ``check_step_result``: the error names the environment, the method and
+the value), an engine error or abort, a reward that fails or runs past ``reward_timeout_s`` ->
+that trajectory is FAILED with its reason; the batch completes and ``RolloutMetrics.failures``
+counts them. A cancellation of the batch by its caller still cancels it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import reprlib
 import time
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from megatron_earl.envs.base import ENVS, Action, Environment, ResetResult, check_step_result
+from megatron_earl.envs.base import (
+    ENVS,
+    Action,
+    Environment,
+    check_reset_result,
+    check_step_result,
+)
 from megatron_earl.rewards.base import RewardInput, WeightedReward, format_reward
 from megatron_earl.rollout.agent.metrics import RolloutMetrics
 from megatron_earl.rollout.agent.trajectory import EndReason, Trajectory, TurnRecord
@@ -51,8 +64,9 @@ from megatron_earl.tokenizer.base import ChatTokenizer
 
 USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 """What user code (environments, tools, reward functions) may raise that fails only its
-trajectory: ``SystemExit`` / ``KeyboardInterrupt`` from an env do not end the process.
-Cancellation (``asyncio.CancelledError``) is never swallowed."""
+trajectory: ``SystemExit`` / ``KeyboardInterrupt`` from an env do not end the process. A
+cancellation of the caller is never swallowed; an ``asyncio.CancelledError`` the user code raises
+itself reaches the caller as ``UserCodeExit`` (``bounded``)."""
 
 
 async def bounded(coro, timeout_s: float):
@@ -60,7 +74,8 @@ async def bounded(coro, timeout_s: float):
     ``asyncio.TimeoutError`` at once, without waiting for it to finish (``asyncio.wait_for``
     waits for the cancelled call, so user code that swallows the cancellation would hang the
     caller; such a call is left to finish in the background, its outcome discarded). A
-    cancellation of the caller cancels the call too."""
+    cancellation of the caller cancels the call too; a call that ends cancelled otherwise
+    cancelled itself (raised ``asyncio.CancelledError``) and raises ``UserCodeExit``."""
     task = asyncio.ensure_future(_converted(coro))
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
@@ -72,7 +87,12 @@ async def bounded(coro, timeout_s: float):
         task.add_done_callback(_discard_outcome)
         asyncio.get_running_loop().call_later(ABANDON_GRACE_S, _close_if_deaf, task)
         raise asyncio.TimeoutError
-    return task.result()
+    try:
+        return task.result()
+    except asyncio.CancelledError as e:
+        # The call cancelled itself: it is cancelled from here only on a timeout or a
+        # cancellation of the caller (both above), and the wait returned, so the caller is not.
+        raise UserCodeExit(f"CancelledError({e})") from e
 
 
 ABANDON_GRACE_S = 1.0
@@ -96,7 +116,8 @@ def _close_if_deaf(task: asyncio.Task) -> None:
 class UserCodeExit(RuntimeError):
     """``SystemExit`` / ``KeyboardInterrupt`` raised by user code, turned into an ordinary error
     inside its task (an asyncio task re-raises those two into the event loop, which would end
-    the whole rollout)."""
+    the whole rollout), or an ``asyncio.CancelledError`` the user code raised itself (``bounded``;
+    it would otherwise cancel the caller's task)."""
 
 
 async def _converted(coro):
@@ -117,18 +138,20 @@ class AgentLoopConfig:
 
     max_turns: int = 8
     """Model turns per trajectory at most."""
-    max_new_tokens_per_turn: int = 128
-    """Tokens one model turn may generate."""
     max_context_tokens: int = 4096
     """Prompt + response tokens of a trajectory at most."""
     group_size: int = 1
     """Samples per prompt (a group shares the task seed)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling of every model turn, sent whole with each request, except that
+    ``max_new_tokens`` is the per-turn limit (a turn is given at most the context budget left),
+    the tokenizer's stop ids are added to ``stop_token_ids``, and ``seed`` is one root of the
+    requests' seeds (``sampling_seed``)."""
     sampling_seed: int | None = None
-    """When set, every request gets a distinct deterministic seed derived from it."""
+    """The rollout's seed (the trainer's changes every step). When it or ``sampling.seed`` is
+    set, every request gets a distinct deterministic seed derived from both, the trajectory and
+    the turn (one seed for every request would sample the same tokens for a whole group);
+    neither: the engine's own random stream."""
     env_timeout_s: float = 60.0
     """Limit on one ``reset``, ``step`` or ``close`` call."""
     reward_timeout_s: float = 60.0
@@ -139,15 +162,14 @@ class AgentLoopConfig:
     """Weight of the format reward in the total (0 = not computed)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_turns",
-            "max_new_tokens_per_turn",
-            "max_context_tokens",
-            "group_size",
-            "max_concurrency_per_engine",
-        ):
+        for name in ("max_turns", "max_context_tokens", "group_size", "max_concurrency_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentLoopConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sampling.max_new_tokens < 1:
+            raise ValueError(
+                "AgentLoopConfig.sampling.max_new_tokens (per turn) must be >= 1, got "
+                f"{self.sampling.max_new_tokens}"
+            )
         for name in ("env_timeout_s", "reward_timeout_s"):
             value = getattr(self, name)
             if not 0 < value < float("inf"):
@@ -204,6 +226,11 @@ class AgentLoop:
         self._next_engine = itertools.count()
         self._suffix = tokenizer.end_of_turn_suffix()
         self._gen_prompt = tokenizer.generation_prompt()
+        stop_ids = (*tokenizer.stop_ids, *self.config.sampling.stop_token_ids)
+        self._sampling = replace(
+            self.config.sampling, stop_token_ids=tuple(dict.fromkeys(stop_ids))
+        )
+        """Every request's sampling, but for its ``max_new_tokens`` and ``seed``."""
 
     # -- batch ---------------------------------------------------------------------------
     async def run_batch(self, tasks: Sequence[RolloutTask]) -> RolloutBatch:
@@ -247,19 +274,27 @@ class AgentLoop:
         stopped: list[bool] = []
         try:
             try:
-                env = factory()
-            except Exception as e:
+                made = factory()
+            except (*USER_ERRORS, asyncio.CancelledError) as e:  # a plain call: its
+                # CancelledError is the environment's own (this task's arrives at an await)
                 raise _EnvFailure(
                     EndReason.ENV_ERROR, f"creating the environment raised {type(e).__name__}: {e}"
                 ) from e
-            reset = await self._call_env("reset", env.reset, seed)
-            if not isinstance(reset, ResetResult):
+            if not isinstance(made, Environment):
                 raise _EnvFailure(
                     EndReason.ENV_GARBAGE,
-                    f"reset returned {type(reset).__name__}, expected ResetResult",
+                    f"the environment factory returned {reprlib.repr(made)}, expected an "
+                    "Environment",
+                )
+            env = made
+            reset = await self._call_env(env, "reset", seed)
+            garbage = check_reset_result(reset, self.tokenizer.vocab_size)
+            if garbage is not None:
+                raise _EnvFailure(
+                    EndReason.ENV_GARBAGE, f"{type(env).__name__}.reset returned {garbage}"
                 )
             traj.info.update(reset.info)
-            traj.prompt_ids = self._render_prompt(reset.prompt)
+            traj.prompt_ids = self._render_prompt(env, reset.prompt)
             await self._episode(env, traj, engine_idx, turn_texts, stopped, sampling_seed)
             if traj.ok:
                 await self._score(traj, turn_texts, stopped)
@@ -275,24 +310,25 @@ class AgentLoop:
         traj.check()
         return traj
 
-    def _render_prompt(self, prompt: object) -> list[int]:
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+    def _render_prompt(self, env: Environment, prompt: list) -> list[int]:
+        """The ids of a prompt ``check_reset_result`` accepted: chat messages rendered, or the
+        token ids as they are."""
+        if all(isinstance(m, dict) for m in prompt):
             try:
                 return self.tokenizer.render_messages(prompt, add_generation_prompt=True)
             except Exception as e:  # ValueError, or the HF template's own errors
-                raise _EnvFailure(EndReason.ENV_GARBAGE, f"bad prompt messages: {e}") from e
-        vocab = self.tokenizer.vocab_size
-        if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            return list(prompt)
-        raise _EnvFailure(
-            EndReason.ENV_GARBAGE, f"prompt is neither chat messages nor token ids in [0, {vocab})"
-        )
+                raise _EnvFailure(
+                    EndReason.ENV_GARBAGE,
+                    f"{type(env).__name__}.reset returned bad prompt messages: {e}",
+                ) from e
+        return list(prompt)
 
-    async def _call_env(self, what: str, method, *args):
-        """``method(*args)`` of the environment (a synchronous one on a worker thread:
-        ``call_user``) under ``env_timeout_s``; any failure is an ``_EnvFailure``."""
+    async def _call_env(self, env: Environment, name: str, *args):
+        """``env.<name>(*args)`` (a synchronous method on a worker thread: ``call_user``) under
+        ``env_timeout_s``; any failure is an ``_EnvFailure`` naming the environment's class."""
+        what = f"{type(env).__name__}.{name}"
         try:
-            return await bounded(call_user(method, *args), self.config.env_timeout_s)
+            return await bounded(call_user(getattr(env, name), *args), self.config.env_timeout_s)
         except asyncio.TimeoutError as e:
             raise _EnvFailure(
                 EndReason.ENV_TIMEOUT,
@@ -332,18 +368,24 @@ class AgentLoop:
                     result.finish_reason.type.value,
                 )
             )
-            did_stop = bool(ids) and ids[-1] in tok.stop_ids
-            turn_texts.append(tok.decode(ids[:-1] if did_stop else ids))
+            ended = result.finish_reason
+            stop_id = bool(ids) and ids[-1] in self._sampling.stop_token_ids
+            did_stop = stop_id or (
+                ended.type is FinishType.STOP and ended.matched in self._sampling.stop
+            )
+            turn_texts.append(tok.decode(ids[:-1] if stop_id else ids))
             stopped.append(did_stop)
             if not did_stop:
                 full = len(context) >= cfg.max_context_tokens
                 traj.end_reason = EndReason.CONTEXT_LIMIT if full else EndReason.TURN_LENGTH
                 break
             action = Action(turn_texts[-1], tuple(ids))
-            step = await self._call_env("step", env.step, action)
+            step = await self._call_env(env, "step", action)
             garbage = check_step_result(step, tok.vocab_size)
             if garbage is not None:
-                raise _EnvFailure(EndReason.ENV_GARBAGE, garbage)
+                raise _EnvFailure(
+                    EndReason.ENV_GARBAGE, f"{type(env).__name__}.step returned {garbage}"
+                )
             outcome += step.reward
             traj.info.update(step.info)
             if step.done:
@@ -357,7 +399,9 @@ class AgentLoop:
                 body = tok.render_turn(step.role, obs) if isinstance(obs, str) else list(obs)
             except Exception as e:  # e.g. a chat template that rejects the role
                 raise _EnvFailure(
-                    EndReason.ENV_GARBAGE, f"observation of role {step.role!r}: {e}"
+                    EndReason.ENV_GARBAGE,
+                    f"{type(env).__name__}.step returned an observation of role {step.role!r} "
+                    f"the tokenizer refuses: {e}",
                 ) from e
             obs_ids = self._suffix + body + self._gen_prompt
             if len(context) + len(obs_ids) >= cfg.max_context_tokens:
@@ -380,17 +424,12 @@ class AgentLoop:
         cfg = self.config
         seed = None
         base = cfg.sampling_seed if sampling_seed is None else sampling_seed
-        if base is not None:
-            key = f"{base}/{traj.uid}/{turn}".encode()
+        roots = [str(r) for r in (cfg.sampling.seed, base) if r is not None]
+        if roots:
+            key = "/".join([*roots, traj.uid, str(turn)]).encode()
             seed = zlib.crc32(key) & 0x7FFFFFFF
-        sampling = SamplingParams(
-            max_new_tokens=min(cfg.max_new_tokens_per_turn, budget),
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            min_p=cfg.min_p,
-            stop_token_ids=self.tokenizer.stop_ids,
-            seed=seed,
+        sampling = replace(
+            self._sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), seed=seed
         )
         request = GenerateRequest(
             tuple(context), sampling, rid=f"{traj.uid}/t{turn}", session=traj.uid

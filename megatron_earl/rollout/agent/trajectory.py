@@ -35,8 +35,8 @@ class EndReason(str, enum.Enum):
     MAX_TURNS = "max_turns"
     """``max_turns`` model turns were generated without done."""
     TURN_LENGTH = "turn_length"
-    """A model turn reached ``max_new_tokens_per_turn`` without a stop token (an incomplete
-    action is not sent to the environment)."""
+    """A model turn reached ``sampling.max_new_tokens`` without a stop (an incomplete action is
+    not sent to the environment)."""
     CONTEXT_LIMIT = "context_limit"
     """The next model turn or observation would not fit in ``max_context_tokens`` (the
     observation is not appended; nothing is truncated)."""
