@@ -11,7 +11,7 @@ as the exact sampled ids, and returns the next observation as text (rendered as 
 reward), ``done``, and an ``info`` dict that ends up in the trajectory.
 
 The methods may also be plain ``def`` (blocking work included): the agent loop runs those on a
-worker thread under ``env_timeout_s`` (``rollout.agent.user_threads``); an ``async def`` method
+worker thread under ``env_timeout_s`` (``compat.user_threads``); an ``async def`` method
 must not block the event loop.
 
 Environments must be deterministic given the ``reset`` seed, and should provide

@@ -19,7 +19,7 @@ sends it) every request but ``GET``/``HEAD /health``, whatever its method, needs
 ``Authorization: Bearer KEY``.
 
 Synchronous functions run on a bounded pool of worker threads (``--threads``,
-``rollout.agent.user_threads``), so a slow one does not block the other clients; a call that
+``compat.user_threads``), so a slow one does not block the other clients; a call that
 never returns holds its thread. ``launch_reward_service`` starts the process and waits
 for its ready line. The client ``RemoteReward`` is a ``RewardFn`` with a per-request timeout and
 retries with exponential backoff on connection errors, timeouts and 5xx answers.
@@ -42,9 +42,9 @@ import aiohttp
 from aiohttp import web
 
 from megatron_earl.compat.http_guard import bearer_matches, parse_json, route_path
+from megatron_earl.compat.user_threads import MAX_USER_THREADS, UserThreads, call_user
 from megatron_earl.envs.tool_env import last_number
 from megatron_earl.rewards.base import RewardInput, WeightedReward
-from megatron_earl.rollout.agent.user_threads import MAX_USER_THREADS, UserThreads, call_user
 from megatron_earl.tools.registry import Registry
 
 REWARD_FNS: Registry[Callable[[dict[str, Any]], float]] = Registry("reward function")

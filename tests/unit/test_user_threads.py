@@ -1,4 +1,4 @@
-"""The worker pool for synchronous user code (``rollout.agent.user_threads``): bounded, its
+"""The worker pool for synchronous user code (``compat.user_threads``): bounded, its
 threads are daemons, a call past its timeout keeps only its own thread, an exception (even
 ``SystemExit``) reaches the caller, and async callables are awaited on the loop.
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron_earl.rollout.agent.user_threads import UserThreads, call_user, is_async
+from megatron_earl.compat.user_threads import UserThreads, call_user, is_async
 
 
 def test_pool_is_bounded_and_stuck_calls_only_hold_their_threads():
@@ -68,7 +68,7 @@ def test_an_async_function_that_blocks_the_loop_is_named(monkeypatch):
     """An ``async def`` that calls ``time.sleep`` cannot be moved off the loop, but the warning
     names it (once per function), so the other trajectories' timeouts have a visible cause; an
     async function that awaits its waiting is not named, and cancellation passes through."""
-    import megatron_earl.rollout.agent.user_threads as ut
+    import megatron_earl.compat.user_threads as ut
 
     monkeypatch.setattr(ut, "BLOCKING_WARN_S", 0.2)
     monkeypatch.setattr(ut, "_warned", set())

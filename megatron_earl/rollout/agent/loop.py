@@ -42,6 +42,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from megatron_earl.compat.user_threads import call_user
 from megatron_earl.envs.base import (
     ENVS,
     Action,
@@ -52,7 +53,6 @@ from megatron_earl.envs.base import (
 from megatron_earl.rewards.base import RewardInput, WeightedReward, format_reward
 from megatron_earl.rollout.agent.metrics import RolloutMetrics
 from megatron_earl.rollout.agent.trajectory import EndReason, Trajectory, TurnRecord
-from megatron_earl.rollout.agent.user_threads import call_user
 from megatron_earl.rollout.engine import (
     Engine,
     FinishType,
