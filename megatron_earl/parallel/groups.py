@@ -15,12 +15,12 @@ Roles (Megatron-Core's own pattern: it creates ``*_gloo`` twins of its data-para
 request with ``backend=None`` (or the device backend, "nccl" on GPUs) asks for a DEVICE group, which
 moves device tensors; ``backend="gloo"`` asks for a HOST group, which moves small host metadata
 (lengths, ids, plans, flags, pickled objects). When the device policy needs both
-(``runtime.policy().separate_host_groups``: CUDA, and the emulation tier, whose groups all run on
-gloo but are tagged by the backend they were made with), every device group gets its host twin,
-created right after it, and ``host_group(group)`` returns it; the twin of a group of every rank is
-the host world group (``init_host_world``, called by ``runtime.initialize``). Megatron's explicit
-gloo requests of a rank set hit that rank set's twin (one key), never a third group. On a CPU run
-(everything gloo) the roles share one group: the same groups as without roles, and
+(``device_policy.policy().separate_host_groups``: CUDA, and the emulation tier, whose groups all
+run on gloo but are tagged by the backend they were made with), every device group gets its host
+twin, created right after it, and ``host_group(group)`` returns it; the twin of a group of every
+rank is the host world group (``init_host_world``, called by ``runtime.initialize``). Megatron's
+explicit gloo requests of a rank set hit that rank set's twin (one key), never a third group. On a
+CPU run (everything gloo) the roles share one group: the same groups as without roles, and
 ``host_group(g)`` is ``g``.
 
 Key: ``(sorted ranks, role, options)``, role "device" / "host" (separate host groups) or "shared";
@@ -28,7 +28,7 @@ host keys carry no options. Groups of different purposes but equal ranks (e.g. M
 groups when pp = 1) share one group too: every rank issues collectives on them in the same program
 order, so sharing is safe; on NCCL it serialises what separate communicators could overlap (see
 docs/layouts.md). Timeouts: every group gets the process's collective timeout
-(``runtime.collective_timeout()``, the run's ``runtime.collective_timeout_s``), whatever the
+(``device_policy.collective_timeout()``, the run's ``runtime.collective_timeout_s``), whatever the
 request asks (Megatron asks for its ``distributed_timeout_minutes``, 30 by default), so that a
 stuck peer fails every collective after one configured time; it is not part of the key.
 
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_earl import runtime
+from megatron_earl import device_policy
 
 GroupKey = tuple[tuple[int, ...], str, tuple[Any, ...] | None]
 """(sorted member ranks, role name, options key or None)."""
@@ -106,7 +106,8 @@ class GroupCache:
     """Process groups by ``(ranks, role, options)``; created once, destroyed only by ``destroy``.
 
     ``separate_host``: whether device and host groups are distinct (None: ask
-    ``runtime.policy().separate_host_groups`` at each call; tests force it, ``forced_host_groups``).
+    ``device_policy.policy().separate_host_groups`` at each call; tests force it,
+    ``forced_host_groups``).
 
     Which ranks call: ``get`` must be called by every rank of the world with the same arguments in
     the same order (a miss calls ``torch.distributed.new_group``, a collective over the world);
@@ -129,14 +130,14 @@ class GroupCache:
         """Whether device groups have host twins (``separate_host``, else the device policy)."""
         if self.separate_host is not None:
             return self.separate_host
-        return runtime.policy().separate_host_groups
+        return device_policy.policy().separate_host_groups
 
     def role(self, backend: str | None) -> Role:
         """The role a request with ``backend`` asks for: the host backend ("gloo") is HOST,
         anything else (None, "nccl") DEVICE; SHARED when the roles share groups."""
         if not self.separate():
             return Role.SHARED
-        host = runtime.policy().host_backend
+        host = device_policy.policy().host_backend
         return Role.HOST if backend is not None and str(backend).lower() == host else Role.DEVICE
 
     def key(self, ranks: Iterable[int], backend: str | None = None, pg_options: Any = None):
@@ -169,12 +170,12 @@ class GroupCache:
         if group is not None:
             return group
         if key[1] == Role.HOST.value:
-            return self._new(key, runtime.policy().host_backend, None, group_desc)
+            return self._new(key, device_policy.policy().host_backend, None, group_desc)
         group = self._new(key, backend, pg_options, group_desc)
         twin = (key[0], Role.HOST.value, None)
         if key[1] == Role.DEVICE.value and twin not in self._groups:
             desc = f"{group_desc}_HOST" if group_desc else None
-            self._new(twin, runtime.policy().host_backend, None, desc)
+            self._new(twin, device_policy.policy().host_backend, None, desc)
         return group
 
     def init_host_world(self) -> None:
@@ -189,8 +190,8 @@ class GroupCache:
         self._groups.pop(key, None)
         self._host_world = dist.new_group(
             ranks=list(key[0]),
-            timeout=runtime.collective_timeout(),
-            backend=runtime.policy().host_backend,
+            timeout=device_policy.collective_timeout(),
+            backend=device_policy.policy().host_backend,
             group_desc="HOST_WORLD",
         )
         self.stats.created += 1
@@ -235,7 +236,7 @@ class GroupCache:
             group = None
         if any(group is g for g in self._p2p_ready):
             return
-        dist.all_reduce(torch.zeros(1, device=runtime.device()), group=group)
+        dist.all_reduce(torch.zeros(1, device=device_policy.device()), group=group)
         self._p2p_ready.append(group)
         self.stats.p2p_warmups += 1
 
@@ -285,7 +286,7 @@ class GroupCache:
     ) -> Any:
         group = dist.new_group(
             ranks=list(key[0]),
-            timeout=runtime.collective_timeout(),
+            timeout=device_policy.collective_timeout(),
             backend=backend,
             pg_options=pg_options,
             group_desc=group_desc,
