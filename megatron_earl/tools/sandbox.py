@@ -83,7 +83,7 @@ from typing import Any
 
 import psutil
 
-from megatron_earl.tools import _bwrap
+import megatron_earl.tools._bwrap as _bwrap
 from megatron_earl.tools.base import TOOLS, Tool
 
 logger = logging.getLogger(__name__)
