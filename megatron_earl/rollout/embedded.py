@@ -62,9 +62,10 @@ from megatron_earl.rollout.engine import (
     FinishType,
     GenerateRequest,
     GenerateResult,
+    RequestError,
 )
 from megatron_earl.rollout.engine_results import EngineRequest, StepResults, prompt_start
-from megatron_earl.rollout.engine_step import Batch
+from megatron_earl.rollout.engine_step import Batch, Step
 from megatron_earl.rollout.kv_cache import RowTable
 from megatron_earl.rollout.memory_occupation import EngineMemory, WeightBackup
 
@@ -77,10 +78,6 @@ step; a persistent one, e.g. a device fault, should not fail every request forev
 
 PING_INTERVAL_S = 60.0
 """Idle seconds after which the scheduler of a TP group > 1 sends its peers a no-op step."""
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (bad ids, too long); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -197,25 +194,6 @@ class PaceStats:
             if self.prefill_steps
             else None,
         }
-
-
-@dataclass(frozen=True)
-class Step:
-    """One unit of work every rank of the TP group executes identically."""
-
-    kind: str
-    """"forward", "load", "release", "resume", "call" or "stop"."""
-    batch: Batch | None = None
-    """Forward: the sequences and their new tokens (a prefill or a decode)."""
-    moves: tuple[tuple[int, int, int], ...] = ()
-    """Row copies (src, dst, length) applied first: finished rows refilled by the last row."""
-    state: dict[str, torch.Tensor] | None = None
-    """Load: full (global) tensors keyed like ``geometry.full_state_dict``."""
-    tags: tuple[MemoryTag, ...] = ()
-    """Release / resume: the memory tags."""
-    fn: Callable[[EmbeddedEngine], Any] | None = None
-    """Call: run on every rank (picklable: a module-level function or a ``functools.partial``
-    of one); None is a no-op (the idle ping)."""
 
 
 class EmbeddedEngine(StepResults, EngineMemory):

@@ -92,6 +92,11 @@ class EngineError(RuntimeError):
     """The engine failed (unreachable, crashed, rejected the request)."""
 
 
+class RequestError(ValueError):
+    """A request the embedded engine cannot serve as given (bad ids, too long); the message says
+    why (``serve`` answers it with a 400)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An inference engine the agent loop can drive concurrently from one asyncio loop."""

@@ -1,6 +1,7 @@
 """One step of the embedded engine's forward, as the host describes it: the sequences and their
 cache rows (``Batch``) and a prefill step's index tensors (``StepIndex``), computed with numpy from
-Python ints and moved to the compute device once (boundary "engine step inputs", docs/devices.md).
+Python ints and moved to the compute device once (boundary "engine step inputs", docs/devices.md);
+and the ``Step`` the engine's scheduler broadcasts for every rank of its TP group to execute.
 
     batch = Batch(rows=(3, 4), tokens=((5, 9, 2), (7, 1)), starts=(0, 2))
     index = StepIndex.build(batch)          # host tensors, one per index (StepTensors)
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from megatron_earl import runtime
+from megatron_earl.config.vocab import MemoryTag
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,25 @@ class StepIndex:
     def on_device(self) -> StepTensors:
         """The index tensors on the compute device (boundary "engine step inputs")."""
         return StepTensors(*(runtime.to_device(t) for t in self.tensors))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of work every rank of the TP group executes identically."""
+
+    kind: str
+    """"forward", "load", "release", "resume", "call" or "stop"."""
+    batch: Batch | None = None
+    """Forward: the sequences and their new tokens (a prefill or a decode)."""
+    moves: tuple[tuple[int, int, int], ...] = ()
+    """Row copies (src, dst, length) applied first: finished rows refilled by the last row."""
+    state: dict[str, torch.Tensor] | None = None
+    """Load: full (global) tensors keyed like ``geometry.full_state_dict``."""
+    tags: tuple[MemoryTag, ...] = ()
+    """Release / resume: the memory tags."""
+    fn: Callable[[Any], Any] | None = None
+    """Call: run on every rank with that rank's ``EmbeddedEngine`` (picklable: a module-level
+    function or a ``functools.partial`` of one); None is a no-op (the idle ping)."""
 
 
 def _spans(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -27,6 +27,8 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.vocab import MEMORY_TAGS, MemoryTag
+from megatron_earl.rollout.engine import RequestError
+from megatron_earl.rollout.engine_step import Step
 
 MEMORY_FIELDS = frozenset({"rid", "http_worker_ipc", "tags"})
 """Fields of SGLang's ``ReleaseMemoryOccupationReqInput`` and ``ResumeMemoryOccupationReqInput``
@@ -120,8 +122,6 @@ class EngineMemory:
         wait only while generation is paused (they stay queued until every tag is resumed and
         generation continues). ``kv_cache`` also drops the parked sessions (SGLang flushes its
         cache). A tag already released, or a busy engine: ``RequestError``, nothing changes."""
-        from megatron_earl.rollout.embedded import RequestError, Step
-
         async with self._step_lock:
             again = [t for t in tags if t in self._released]
             if again:
@@ -146,8 +146,6 @@ class EngineMemory:
         """SGLang's ``resume_memory_occupation``: rebuild ``tags`` on every rank (the KV cache
         empty, the weights with the values they had). A tag that is not released:
         ``RequestError``, nothing changes. Generation goes on once no tag is released."""
-        from megatron_earl.rollout.embedded import RequestError, Step
-
         async with self._step_lock:
             missing = [t for t in tags if t not in self._released]
             if missing:
