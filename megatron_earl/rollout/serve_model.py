@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.rollout.serve_weights import check_named, expected_hf_tensors, read_weights
 
 RANDOM = "random"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -187,7 +188,6 @@ def load_weights(model_chunks: list[torch.nn.Module], served: ServedModel) -> No
     An HF directory must hold every tensor of the model, with its shapes and dtype."""
     from megatron_earl.models.hf_mapping import hf_to_megatron
     from megatron_earl.redistribute.geometry import load_full_state_dict
-    from megatron_earl.rollout.serve_weights import check_named, expected_hf_tensors, read_weights
 
     if served.kind == RANDOM:
         return

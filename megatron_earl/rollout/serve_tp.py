@@ -3,11 +3,11 @@
     megatron-earl serve --tp-size 2 --model-config model.json --model-path full.pt --port 30000
 
 The serve process is TP rank 0: the scheduler of the embedded engine and the HTTP server. Before
-anything else it starts N-1 followers (``python -m megatron_earl.rollout.serve_tp <the same
-arguments>``) with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of a rendezvous
-on a free local port, and all N form one world (gloo on CPU; on GPUs the device groups are NCCL,
-one device per rank: ``LOCAL_RANK`` = TP rank). Every rank then builds the model the way a TP1
-server does -- ``ParallelLayout(dp=N)``, seeded random weights or the ``--model-path`` full
+anything else it starts N-1 followers (``python -m megatron_earl.rollout.serve_follower <the
+same arguments>``) with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of a
+rendezvous on a free local port, and all N form one world (gloo on CPU; on GPUs the device groups
+are NCCL, one device per rank: ``LOCAL_RANK`` = TP rank). Every rank then builds the model the way
+a TP1 server does -- ``ParallelLayout(dp=N)``, seeded random weights or the ``--model-path`` full
 state -- takes its full state, builds the model again in ``ParallelLayout(tp=N)`` and loads its
 shard from that state (``to_tp_layout``): the served weights equal a TP1 server's, bit for bit.
 Followers run ``EmbeddedEngine.follow()``: they execute the steps rank 0 broadcasts (forwards,
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -45,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from megatron_earl.compat.processes import die_with_parent
 from megatron_earl.config.model import ModelConfig
 
 if TYPE_CHECKING:
@@ -67,7 +65,7 @@ class Followers:
         os.environ.update(world, RANK="0", LOCAL_RANK="0")
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "megatron_earl.rollout.serve_tp", *argv],
+                [sys.executable, "-m", "megatron_earl.rollout.serve_follower", *argv],
                 env=os.environ | world | {"RANK": str(r), "LOCAL_RANK": str(r), PARENT_ENV: parent},
                 stdin=subprocess.PIPE,  # closed when this process ends: followers watch it
             )
@@ -257,46 +255,3 @@ class TPGroup:
 
     async def shutdown(self) -> None:
         await self.engine.call(functools.partial(_drop_rank, name=self.name))
-
-
-# ---------------------------------------------------------------------- follower entry point
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when rank 0 dies (Linux), and exit when its pipe closes (anywhere)."""
-    die_with_parent(signal.SIGKILL, parent)  # exits if rank 0 died before the prctl
-
-    def watch() -> None:
-        while os.read(0, 1 << 12):  # the raw fd: no buffered-reader lock at shutdown
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch, name="serve-tp-parent", daemon=True).start()
-
-
-def follower_main(argv: Sequence[str] | None = None) -> int:
-    """A TP rank > 0 of ``serve --tp-size N`` (started by ``Followers``, never by hand)."""
-    from megatron_earl.rollout.server import build_engine, parse_args
-
-    parent = os.environ.get(PARENT_ENV)
-    if parent is None:
-        raise SystemExit(
-            f"{__name__} is a follower of 'megatron-earl serve --tp-size N' ({PARENT_ENV} unset); "
-            "start the server with megatron-earl serve"
-        )
-    _die_with_parent(int(parent))
-    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops the followers
-        signal.signal(sig, signal.SIG_IGN)
-    engine, _ = build_engine(parse_args(argv))
-    engine.follow()
-    return 0
-
-
-if __name__ == "__main__":
-    # Import the module by name (not this ``__main__`` copy) so that ``call`` steps pickled by
-    # rank 0 (``megatron_earl.rollout.serve_tp._join_rank`` ...) find the same registry here.
-    from megatron_earl.compat.processes import skip_exit_gc
-    from megatron_earl.rollout.serve_tp import follower_main as imported_main
-
-    skip_exit_gc()
-    sys.exit(imported_main(sys.argv[1:]))

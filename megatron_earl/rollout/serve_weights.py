@@ -54,6 +54,7 @@ import torch
 from aiohttp import web
 
 from megatron_earl.rollout.generate_api import BadRequest, parse_weight_version
+from megatron_earl.rollout.serve_tp import TPGroup
 from megatron_earl.rollout.server_auth import error_response
 from megatron_earl.rollout.tensor_payload import is_portable, take_payload
 from megatron_earl.rollout.weight_group import (
@@ -155,8 +156,6 @@ async def join_group(
     an object with ``receive`` and ``shutdown`` (``LocalGroup`` or ``serve_tp.TPGroup``)."""
     args = (master_address, master_port, rank_offset, world_size, name, backend, timeout_s)
     if engine.tp_size > 1:
-        from megatron_earl.rollout.serve_tp import TPGroup
-
         return await TPGroup.join(engine, *args)
     return LocalGroup(await asyncio.to_thread(join_weight_update_group, *args))
 
