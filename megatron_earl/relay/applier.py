@@ -4,8 +4,9 @@
     applier = EngineApplier(relay, EngineState(url), released=asyncio.Event())
     task = asyncio.create_task(applier.run())     # until cancelled
 
-``relay`` is what an applier reads of its relay (``RelayServer``): ``settings``, ``store``,
-``counters`` and ``new_version_event()`` (set when a newer version is committed).
+``relay`` is what an applier reads of its relay (``Relay``, which ``RelayServer`` is):
+``settings``, ``store``, ``counters`` and ``new_version_event()`` (set when a newer version is
+committed).
 ``may_load`` is the release rule (pure); ``backoff_s`` the retry delay after failures.
 """
 
@@ -19,7 +20,7 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,14 +31,27 @@ from megatron_earl.relay.readback import (
     read_back_matches,
     sampled_buckets,
 )
+from megatron_earl.relay.settings import Counters, RelaySettings
+from megatron_earl.relay.versions import VersionStore
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
 from megatron_earl.rollout.weight_sync import WeightSyncConfig, push_weights
 
-if TYPE_CHECKING:
-    from megatron_earl.relay.server import RelayServer, RelaySettings
-
 log = logging.getLogger("megatron_earl.relay")
+
+
+class Relay(Protocol):
+    """What an applier reads of its relay (``server.RelayServer``)."""
+
+    settings: RelaySettings
+    store: VersionStore
+    """The versions held (the applier loads the newest)."""
+    counters: Counters
+    """The relay's counters (the applier counts read-back mismatches and skips)."""
+
+    def new_version_event(self) -> asyncio.Event:
+        """An event set when a newer version is committed."""
+        ...
 
 
 @dataclass
@@ -93,7 +107,7 @@ def backoff_s(settings: RelaySettings, failures: int) -> float:
 class EngineApplier:
     """Keeps one engine on its relay's newest version (module docstring)."""
 
-    def __init__(self, relay: RelayServer, state: EngineState, released: asyncio.Event) -> None:
+    def __init__(self, relay: Relay, state: EngineState, released: asyncio.Event) -> None:
         self.relay = relay
         self.settings = relay.settings
         self.state = state
