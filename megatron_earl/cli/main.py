@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 
+from megatron_earl.cli.train import ERROR_FILE_ENV, checked_config
 from megatron_earl.compat.processes import die_with_parent, skip_exit_gc
 
 # subcommand -> module whose ``main(argv)`` implements it
@@ -70,11 +71,6 @@ _TORCHRUN = {
     "train": "megatron_earl.cli.train",
     "bench-rl-sweep": "megatron_earl.bench.rl",
 }
-
-
-ERROR_FILE_ENV = "MEGATRON_EARL_ERROR_FILE"
-"""Where ``cli.train`` rank 0 writes a run-ending user error (e.g. the selector's), so that
-``megatron-earl train`` repeats it as its last line, after torchrun's failure report."""
 
 
 STOP_GRACE_S = 30.0
@@ -231,7 +227,6 @@ def _dispatch(argv: list[str]) -> int:
     grace_s = STOP_GRACE_S
     if argv[0] == "train":
         # Validate the whole run before any process (or process group) is started.
-        from megatron_earl.cli.train import checked_config
         from megatron_earl.config.run import ConfigError
 
         nproc, plain = _pop_nproc(argv[1:])

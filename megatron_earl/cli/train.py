@@ -29,6 +29,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megatron_earl.config.run import RunConfig
 
+ERROR_FILE_ENV = "MEGATRON_EARL_ERROR_FILE"
+"""Where rank 0 writes a run-ending user error (e.g. the selector's, ``_report``), so that
+``megatron-earl train`` (``cli.main``, which sets it) repeats it as its last line, after
+torchrun's failure report."""
+
 
 def resolve_config(argv: list[str], world_size: int) -> RunConfig:
     """The run config of a command line, in either of two styles:
@@ -155,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
 def _report(message: str) -> None:
     """Print a run-ending error on stderr and leave it for ``megatron-earl train`` (which repeats
     it as its last line, after torchrun's failure report)."""
-    from megatron_earl.cli.main import ERROR_FILE_ENV
-
     print(message, file=sys.stderr, flush=True)
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
