@@ -15,16 +15,20 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megatron_earl.bench import engine_hf as bench_hf
+from megatron_earl.bench.engine_results import (
+    ENGINES,
+    SAMPLING_MODES,
+    BenchRow,
+    EngineBenchConfig,
+    PairedRatio,
+)
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest, GenerateResult
-
-if TYPE_CHECKING:
-    from megatron_earl.bench.engine import BenchRow, EngineBenchConfig, PairedRatio
 
 
 @contextmanager
@@ -90,8 +94,6 @@ def _sequences(batch: int, group_size: int) -> int:
 def _rows(
     cfg: EngineBenchConfig, batch: int, sampling: str, times: dict[str, list[list[float]]]
 ) -> list[BenchRow]:
-    from megatron_earl.bench.engine import BenchRow
-
     rows = []
     for engine, (prefills, fulls) in times.items():
         prefill, full = statistics.median(prefills), statistics.median(fulls)
@@ -115,8 +117,6 @@ def _paired(
     """HF's time over ours, repeat by repeat (prefill runs; full minus prefill runs, None where
     either engine's prefill run took as long as its full run); with ``floor_s`` (our prefill's
     projections alone, per repeat), HF's prefill run time over it."""
-    from megatron_earl.bench.engine import ENGINES, PairedRatio
-
     (ours_pre, ours_full), (hf_pre, hf_full) = (times[e] for e in ENGINES)
     prefill = tuple(h / o for h, o in zip(hf_pre, ours_pre, strict=True))
     decode = tuple(
@@ -135,7 +135,6 @@ async def drive(
     ``cfg.floor``: our prefill's projections alone after HF's prefill run, on the threads our
     prefill steps use). Returns the rows, the paired ratios, the greedy agreement and the
     seconds of our first (warm-up) run."""
-    from megatron_earl.bench.engine import ENGINES, SAMPLING_MODES
     from megatron_earl.bench.engine_floor import prefill_run_projections, time_projections
 
     prefill_threads = torch.get_num_threads()  # as the engine read them when it was built
