@@ -7,7 +7,7 @@ What: ``apply()`` replaces ``apply_rotary_pos_emb`` where Megatron-Core's attent
   per packed token (the prefix-tree row's "exact mapping") -- it computes Megatron's
   ``t * cos + rotate_half(t) * sin`` (cos/sin scaled by mscale) as ``t * cos + roll(t, rot / 2)
   * signed_sin`` (the same products and sums, so equal values and gradients, ``torch.equal``;
-  the embedded engine's formula, ``rollout.batched_forward``, which fuses the last two ops;
+  the embedded engine's formula, ``rollout.embedded.batched_forward``, which fuses the last two ops;
   both take their tables from ``models.rotary``),
   with the tables made once for the rotary tensor every layer receives (a one-entry cache keyed
   by that tensor) instead of ``cos``/``sin`` per layer and per query/key. Every other case

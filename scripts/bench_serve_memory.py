@@ -19,8 +19,8 @@ import tempfile
 import aiohttp
 import torch
 
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
-from megatron_earl.rollout.tensor_payload import serialize_portable
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.weights.tensor_payload import serialize_portable
 from megatron_earl.testing.distributed import free_port
 
 KEY = "bench-key"
@@ -61,7 +61,7 @@ def measure(mib: int, log_dir: str) -> dict:
         model_path="random",
         port=free_port(),
         api_key=KEY,
-        module="megatron_earl.rollout.server",
+        module="megatron_earl.rollout.serve.server",
         extra_args=("--max-seq-len", "64"),
     )
     with ServerProcess(launch, log_path=f"{log_dir}/serve.log") as proc:

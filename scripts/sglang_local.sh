@@ -95,7 +95,7 @@ wait_up() {  # url what [pid]: fails at once when the process has exited (e.g. p
 URLS=()
 for (( i = 0; i < ENGINES; i++ )); do
     port=$(( ENGINE_PORT + i ))
-    OMP_NUM_THREADS=1 "$PYTHON" -m megatron_earl.rollout.server --model-path random \
+    OMP_NUM_THREADS=1 "$PYTHON" -m megatron_earl.rollout.serve.server --model-path random \
         --model-config "$OUT/engines/model.json" --host 127.0.0.1 --port "$port" \
         --max-seq-len "$MAX_CONTEXT" --max-batch-size "$ENGINE_BATCH" \
         --api-key "$SGLANG_API_KEY" --weight-dirs "$OUT/weights" \

@@ -4,7 +4,7 @@ fixture the contract tests read, so they run without the wheel (CI, no network).
     python scripts/sglang_schema.py            # writes tests/fixtures/sglang_schema_<version>.json
     python scripts/sglang_schema.py --check    # exit 1 when the fixture differs from a fresh parse
 
-The wheel (``sglang==SGLANG_PINNED``, ``megatron_earl.rollout.sglang_client``) is taken from the
+The wheel (``sglang==SGLANG_PINNED``, ``megatron_earl.rollout.sglang.client``) is taken from the
 cache directory ``$MEGATRON_EARL_CACHE/sglang-<version>`` (default ``~/.cache/megatron_earl``),
 downloaded there with ``pip download --no-deps`` when missing (``--no-download`` to forbid).
 
@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_earl.rollout.sglang_client import SGLANG_PINNED  # noqa: E402
+from megatron_earl.rollout.sglang.client import SGLANG_PINNED  # noqa: E402
 
 SOURCES = {
     "io_struct": "sglang/srt/managers/io_struct.py",

@@ -44,8 +44,8 @@ from typing import Any
 from megatron_earl.bench.pipeline_sim import SimConfig, simulate
 from megatron_earl.config.loader import load_config
 from megatron_earl.envs.longtail import LongTailEnv
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
 from megatron_earl.testing.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def paced_engines(args, out: Path, model_json: Path, max_context: int) -> list[S
             LaunchConfig(
                 model_path="random",
                 port=free_port(),
-                module="megatron_earl.rollout.server",
+                module="megatron_earl.rollout.serve.server",
                 api_key=KEY,
                 extra_args=(
                     "--model-config",

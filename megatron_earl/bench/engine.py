@@ -111,7 +111,11 @@ def _bench_rank(cfg: EngineBenchConfig, full: dict[str, torch.Tensor]):
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import load_full_state_dict
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.embedded.engine import (
+        EmbeddedEngine,
+        EmbeddedEngineConfig,
+        run_engine,
+    )
 
     initialize_layout(ParallelLayout(tp=cfg.tp))
     model = pin_transformer_impl(cfg.model, embedded_engine=True)

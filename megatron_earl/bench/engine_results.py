@@ -71,7 +71,7 @@ class EngineBenchConfig:
         }
         if small:
             raise ValueError(f"these values must be >= 1: {small}")
-        from megatron_earl.rollout.embedded import EmbeddedEngineConfig
+        from megatron_earl.rollout.embedded.engine import EmbeddedEngineConfig
 
         EmbeddedEngineConfig(decode_threads=self.decode_threads)  # the engine's own check, up front
         compiled = [f for f in COMPILE_SWITCHES if getattr(self, f)]

@@ -56,8 +56,8 @@ import aiohttp
 from megatron_earl.config.loader import load_config
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rewards.service import RewardServiceProcess, launch_reward_service
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ class Cluster:
         launch = LaunchConfig(
             model_path="random",
             port=self.ports[name],
-            module="megatron_earl.rollout.server",
+            module="megatron_earl.rollout.serve.server",
             extra_args=("--model-config", str(model_json), "--max-seq-len", "256",
                         "--max-batch-size", "16", "--pace-decode-ms", str(PACE_MS)),
         )  # fmt: skip

@@ -55,10 +55,10 @@ from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.relay.publisher import wait_for_engines
-from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
-from megatron_earl.rollout.weight_sync import hf_named_tensors
-from megatron_earl.rollout.weight_transports import build_transport
+from megatron_earl.rollout.sglang.client import SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.weights.sync import hf_named_tensors
+from megatron_earl.rollout.weights.transports import build_transport
 from megatron_earl.testing.distributed import free_port
 
 MODEL = ModelConfig(
@@ -91,7 +91,7 @@ def measure(n: int, args: argparse.Namespace, tmp: Path, model: ModelConfig) -> 
             LaunchConfig(
                 model_path="random",
                 port=free_port(),
-                module="megatron_earl.rollout.server",
+                module="megatron_earl.rollout.serve.server",
                 extra_args=(*common, "--max-weight-body-mb", "4096"),
             ),
             log_path=str(tmp / f"e{n}-{i}.log"),

@@ -53,7 +53,7 @@ _MODULES = {
     ("bench", "engine"): "megatron_earl.bench.engine",
     ("bench", "serve"): "megatron_earl.bench.serve",
     ("bench", "soak"): "megatron_earl.bench.soak",
-    ("serve",): "megatron_earl.rollout.server",
+    ("serve",): "megatron_earl.rollout.serve.server",
     ("relay",): "megatron_earl.relay.server",
     ("plot",): "megatron_earl.orchestration.plot",
     ("plan",): "megatron_earl.selector.plan_cli",

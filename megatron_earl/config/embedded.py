@@ -9,8 +9,8 @@
 
 The same switches exist on ``megatron-earl serve`` (``--decode-threads``,
 ``--compile-decode`` / SGLang's ``--enable-torch-compile``, ``--compile-prefill``).
-``EmbeddedEngineConfig`` (``rollout/embedded.py``) says what they do, ``docs/engines.md`` what
-they cost and gain.
+``EmbeddedEngineConfig`` (``rollout/embedded/engine.py``) says what they do, ``docs/engines.md``
+what they cost and gain.
 """
 
 from __future__ import annotations

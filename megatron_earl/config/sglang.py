@@ -10,7 +10,7 @@
         router_url: http://10.0.0.1:30100   # SGLang's router in front of the engines (optional)
         colocated: false                    # engines share the trainer's GPUs: release/resume
 
-``rollout/weight_transports.py`` implements each ``weight_update`` kind; its docstring and
+``rollout/weights/transports.py`` implements each ``weight_update`` kind; its docstring and
 ``docs/engines.md`` say what each needs from the engines (a shared directory they are allowed to
 read for ``disk``, a port of the trainer's rank 0 they can reach for ``distributed``).
 """

@@ -106,7 +106,7 @@ ENGINE_KINDS: tuple[EngineKind, ...] = tuple(EngineKind)
 
 class WeightUpdate(Vocabulary):
     """How the trainer pushes new weights to SGLang engines (``rollout.sglang.weight_update``;
-    SGLang's weight-update endpoints, ``rollout/weight_transports.py``)."""
+    SGLang's weight-update endpoints, ``rollout/weights/transports.py``)."""
 
     TENSOR = "tensor"
     """``update_weights_from_tensor``: serialized tensors over HTTP (colocated engines)."""
@@ -139,7 +139,7 @@ MEMORY_TAGS: tuple[MemoryTag, ...] = tuple(MemoryTag)
 
 class TensorPayload(Vocabulary):
     """The format of ``update_weights_from_tensor``'s ``serialized_named_tensors``
-    (``rollout.sglang.tensor_payload``; ``rollout/tensor_payload.py``)."""
+    (``rollout.sglang.tensor_payload``; ``rollout/weights/tensor_payload.py``)."""
 
     PORTABLE = "portable"
     """base64 of ``torch.save([(name, tensor), ...])``: the bytes travel (any host);
@@ -162,7 +162,7 @@ class PauseMode(Vocabulary):
 
 class DistributedLoadFormat(Vocabulary):
     """How a bucket of SGLang's distributed weight update travels over the group
-    (``rollout.sglang.distributed_load_format``; ``rollout/weight_group.py``)."""
+    (``rollout.sglang.distributed_load_format``; ``rollout/weights/group.py``)."""
 
     TENSORS = "tensors"
     """One broadcast per tensor (SGLang's default; ``load_format`` null on the wire)."""

@@ -3,8 +3,8 @@
 Megatron's non-interleaved RoPE is ``t * cos + rotate_half(t) * sin`` with ``rotate_half(t) =
 cat(-t2, t1)``; the same products come from rolling ``t`` by half the rotary dimension and
 multiplying by ``signed_sin = cat(-sin_first_half, sin_second_half)``: no chunk, neg or cat of
-``t`` per call. The embedded engine (``rollout.batched_forward``) and the training attention's
-RoPE (``patches/rope_tables.py``) build their tables here (pure, no communication).
+``t`` per call. The embedded engine (``rollout.embedded.batched_forward``) and the training
+attention's RoPE (``patches/rope_tables.py``) build their tables here (pure, no communication).
 """
 
 from __future__ import annotations

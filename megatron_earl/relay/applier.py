@@ -34,8 +34,8 @@ from megatron_earl.relay.readback import (
 from megatron_earl.relay.settings import Counters, RelaySettings
 from megatron_earl.relay.versions import VersionStore
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
-from megatron_earl.rollout.weight_sync import WeightSyncConfig, push_weights
+from megatron_earl.rollout.sglang.client import ClientConfig, EngineRequestError, SGLangClient
+from megatron_earl.rollout.weights.sync import WeightSyncConfig, push_weights
 
 log = logging.getLogger("megatron_earl.relay")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from megatron_earl.rollout.sglang_launcher import ServerProcess
+from megatron_earl.rollout.sglang.launcher import ServerProcess
 
 
 @dataclass(frozen=True)

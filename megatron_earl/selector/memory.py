@@ -69,7 +69,7 @@ def per_rank(num_bytes: float) -> str:
 class ReservedKV:
     """A rollout engine's KV cache allocated whole when the engine is built, whatever the batch:
     ``rows`` rows of ``context`` tokens per engine replica (the embedded engine's row cache,
-    ``rollout/kv_cache.py``; its RoPE tables span ``context`` too)."""
+    ``rollout/embedded/kv_cache.py``; its RoPE tables span ``context`` too)."""
 
     rows: int
     """Requests the engine decodes at once (the embedded engine: ``rollout.max_concurrency``, at

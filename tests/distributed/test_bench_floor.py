@@ -43,8 +43,8 @@ class _Products(TorchDispatchMode):
 def _forward_vs_floor(model):
     """(products of one eager prefill step, ``prefill_projections`` of the same step)."""
     from megatron_earl.bench.engine_floor import prefill_projections, time_projections
-    from megatron_earl.rollout.batched_forward import BatchedForward
-    from megatron_earl.rollout.engine_step import Batch
+    from megatron_earl.rollout.embedded.batched_forward import BatchedForward
+    from megatron_earl.rollout.embedded.step import Batch
 
     chunks, _ = _build(ParallelLayout(), None, model)
     forward = BatchedForward(chunks[0], 6, MAX_SEQ)
@@ -73,7 +73,11 @@ def _engine_prefill_steps(budget: int, sequences: int, prompt_len: int):
 
     from megatron_earl.bench.engine_floor import prefill_steps
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.embedded.engine import (
+        EmbeddedEngine,
+        EmbeddedEngineConfig,
+        run_engine,
+    )
     from megatron_earl.rollout.engine import GenerateRequest
 
     chunks, _ = _build(ParallelLayout(), None, MODEL)

@@ -39,7 +39,7 @@ def _engine(faulty_prefill: bool = True):
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     initialize_layout(ParallelLayout())
     runtime.seed(5)
@@ -60,7 +60,7 @@ def _engine(faulty_prefill: bool = True):
 
 def _forward_failure_run():
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.embedded.engine import run_engine
     from megatron_earl.rollout.engine import EngineError, GenerateRequest
 
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -87,7 +87,7 @@ def _forward_failure_run():
 def _nan_weights_run():
     from megatron_earl.config.sampling import SamplingParams
     from megatron_earl.redistribute.geometry import full_state_dict
-    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.embedded.engine import run_engine
     from megatron_earl.rollout.engine import EngineError, GenerateRequest
 
     engine = _engine()
@@ -127,7 +127,7 @@ def test_non_finite_weights_fail_requests_not_the_engine():
 
 def _progress_failure_run():
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.embedded.engine import run_engine
     from megatron_earl.rollout.engine import EngineError, GenerateRequest
 
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -156,8 +156,8 @@ def test_a_failing_progress_callback_fails_only_its_request():
 
 def _top_failure_run():
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout import engine_results
-    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.embedded import results as engine_results
+    from megatron_earl.rollout.embedded.engine import run_engine
     from megatron_earl.rollout.engine import EngineError, GenerateRequest
 
     def broken(*args):
@@ -186,7 +186,7 @@ def test_failing_top_logprobs_fail_only_their_request():
 
 def _cancel_run():
     from megatron_earl.config.sampling import SamplingParams
-    from megatron_earl.rollout.embedded import run_engine
+    from megatron_earl.rollout.embedded.engine import run_engine
     from megatron_earl.rollout.engine import GenerateRequest
 
     long = SamplingParams(max_new_tokens=60, temperature=0.0)

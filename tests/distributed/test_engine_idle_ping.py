@@ -47,8 +47,12 @@ def _idle_run(ping_s: float) -> dict | None:
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.state import initialize_layout
     from megatron_earl.redistribute.geometry import full_state_dict, load_full_state_dict
-    from megatron_earl.rollout import embedded
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.embedded import engine as embedded
+    from megatron_earl.rollout.embedded.engine import (
+        EmbeddedEngine,
+        EmbeddedEngineConfig,
+        run_engine,
+    )
     from megatron_earl.rollout.engine import GenerateRequest
 
     embedded.PING_INTERVAL_S = ping_s

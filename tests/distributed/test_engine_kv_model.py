@@ -25,7 +25,7 @@ def _engine_allocation() -> dict:
     from megatron_earl.orchestration.selection import engine_kv
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine
     from megatron_earl.selector.budget import MemoryBudget
     from megatron_earl.selector.memory import MemoryModel, MemorySettings, PhaseWorkload
 

@@ -26,7 +26,11 @@ def _release_resume() -> dict:
     from megatron_earl.config.vocab import MEMORY_TAGS
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.embedded.engine import (
+        EmbeddedEngine,
+        EmbeddedEngineConfig,
+        run_engine,
+    )
     from megatron_earl.rollout.engine import GenerateRequest
 
     initialize_layout(ParallelLayout(tp=2))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.rollout.embedded import EmbeddedEngineConfig
+from megatron_earl.rollout.embedded.engine import EmbeddedEngineConfig
 from megatron_earl.testing.distributed import run_distributed
 
 MODEL = ModelConfig(
@@ -31,7 +31,7 @@ def _generate(pace_s: float) -> dict:
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine, run_engine
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine, run_engine
     from megatron_earl.rollout.engine import GenerateRequest
 
     initialize_layout(ParallelLayout())
@@ -63,7 +63,7 @@ def test_paced_steps_last_the_pace_and_tokens_are_unchanged():
     assert [len(t) for t in paced["tokens"]] == [6, 8, 10, 12]
     stats, base = paced["stats"], unpaced["stats"]
     assert stats["paced"] and not base["paced"]
-    assert stats["pace_decode_ms"] == pytest.approx(PACE_S * 1e3)
+    assert stats["pace_decode_ms"] == pytest.approx(PACE_S * 1e3)  # the setting in ms (fp64)
     assert stats["decode_steps"] == base["decode_steps"] > 0
     assert stats["min_step_ms"] >= PACE_S * 1e3
     assert base["min_step_ms"] < PACE_S * 1e3  # unpaced steps are faster: pacing is visible

@@ -1,6 +1,7 @@
 """Chunked vocab-parallel log-probs and entropy (``training.logprobs`` via
 ``rl_step.forward_logprobs``) under TP2, PP2, CP2 and TP2xCP2 equal a single-process reference that
-materialises the full logits of each sample (fp32, tolerance 1e-5); the packed (thd) micro-batches
+materialises the full logits of each sample (within the fp32 bound of a forward's sums in another
+order: ``tests/tolerances.py``); the packed (thd) micro-batches
 of different lengths need ``variable_seq_lengths`` under PP. A frozen reference policy in PP2,
 loaded by reshard from a TP2 policy, gives the same log-probs. The log-prob head on a 16K-token
 sequence, and the whole forward-only log-prob pass on a packed 16K-token row, stay under stated
@@ -15,8 +16,8 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
+from tests.tolerances import assert_fp32_close, gpt_terms
 
-TOL = 1e-5
 MODEL = ModelConfig(
     num_layers=2,
     hidden_size=64,
@@ -27,6 +28,10 @@ MODEL = ModelConfig(
     make_vocab_size_divisible_by=16,  # padded to 208: the padding rows are excluded
 )
 LENGTHS = [13, 7, 22, 5, 16, 9, 1]
+FORWARD_TERMS = gpt_terms(MODEL, max(LENGTHS))
+"""Log-probs and entropies: a forward's chain of fp32 sums, the log-softmax and the entropy over
+the vocabulary included (~1.6e3 terms: ~2e-4 x |value|); a vocab shard left out of the softmax
+or the padding rows let in move them by ~4e-2 (log 208/200)."""
 BUDGET = 32  # tokens per rank and micro-batch: several micro-batches of different lengths
 CHUNK = 8  # tokens per output-layer chunk: many chunks per micro-batch
 
@@ -86,8 +91,8 @@ def test_single_process_chunked_equals_full_logits(reference):
     lp, ent = reference["out"]
     ref_lp, ref_ent = reference["reference"]
     for i in range(len(LENGTHS)):
-        torch.testing.assert_close(lp[i].double(), ref_lp[i], rtol=0, atol=TOL)
-        torch.testing.assert_close(ent[i].double(), ref_ent[i], rtol=0, atol=TOL)
+        assert_fp32_close(lp[i].double(), ref_lp[i], FORWARD_TERMS)
+        assert_fp32_close(ent[i].double(), ref_ent[i], FORWARD_TERMS)
 
 
 @pytest.mark.parametrize(
@@ -110,8 +115,8 @@ def test_layouts_equal_single_process(reference, layout):
     for lp, ent in last:
         assert [t.numel() for t in lp] == LENGTHS
         for i in range(len(LENGTHS)):
-            torch.testing.assert_close(lp[i].double(), ref_lp[i], rtol=0, atol=TOL)
-            torch.testing.assert_close(ent[i].double(), ref_ent[i], rtol=0, atol=TOL)
+            assert_fp32_close(lp[i].double(), ref_lp[i], FORWARD_TERMS)
+            assert_fp32_close(ent[i].double(), ref_ent[i], FORWARD_TERMS)
 
 
 def _reference_policy(weights, samples):
@@ -156,7 +161,7 @@ def test_reference_policy_in_another_layout(reference):
         assert res["frozen"]
         for got in (res["policy"], *([res["ref"]] if res["ref"] is not None else [])):
             for i in range(len(LENGTHS)):
-                torch.testing.assert_close(got[i].double(), ref_lp[i], rtol=0, atol=TOL)
+                assert_fp32_close(got[i].double(), ref_lp[i], FORWARD_TERMS)
 
 
 SEQ = 16384

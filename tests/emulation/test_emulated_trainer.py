@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tests.emulation.common import EMULATED
 from tests.integration.metrics_doc import check_documented
+from tests.tolerances import fp32_tol, gpt_terms
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -43,6 +44,9 @@ TINY = [
 
 
 def test_demo_rl_steps_run_on_the_emulated_device(tmp_path):
+    from megatron_earl.config.loader import load_config
+
+    config = load_config("configs/demo_cpu_switching.yaml", TINY)
     command = [
         sys.executable, "-m", "megatron_earl.cli.main", "train", "--nproc", "2",
         "--config", "configs/demo_cpu_switching.yaml", *TINY, f"output_dir={tmp_path}",
@@ -66,7 +70,10 @@ def test_demo_rl_steps_run_on_the_emulated_device(tmp_path):
     assert all(math.isfinite(last[k]) for k in ("train/loss", "train/grad_norm", "adv/std"))
     # each group's prompt packed once (prefix-shared tree rows) on the device
     assert all(r["train/num_shared_tokens"] > 0 for r in records)
-    # Rollout log-probs (engine, after the step-1 weight push) against the trainer's.
-    assert last["rollout/logprob_mismatch"] < 1e-3
+    # Rollout log-probs (engine, after the step-1 weight push) against the trainer's: a mean of
+    # per-token differences within a forward's fp32 bound (|log-prob|, |logit| < 10 here: ~3e-3;
+    # observed ~2e-7); an engine on other weights than the trainer's is O(0.1) off
+    bound = fp32_tol(gpt_terms(config.model, config.rollout.max_context), 10.0)
+    assert last["rollout/logprob_mismatch"] <= bound
     check_documented(records, {"eval"})
     assert (metrics_file.parent / "checkpoints" / "iter_0000002").is_dir()  # saved from the device

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest
-from megatron_earl.rollout.sglang_client import SGLangClient
+from megatron_earl.rollout.sglang.client import SGLangClient
 
 
 async def outputs(

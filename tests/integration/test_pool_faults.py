@@ -18,9 +18,9 @@ import pytest
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import FinishType, GenerateRequest
-from megatron_earl.rollout.pool import EnginePool, PoolConfig
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
 from megatron_earl.testing.distributed import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,7 +49,7 @@ def engines(tmp_path_factory):
             LaunchConfig(
                 model_path="random",
                 port=free_port(),
-                module="megatron_earl.rollout.server",
+                module="megatron_earl.rollout.serve.server",
                 extra_args=(*args, "--pace-decode-ms", str(PACE_MS)),
             ),
             log_path=str(tmp_path / f"e{i}.log"),

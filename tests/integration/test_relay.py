@@ -35,10 +35,10 @@ from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.relay.versions import digest
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
-from megatron_earl.rollout.weight_sync import hf_named_tensors
-from megatron_earl.rollout.weight_transports import build_transport
+from megatron_earl.rollout.sglang.client import SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.weights.sync import hf_named_tensors
+from megatron_earl.rollout.weights.transports import build_transport
 from megatron_earl.testing.distributed import free_port
 from tests.integration.engine_calls import outputs, reported_version
 
@@ -108,7 +108,7 @@ def tree(tmp_path_factory):
     (tmp / "model.json").write_text(json.dumps(MODEL.to_dict()))
     torch.save(W, tmp / "w.pt")
     common = ("--model-config", str(tmp / "model.json"), "--max-seq-len", "64")
-    serve = "megatron_earl.rollout.server"
+    serve = "megatron_earl.rollout.serve.server"
 
     def engine(name: str, path: str) -> ServerProcess:
         launch = LaunchConfig(

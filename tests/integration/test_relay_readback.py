@@ -26,10 +26,10 @@ import torch
 from aiohttp import web
 
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
-from megatron_earl.rollout.server import FAULT_CORRUPT_LOADS_ENV
-from megatron_earl.rollout.sglang_client import EngineRequestError, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
-from megatron_earl.rollout.weight_sync import hf_named_tensors
+from megatron_earl.rollout.serve.server import FAULT_CORRUPT_LOADS_ENV
+from megatron_earl.rollout.sglang.client import EngineRequestError, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.testing.distributed import free_port
 from tests.integration.engine_calls import outputs, reported_version
 from tests.integration.test_relay import ENV, FAST, GREEDY, MODEL, PROMPT, W, _info, _publish
@@ -90,7 +90,7 @@ def cluster(tmp_path_factory):
         launch = LaunchConfig(
             model_path=str(tmp / "w.pt"),
             port=free_port(),
-            module="megatron_earl.rollout.server",
+            module="megatron_earl.rollout.serve.server",
             extra_args=args,
         )
         return ServerProcess(launch, log_path=str(tmp / f"{name}.log"), env={**ENV, **env})

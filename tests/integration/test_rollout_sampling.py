@@ -28,7 +28,7 @@ from megatron_earl.config import load_config
 from megatron_earl.config.run import RunConfig
 from megatron_earl.orchestration.rollout import PromptSet, agent_config
 from megatron_earl.rollout.agent.loop import AgentLoop
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
 from megatron_earl.testing.distributed import run_distributed
 from megatron_earl.tokenizer import DemoTokenizer
 
@@ -94,7 +94,7 @@ def _embedded_requests() -> dict[int, dict[str, dict]]:
     from megatron_earl.orchestration.engines.embedded import engine_config, run_rollout
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine
 
     layout = ParallelLayout()
     initialize_layout(layout)

@@ -16,9 +16,9 @@ import pytest
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest
-from megatron_earl.rollout.router import RouterConfig, RouterProcess, build_router_command
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.router import RouterConfig, RouterProcess, build_router_command
 from megatron_earl.testing.distributed import free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the [dev] and [router] extras")
@@ -46,7 +46,7 @@ def engines(tmp_path_factory):
                 model_path="random",
                 port=free_port(),
                 api_key=KEY,
-                module="megatron_earl.rollout.server",
+                module="megatron_earl.rollout.serve.server",
                 extra_args=(
                     "--model-config",
                     str(tmp_path / "model.json"),

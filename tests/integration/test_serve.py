@@ -1,5 +1,5 @@
 """The SGLang client and pool drive two ``megatron-earl serve`` processes started by the SGLang
-launcher's code path (``module=megatron_earl.rollout.server``): generate, weight push (outputs
+launcher's code path (``module=megatron_earl.rollout.serve.server``): generate, weight push (outputs
 change, version increments, both servers agree), pause/continue, abort, bad input (4xx with a
 message, the server keeps serving), and a killed server whose in-flight requests are retried on
 the other one."""
@@ -19,14 +19,14 @@ import yarl
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import FinishType, GenerateRequest
-from megatron_earl.rollout.pool import EnginePool
-from megatron_earl.rollout.sglang_client import ClientConfig, EngineRequestError, SGLangClient
-from megatron_earl.rollout.sglang_launcher import (
+from megatron_earl.rollout.sglang.client import ClientConfig, EngineRequestError, SGLangClient
+from megatron_earl.rollout.sglang.launcher import (
     LaunchConfig,
     ServerProcess,
     build_command,
     stop_all,
 )
+from megatron_earl.rollout.sglang.pool import EnginePool
 from megatron_earl.testing.distributed import free_port
 
 API_KEY = "test-key"
@@ -54,7 +54,7 @@ def servers(tmp_path_factory):
             model_path="random",
             port=free_port(),
             api_key=API_KEY,
-            module="megatron_earl.rollout.server",
+            module="megatron_earl.rollout.serve.server",
             extra_args=(
                 "--model-config",
                 str(config_path),
@@ -119,7 +119,7 @@ def test_launcher_command():
 
 def test_generate_and_weight_update(servers):
     from megatron_earl.models.hf_mapping import global_shapes
-    from megatron_earl.rollout.weight_sync import WeightSyncConfig, hf_named_tensors, push_weights
+    from megatron_earl.rollout.weights.sync import WeightSyncConfig, hf_named_tensors, push_weights
 
     async def body():
         a, b = _client(servers[0]), _client(servers[1])
@@ -302,7 +302,7 @@ def test_loop_breaking_values_get_400_and_the_engine_keeps_serving(servers):
 
 def test_weight_update_with_non_finite_or_misshapen_values_is_refused(servers):
     from megatron_earl.models.hf_mapping import global_shapes
-    from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
+    from megatron_earl.rollout.weights.sync import hf_named_tensors, serialize_named_tensors
 
     full = {k: torch.zeros(s) for k, s in global_shapes(MODEL).items()}
     name, tensor = next(iter(hf_named_tensors(full, MODEL)))
@@ -346,8 +346,8 @@ def test_every_endpoint_but_health_probes_needs_the_key(servers):
     """Every method (``OPTIONS`` included) on every route, and other spellings of a keyed path:
     401 without the key, except the open health probes. Routes are read off the server's own
     app, so a new endpoint is covered automatically."""
-    from megatron_earl.rollout.server import Server
-    from megatron_earl.rollout.server_auth import OPEN_PREFIXES, RequestLimits
+    from megatron_earl.rollout.serve.auth import OPEN_PREFIXES, RequestLimits
+    from megatron_earl.rollout.serve.server import Server
 
     shell = Server.__new__(Server)  # only to list the routes: no engine behind it
     shell.limits = RequestLimits()

@@ -24,8 +24,8 @@ def _cancelled_control() -> dict:
     import torch
     from aiohttp.test_utils import TestServer
 
-    from megatron_earl.rollout.server import Server, build_engine, parse_args
-    from megatron_earl.rollout.weight_sync import serialize_named_tensors
+    from megatron_earl.rollout.serve.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.weights.sync import serialize_named_tensors
 
     engine, model = build_engine(parse_args(["--seed", "0", "--max-seq-len", "128"]))
     server = Server(engine, "random")
@@ -113,7 +113,7 @@ def _failed_sibling() -> dict:
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from megatron_earl.rollout.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.serve.server import Server, build_engine, parse_args
 
     engine, _ = build_engine(parse_args(["--seed", "0", "--max-seq-len", "512"]))
     server = Server(engine, "random")
@@ -159,8 +159,8 @@ def _health_during_long_work() -> dict:
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from megatron_earl.rollout.serve_model import ByteCodec
-    from megatron_earl.rollout.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.serve.model import ByteCodec
+    from megatron_earl.rollout.serve.server import Server, build_engine, parse_args
 
     engine, _ = build_engine(parse_args(["--seed", "0", "--max-seq-len", "128"]))
     server = Server(engine, "random")
@@ -215,7 +215,7 @@ def _stream_client_gone() -> dict:
     import aiohttp
     from aiohttp import web
 
-    from megatron_earl.rollout.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.serve.server import Server, build_engine, parse_args
     from megatron_earl.testing.distributed import free_port
 
     # Paced: 400 tokens take 8 s, so the sequence is mid-generation when the client leaves.

@@ -23,8 +23,8 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.convert.convert import export_hf
 from megatron_earl.models.hf_mapping import global_shapes
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
-from megatron_earl.rollout.weight_sync import hf_named_tensors
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.testing.distributed import free_port
 from megatron_earl.tokenizer.demo_hf import demo_hf_tokenizer
 
@@ -49,7 +49,7 @@ def _start(tmp, name: str, model_path: str, *extra: str) -> ServerProcess:
     launch = LaunchConfig(
         model_path=model_path,
         port=free_port(),
-        module="megatron_earl.rollout.server",
+        module="megatron_earl.rollout.serve.server",
         extra_args=("--max-seq-len", "64", *extra),
     )
     return ServerProcess(launch, log_path=str(tmp / f"{name}.log"), env={"OMP_NUM_THREADS": "1"})
@@ -192,7 +192,7 @@ def _starts_fail(*model_paths: Path) -> list[str]:
             [
                 sys.executable,
                 "-m",
-                "megatron_earl.rollout.server",
+                "megatron_earl.rollout.serve.server",
                 "--port",
                 str(free_port()),
                 "--model-path",

@@ -27,13 +27,13 @@ def _memory_cycle() -> dict:
     from aiohttp.test_utils import TestClient, TestServer
 
     from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
-    from megatron_earl.rollout.server import Server, build_engine, parse_args
-    from megatron_earl.rollout.sglang_client import (
+    from megatron_earl.rollout.serve.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.sglang.client import (
         ClientConfig,
         EngineRequestError,
         SGLangClient,
     )
-    from megatron_earl.rollout.weight_sync import serialize_named_tensors
+    from megatron_earl.rollout.weights.sync import serialize_named_tensors
 
     engine, model = build_engine(parse_args(["--seed", "0", "--max-seq-len", "128"]))
     server = Server(engine, "random")

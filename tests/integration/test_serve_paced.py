@@ -14,8 +14,8 @@ import aiohttp
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.rollout.engine import GenerateRequest
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.testing.distributed import free_port
 
 MODEL = ModelConfig(
@@ -35,7 +35,7 @@ def _server(tmp_path, pace_ms: float) -> ServerProcess:
     launch = LaunchConfig(
         model_path="random",
         port=free_port(),
-        module="megatron_earl.rollout.server",
+        module="megatron_earl.rollout.serve.server",
         extra_args=("--model-config", str(config_path), "--seed", "3", "--max-seq-len", "64")
         + (("--pace-decode-ms", str(pace_ms)) if pace_ms else ()),
     )
@@ -80,7 +80,7 @@ def test_paced_server_reports_pacing_and_keeps_tokens(tmp_path):
 
 def test_negative_pace_is_refused():
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_earl.rollout.server", "--pace-decode-ms", "-5"],
+        [sys.executable, "-m", "megatron_earl.rollout.serve.server", "--pace-decode-ms", "-5"],
         capture_output=True,
         text=True,
         timeout=120,

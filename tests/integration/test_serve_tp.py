@@ -26,11 +26,11 @@ from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.rollout.engine import GenerateRequest
-from megatron_earl.rollout.serve_tp import PARENT_ENV
-from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
-from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
-from megatron_earl.rollout.weight_transports import build_transport
+from megatron_earl.rollout.serve.tp import PARENT_ENV
+from megatron_earl.rollout.sglang.client import SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.weights.sync import hf_named_tensors, serialize_named_tensors
+from megatron_earl.rollout.weights.transports import build_transport
 from megatron_earl.testing.distributed import free_port
 
 LOGPROB_TOL = 1e-4
@@ -57,7 +57,7 @@ def _launch(
         model_path=model_path,
         port=free_port(),
         tp_size=tp,
-        module="megatron_earl.rollout.server",
+        module="megatron_earl.rollout.serve.server",
         weight_dirs=weight_dirs,
         extra_args=(
             "--model-config",

@@ -15,8 +15,8 @@ def _update_window() -> dict:
     import torch
     from aiohttp.test_utils import TestClient, TestServer
 
-    from megatron_earl.rollout.server import Server, build_engine, parse_args
-    from megatron_earl.rollout.weight_sync import serialize_named_tensors
+    from megatron_earl.rollout.serve.server import Server, build_engine, parse_args
+    from megatron_earl.rollout.weights.sync import serialize_named_tensors
 
     engine, model = build_engine(parse_args(["--seed", "0", "--max-seq-len", "64"]))
     server = Server(engine, "random")

@@ -1,5 +1,5 @@
 """SGLang's weight-update protocols between the trainer's client code
-(``rollout.weight_transports``, the calls the RL loop makes) and ``megatron-earl serve``: a
+(``rollout.weights.transports``, the calls the RL loop makes) and ``megatron-earl serve``: a
 server that receives weights W by ``tensor`` (portable payload, and SGLang's own payload format
 with ``load_format`` None and "flattened_bucket"), ``disk`` (an HF directory from the streaming
 exporter) or ``distributed`` (a gloo group, per-tensor and flattened buckets) then generates
@@ -30,10 +30,10 @@ from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.convert.convert import export_hf
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.rollout.engine import GenerateRequest
-from megatron_earl.rollout.sglang_client import EngineRequestError, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
-from megatron_earl.rollout.weight_sync import hf_named_tensors, serialize_named_tensors
-from megatron_earl.rollout.weight_transports import build_transport
+from megatron_earl.rollout.sglang.client import EngineRequestError, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.weights.sync import hf_named_tensors, serialize_named_tensors
+from megatron_earl.rollout.weights.transports import build_transport
 from megatron_earl.testing.distributed import free_port
 from tests.integration.engine_calls import outputs, reported_version
 
@@ -66,11 +66,11 @@ def env(tmp_path_factory):
     allowed.mkdir()
     common = ("--model-config", str(tmp / "model.json"), "--max-seq-len", "64")
     ref = LaunchConfig(
-        model_path=str(tmp / "w.pt"), port=free_port(), module="megatron_earl.rollout.server",
+        model_path=str(tmp / "w.pt"), port=free_port(), module="megatron_earl.rollout.serve.server",
         extra_args=common,
     )  # fmt: skip
     target = LaunchConfig(
-        model_path="random", port=free_port(), module="megatron_earl.rollout.server",
+        model_path="random", port=free_port(), module="megatron_earl.rollout.serve.server",
         weight_dirs=(str(allowed),), extra_args=(*common, "--seed", "3", "--dist-timeout", "4"),
     )  # fmt: skip
     procs = [

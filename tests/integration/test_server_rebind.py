@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
 
 MODEL = ModelConfig(
     num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=128
@@ -22,7 +22,7 @@ def _launch(tmp_path, port: int, name: str, rebind: bool) -> ServerProcess:
     config = LaunchConfig(
         model_path="random",
         port=port,
-        module="megatron_earl.rollout.server",
+        module="megatron_earl.rollout.serve.server",
         extra_args=("--model-config", str(tmp_path / "model.json"), "--max-seq-len", "64"),
     )
     return ServerProcess(

@@ -150,7 +150,11 @@ def _engine_greedy(ckpt: str, model_fields: dict, prompt: list[int], n: int) -> 
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import use_layout
-    from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+    from megatron_earl.rollout.embedded.engine import (
+        EmbeddedEngine,
+        EmbeddedEngineConfig,
+        run_engine,
+    )
     from megatron_earl.rollout.engine import GenerateRequest
 
     use_layout(ParallelLayout())

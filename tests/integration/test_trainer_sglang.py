@@ -26,9 +26,9 @@ import pytest
 
 from megatron_earl.config.loader import load_config
 from megatron_earl.relay.launch import RelayLaunch, RelayProcess
-from megatron_earl.rollout.router import RouterConfig, RouterProcess
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang_launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.sglang.router import RouterConfig, RouterProcess
 from megatron_earl.testing.distributed import free_port
 from tests.integration.metrics_doc import check_documented
 
@@ -66,7 +66,7 @@ def servers(tmp_path_factory, shared_dir):
             LaunchConfig(
                 model_path="random",
                 port=free_port(),
-                module="megatron_earl.rollout.server",
+                module="megatron_earl.rollout.serve.server",
                 api_key=KEY,
                 weight_dirs=(str(shared_dir),),
                 extra_args=(

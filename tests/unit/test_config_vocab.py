@@ -26,7 +26,7 @@ NOT_A_VOCABULARY_WORD = {
     ("compat/optional.py", "sglang"): "the name of the sglang Python package",
     ("config/run.py", "rollout"): "the name of the RunConfig section `rollout` in its errors",
     ("config/run.py", "train"): "the name of the RunConfig section `train` in its errors",
-    ("rollout/serve_model.py", "sglang"): "the `owned_by` of SGLang's OpenAI model card",
+    ("rollout/serve/model.py", "sglang"): "the `owned_by` of SGLang's OpenAI model card",
 }
 """(module, literal) pairs where the word names something else."""
 

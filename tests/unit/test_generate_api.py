@@ -1,4 +1,4 @@
-"""``serve``'s ``/generate`` parsing and response shape (``rollout.generate_api``), and the
+"""``serve``'s ``/generate`` parsing and response shape (``rollout.serve.generate_api``), and the
 sampler's min-p filter: pure, no model.
 
 * n samples per prompt, prompt-major, named as SGLang names batch items; per-prompt lists;
@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from megatron_earl.config.sampling import SamplingParams
+from megatron_earl.rollout.embedded.sampling import filter_logits, sample_tokens
 from megatron_earl.rollout.engine import FinishReason, FinishType, GenerateResult
-from megatron_earl.rollout.generate_api import (
+from megatron_earl.rollout.serve.generate_api import (
     BadRequest,
     Options,
     logprobs_json,
     parse_generate,
     trimmed_text,
 )
-from megatron_earl.rollout.sampling import filter_logits, sample_tokens
 
 
 def parse(body, max_seq_len=64):

@@ -15,8 +15,8 @@ from megatron_earl.rollout.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from megatron_earl.rollout.pool import EnginePool, PoolConfig, choose_engine
-from megatron_earl.rollout.sglang_client import EngineRequestError
+from megatron_earl.rollout.sglang.client import EngineRequestError
+from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig, choose_engine
 
 
 class _Engine:

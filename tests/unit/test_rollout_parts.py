@@ -20,9 +20,9 @@ from megatron_earl.models.hf_mapping import (
     hf_to_megatron,
     qkv_rows,
 )
-from megatron_earl.rollout.kv_cache import RowCache, RowTable, plan_free
-from megatron_earl.rollout.sampling import filter_logits, logprob_mismatch, sample_tokens
-from megatron_earl.rollout.weight_sync import (
+from megatron_earl.rollout.embedded.kv_cache import RowCache, RowTable, plan_free
+from megatron_earl.rollout.embedded.sampling import filter_logits, logprob_mismatch, sample_tokens
+from megatron_earl.rollout.weights.sync import (
     deserialize_named_tensors,
     iter_buckets,
     plan_buckets,

@@ -16,8 +16,8 @@ from aiohttp import web
 from safetensors.torch import save_file
 
 from megatron_earl.convert.hf_io import HFReader
-from megatron_earl.rollout.generate_api import BadRequest, parse_weight_version
-from megatron_earl.rollout.sglang_client import ClientConfig, EngineError, SGLangClient
+from megatron_earl.rollout.serve.generate_api import BadRequest, parse_weight_version
+from megatron_earl.rollout.sglang.client import ClientConfig, EngineError, SGLangClient
 
 
 @pytest.mark.parametrize("value, want", [("3", 3), (" 12 ", 12), (7, 7), (4.0, 4), ("-1", -1)])

@@ -1,4 +1,4 @@
-"""``serve``'s ``--model-path`` / ``--tokenizer-path`` resolution (``rollout/serve_model.py``):
+"""``serve``'s ``--model-path`` / ``--tokenizer-path`` resolution (``rollout/serve/model.py``):
 which tokenizer codes text, which eos ids stop, and the start-up errors (each naming the value
 and what would be valid). The served generation itself: tests/integration/test_serve_hf.py."""
 
@@ -12,8 +12,8 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.convert.convert import export_hf
 from megatron_earl.models.hf_mapping import global_shapes
-from megatron_earl.rollout.serve_model import ByteCodec, HFCodec, ModelPathError, resolve_model
-from megatron_earl.rollout.weight_sync import hf_named_tensors
+from megatron_earl.rollout.serve.model import ByteCodec, HFCodec, ModelPathError, resolve_model
+from megatron_earl.rollout.weights.sync import hf_named_tensors
 
 pytest.importorskip("transformers")
 from megatron_earl.tokenizer.demo_hf import demo_hf_tokenizer

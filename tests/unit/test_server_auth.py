@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_earl.rollout.server_auth import RequestLimits, allowed
+from megatron_earl.rollout.serve.auth import RequestLimits, allowed
 
 K, A = "k-1", "admin-2"
 CASES = [

@@ -31,8 +31,9 @@ from aiohttp import web
 
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.vocab import MEMORY_TAGS
+from megatron_earl.rollout.embedded.memory_occupation import MEMORY_FIELDS
 from megatron_earl.rollout.engine import GenerateRequest
-from megatron_earl.rollout.generate_api import (
+from megatron_earl.rollout.serve.generate_api import (
     GENERATE_FIELDS,
     GENERATE_IGNORED,
     GENERATE_IMPLEMENTED,
@@ -44,10 +45,9 @@ from megatron_earl.rollout.generate_api import (
     SAMPLING_NEUTRAL,
     parse_generate,
 )
-from megatron_earl.rollout.memory_occupation import MEMORY_FIELDS
-from megatron_earl.rollout.serve_weights import GET_WEIGHTS_FIELDS
-from megatron_earl.rollout.sglang_client import SGLANG_PINNED, ClientConfig, SGLangClient
-from megatron_earl.rollout.weight_sync import serialize_named_tensors
+from megatron_earl.rollout.serve.weights import GET_WEIGHTS_FIELDS
+from megatron_earl.rollout.sglang.client import SGLANG_PINNED, ClientConfig, SGLangClient
+from megatron_earl.rollout.weights.sync import serialize_named_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("sglang_schema", REPO / "scripts/sglang_schema.py")
@@ -271,14 +271,14 @@ def test_serve_info_answers_carry_sglangs_fields(schema):
     """``/get_model_info``, ``/get_server_info`` and ``/v1/models`` of ``serve`` carry every
     field SGLang's answer has (``http_server.py``'s ``model_info`` keys, ``api_types.py``'s
     response types, the OpenAI ``ModelList`` / ``ModelCard`` exactly), with SGLang's types."""
-    from megatron_earl.rollout.serve_model import (
+    from megatron_earl.rollout.serve.model import (
         model_info_json,
         models_json,
         resolve_model,
         server_args_json,
         server_info_json,
     )
-    from megatron_earl.rollout.server import parse_args
+    from megatron_earl.rollout.serve.server import parse_args
 
     responses = json.loads(sglang_schema.fixture_path(SGLANG_PINNED).read_text())["responses"]
     served = resolve_model("random")

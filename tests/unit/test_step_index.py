@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from megatron_earl.rollout.engine_step import Batch, StepIndex
+from megatron_earl.rollout.embedded.step import Batch, StepIndex
 
 
 def _lists(index: StepIndex) -> dict[str, list[int]]:

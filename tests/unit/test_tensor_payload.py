@@ -1,4 +1,4 @@
-"""The ``update_weights_from_tensor`` payload formats (``rollout.tensor_payload``): SGLang's
+"""The ``update_weights_from_tensor`` payload formats (``rollout.weights.tensor_payload``): SGLang's
 ``MultiprocessingSerializer`` format written here (CPU tensors as named shared memory) is read
 back by another process of this host, in both ``load_format``s; its restricted reader refuses
 every global the format does not need before anything runs (``os.system``, torch's
@@ -27,8 +27,9 @@ import torch
 import torch.multiprocessing.reductions as reductions
 
 from megatron_earl.config.sglang import SGLangConfig, SGLangConfigError
-from megatron_earl.rollout.sglang_client import SGLANG_PINNED
-from megatron_earl.rollout.tensor_payload import (
+from megatron_earl.rollout.sglang.client import SGLANG_PINNED
+from megatron_earl.rollout.weights.group import FLATTENED
+from megatron_earl.rollout.weights.tensor_payload import (
     RefusedGlobal,
     RestrictedUnpickler,
     TensorPayloadFormat,
@@ -37,7 +38,6 @@ from megatron_earl.rollout.tensor_payload import (
     serialize_portable,
     serialize_sglang,
 )
-from megatron_earl.rollout.weight_group import FLATTENED
 
 REPO = Path(__file__).resolve().parents[2]
 NAMED = [
@@ -72,7 +72,8 @@ def _globals(payload: str) -> set[tuple[str, str]]:
 def test_sglang_payload_is_read_by_another_process(load_format):
     payload = serialize_sglang(NAMED, load_format)
     code = (
-        "import sys, torch; from megatron_earl.rollout.tensor_payload import decode_payload\n"
+        "import sys, torch\n"
+        "from megatron_earl.rollout.weights.tensor_payload import decode_payload\n"
         f"named = decode_payload(sys.stdin.read(), {load_format!r})\n"
         "torch.save([(n, t.clone()) for n, t in named], sys.stdout.buffer)\n"
         "del named  # closes the segments (the last reader's close removes them)"

@@ -13,20 +13,20 @@ from megatron_earl.config.loader import load_config
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.run import ConfigError
 from megatron_earl.config.sglang import SGLangConfig, SGLangConfigError
-from megatron_earl.rollout.serve_weights import (
+from megatron_earl.rollout.serve.weights import (
     Forbidden,
     allowed_path,
     check_metadata,
     expected_hf_tensors,
 )
-from megatron_earl.rollout.weight_group import (
+from megatron_earl.rollout.weights.group import (
     FLATTENED,
     broadcast_bucket,
     flattened_sizes,
     join_weight_update_group,
     receive_bucket,
 )
-from megatron_earl.rollout.weight_transports import TRANSPORTS, group_address
+from megatron_earl.rollout.weights.transports import TRANSPORTS, group_address
 from megatron_earl.testing.distributed import free_port
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
@@ -117,10 +117,10 @@ def test_flattened_buckets_keep_every_tensor_aligned():
 
 
 def test_launcher_passes_weight_dirs_to_serve_only():
-    from megatron_earl.rollout.sglang_launcher import LaunchConfig, build_command
+    from megatron_earl.rollout.sglang.launcher import LaunchConfig, build_command
 
     serve = LaunchConfig(
-        model_path="m", module="megatron_earl.rollout.server", weight_dirs=("/a", "/b")
+        model_path="m", module="megatron_earl.rollout.serve.server", weight_dirs=("/a", "/b")
     )
     assert build_command(serve)[-2:] == ["--weight-dirs", "/a,/b"]
     with pytest.raises(ValueError, match="SGLang has no --weight-dirs"):

@@ -42,7 +42,7 @@ from megatron_earl.rewards.base import WeightedReward
 from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig, RolloutBatch
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig, run_engine
 from megatron_earl.tokenizer.base import ChatTokenizer
 
 

@@ -10,7 +10,7 @@ native HTTP API: the disaggregated setup. The job holds no rollout copy of the p
 - Weights: before a rollout whose engines serve an older version, the master weights are
   resharded onto rank 0 as whole tensors (the same point-to-point planner as any reshard, into
   full-size destination pieces; rank 0 holds the model once) and pushed by the transport
-  ``rollout.sglang.weight_update`` chooses (``rollout.weight_transports``: ``tensor``,
+  ``rollout.sglang.weight_update`` chooses (``rollout.weights.transports``: ``tensor``,
   ``disk`` or ``distributed``; each pause -> flush -> update -> continue, then the engines'
   version is read back). Rank 0 keeps the transport for the run (the distributed one keeps its
   process group with the engines until ``close``).
@@ -56,10 +56,10 @@ from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.pool import EnginePool, PoolConfig
-from megatron_earl.rollout.sglang_client import ClientConfig, SGLangClient
-from megatron_earl.rollout.weight_sync import hf_named_tensors
-from megatron_earl.rollout.weight_transports import WeightTransport, build_transport
+from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
+from megatron_earl.rollout.weights.sync import hf_named_tensors
+from megatron_earl.rollout.weights.transports import WeightTransport, build_transport
 
 
 def gather_full_weights(

@@ -3,7 +3,7 @@
     megatron-earl serve --tp-size 2 --model-config model.json --model-path full.pt --port 30000
 
 The serve process is TP rank 0: the scheduler of the embedded engine and the HTTP server. Before
-anything else it starts N-1 followers (``python -m megatron_earl.rollout.serve_follower <the
+anything else it starts N-1 followers (``python -m megatron_earl.rollout.serve.follower <the
 same arguments>``) with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of a
 rendezvous on a free local port, and all N form one world (gloo on CPU; on GPUs the device groups
 are NCCL, one device per rank: ``LOCAL_RANK`` = TP rank). Every rank then builds the model the way
@@ -47,7 +47,7 @@ from torch import nn
 from megatron_earl.config.model import ModelConfig
 
 if TYPE_CHECKING:
-    from megatron_earl.rollout.embedded import EmbeddedEngine
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine
 
 PARENT_ENV = "MEGATRON_EARL_SERVE_PARENT"
 """Set in a follower's environment: the pid of its rank 0 (the serve process)."""
@@ -65,7 +65,7 @@ class Followers:
         os.environ.update(world, RANK="0", LOCAL_RANK="0")
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "megatron_earl.rollout.serve_follower", *argv],
+                [sys.executable, "-m", "megatron_earl.rollout.serve.follower", *argv],
                 env=os.environ | world | {"RANK": str(r), "LOCAL_RANK": str(r), PARENT_ENV: parent},
                 stdin=subprocess.PIPE,  # closed when this process ends: followers watch it
             )
@@ -165,7 +165,7 @@ def _join_rank(
 ) -> None:
     from megatron.core import parallel_state
 
-    from megatron_earl.rollout.weight_group import join_weight_update_group
+    from megatron_earl.rollout.weights.group import join_weight_update_group
 
     _drop_rank(engine, name)
     rank = rank_offset + parallel_state.get_tensor_model_parallel_rank()
@@ -182,7 +182,7 @@ def _receive_rank(
     shapes: Sequence[Sequence[int]],
     load_format: str | None,
 ) -> list | None:
-    from megatron_earl.rollout.weight_group import receive_bucket
+    from megatron_earl.rollout.weights.group import receive_bucket
 
     try:
         received = receive_bucket(_GROUPS[name], names, dtypes, shapes, load_format)

@@ -53,11 +53,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_earl.rollout.generate_api import BadRequest, parse_weight_version
-from megatron_earl.rollout.serve_tp import TPGroup
-from megatron_earl.rollout.server_auth import error_response
-from megatron_earl.rollout.tensor_payload import is_portable, take_payload
-from megatron_earl.rollout.weight_group import (
+from megatron_earl.rollout.serve.auth import error_response
+from megatron_earl.rollout.serve.generate_api import BadRequest, parse_weight_version
+from megatron_earl.rollout.serve.tp import TPGroup
+from megatron_earl.rollout.weights.group import (
     FLATTENED,
     LOAD_FORMATS,
     NamedTensor,
@@ -65,6 +64,7 @@ from megatron_earl.rollout.weight_group import (
     join_weight_update_group,
     receive_bucket,
 )
+from megatron_earl.rollout.weights.tensor_payload import is_portable, take_payload
 
 logger = logging.getLogger("megatron_earl.serve")
 
@@ -282,7 +282,7 @@ class WeightEndpoints:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         from megatron_earl.models.hf_mapping import apply_hf_tensor, hf_target
-        from megatron_earl.rollout.generate_api import BadRequest
+        from megatron_earl.rollout.serve.generate_api import BadRequest
 
         body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
         payloads = body.pop("serialized_named_tensors", None)

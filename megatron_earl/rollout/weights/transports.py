@@ -11,8 +11,9 @@ Every push follows SGLang users' order: ``pause_generation`` -> ``flush_cache`` 
 and must be the pushed one (``EngineError`` naming the engine otherwise).
 
 - ``tensor``: ``update_weights_from_tensor`` per bucket (``weight_sync.push_weights``), in the
-  payload format of ``tensor_payload`` / ``tensor_load_format`` (``rollout.tensor_payload``):
-  portable (serve only, any host) or SGLang's own (real SGLang and serve; colocated only).
+  payload format of ``tensor_payload`` / ``tensor_load_format``
+  (``rollout.weights.tensor_payload``): portable (serve only, any host) or SGLang's own (real
+  SGLang and serve; colocated only).
 - ``disk``: the HF directory ``<weight_dir>/v<version>`` written by the streaming exporter
   (``convert.export_hf``), then ``update_weights_from_disk`` on every engine; the previous
   version's directory is removed once the engines serve the new one. The engines must see the
@@ -51,14 +52,13 @@ from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import WeightUpdate
 from megatron_earl.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.sglang_client import SGLangClient
-from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
-from megatron_earl.rollout.weight_group import (
+from megatron_earl.rollout.sglang.client import SGLangClient
+from megatron_earl.rollout.weights.group import (
     FLATTENED,
     broadcast_bucket,
     join_weight_update_group,
 )
-from megatron_earl.rollout.weight_sync import (
+from megatron_earl.rollout.weights.sync import (
     NamedTensor,
     PushStats,
     WeightSyncConfig,
@@ -67,6 +67,7 @@ from megatron_earl.rollout.weight_sync import (
     push_weights,
     push_weights_distributed,
 )
+from megatron_earl.rollout.weights.tensor_payload import TensorPayloadFormat
 
 GROUP_NAME = "megatron_earl_weights"
 

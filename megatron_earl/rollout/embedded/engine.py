@@ -55,7 +55,11 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import MemoryTag, TransformerImpl
 from megatron_earl.models.impl import machine_transformer_impl
 from megatron_earl.parallel.groups import host_group
-from megatron_earl.rollout.batched_forward import BatchedForward
+from megatron_earl.rollout.embedded.batched_forward import BatchedForward
+from megatron_earl.rollout.embedded.kv_cache import RowTable
+from megatron_earl.rollout.embedded.memory_occupation import EngineMemory, WeightBackup
+from megatron_earl.rollout.embedded.results import EngineRequest, StepResults, prompt_start
+from megatron_earl.rollout.embedded.step import Batch, Step
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -64,10 +68,6 @@ from megatron_earl.rollout.engine import (
     GenerateResult,
     RequestError,
 )
-from megatron_earl.rollout.engine_results import EngineRequest, StepResults, prompt_start
-from megatron_earl.rollout.engine_step import Batch, Step
-from megatron_earl.rollout.kv_cache import RowTable
-from megatron_earl.rollout.memory_occupation import EngineMemory, WeightBackup
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ Transports (one function each):
   ``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer rank broadcasts
   the tensors over that group (``weight_group.broadcast_bucket``); NCCL in production.
 
-``rollout.weight_transports`` picks one of these per run (``rollout.sglang.weight_update``) and
+``rollout.weights.transports`` picks one of these per run (``rollout.sglang.weight_update``) and
 adds the disk protocol.
 
 To the embedded engine no push is needed: weights are resharded into ``engine.model_chunks``
@@ -40,11 +40,11 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import PauseMode
 from megatron_earl.models.hf_mapping import megatron_to_hf
-from megatron_earl.rollout.tensor_payload import TensorPayloadFormat
-from megatron_earl.rollout.tensor_payload import (  # noqa: F401 (names callers import from here)
+from megatron_earl.rollout.weights.tensor_payload import TensorPayloadFormat
+from megatron_earl.rollout.weights.tensor_payload import (  # noqa: F401 (names callers import from here)
     decode_payload as deserialize_named_tensors,
 )
-from megatron_earl.rollout.tensor_payload import (  # noqa: F401
+from megatron_earl.rollout.weights.tensor_payload import (  # noqa: F401
     serialize_portable as serialize_named_tensors,
 )
 

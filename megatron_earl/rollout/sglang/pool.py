@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_earl.rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
-from megatron_earl.rollout.sglang_client import EngineRequestError
+from megatron_earl.rollout.sglang.client import EngineRequestError
 
 
 @dataclass(frozen=True)

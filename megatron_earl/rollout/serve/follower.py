@@ -1,7 +1,7 @@
 """A TP rank > 0 of ``megatron-earl serve --tp-size N``: started by rank 0's ``serve_tp.Followers``
 with the server's own arguments, never by hand.
 
-    python -m megatron_earl.rollout.serve_follower <the arguments of megatron-earl serve>
+    python -m megatron_earl.rollout.serve.follower <the arguments of megatron-earl serve>
 
 It builds the engine as rank 0 does (``server.build_engine``) and runs ``EmbeddedEngine.follow()``
 until rank 0 shuts the engine down; it ignores SIGINT and SIGTERM and dies with rank 0
@@ -18,10 +18,10 @@ import threading
 from collections.abc import Sequence
 
 from megatron_earl.compat.processes import die_with_parent, skip_exit_gc
-from megatron_earl.rollout.serve_tp import PARENT_ENV
-from megatron_earl.rollout.server import build_engine, parse_args
+from megatron_earl.rollout.serve.server import build_engine, parse_args
+from megatron_earl.rollout.serve.tp import PARENT_ENV
 
-MODULE = "megatron_earl.rollout.serve_follower"
+MODULE = "megatron_earl.rollout.serve.follower"
 """This module's name, as ``serve_tp.Followers`` starts it (``python -m``)."""
 
 
@@ -54,7 +54,7 @@ def follower_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # ``call`` steps pickled by rank 0 name ``megatron_earl.rollout.serve_tp._join_rank`` ...:
+    # ``call`` steps pickled by rank 0 name ``megatron_earl.rollout.serve.tp._join_rank`` ...:
     # imported above by name, so they find the same registry here.
     skip_exit_gc()
     sys.exit(follower_main(sys.argv[1:]))

@@ -33,9 +33,9 @@ from typing import Any
 from aiohttp import web
 
 from megatron_earl.config.vocab import MemoryTag
-from megatron_earl.rollout.generate_api import BadRequest
-from megatron_earl.rollout.memory_occupation import MEMORY_FIELDS, parse_tags
-from megatron_earl.rollout.server_auth import error_response
+from megatron_earl.rollout.embedded.memory_occupation import MEMORY_FIELDS, parse_tags
+from megatron_earl.rollout.serve.auth import error_response
+from megatron_earl.rollout.serve.generate_api import BadRequest
 
 
 class MemoryEndpoints:

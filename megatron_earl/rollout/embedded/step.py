@@ -5,10 +5,11 @@ and the ``Step`` the engine's scheduler broadcasts for every rank of its TP grou
 
     batch = Batch(rows=(3, 4), tokens=((5, 9, 2), (7, 1)), starts=(0, 2))
     index = StepIndex.build(batch)          # host tensors, one per index (StepTensors)
-    step = index.on_device()                # what rollout/batched_forward.py's _prefill reads
+    step = index.on_device()                # what batched_forward.py's _prefill reads
 
-Pure host code: no collective, no model. Legend as in ``rollout/batched_forward.py`` (T = new
-tokens of the step, k = sequences, R = tokens whose logits are returned, W = cache writes).
+Pure host code: no collective, no model. Legend as in ``rollout/embedded/batched_forward.py``
+(T = new tokens of the step, k = sequences, R = tokens whose logits are returned, W = cache
+writes).
 """
 
 from __future__ import annotations

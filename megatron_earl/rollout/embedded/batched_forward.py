@@ -35,7 +35,7 @@ a group attend as a group, and so do a prefill's last tokens in its last layer; 
 lengths. A decode step is one tensor-only function (``_decode``), optionally run compiled
 (``compile_decode``); so is a prefill step (``_prefill``, ``compile_prefill``: its attention
 then written out as matrix products, up to ``PREFILL_COMPILE_MAX_SCORES``). A step's sequences
-(``Batch``) and a prefill's index tensors (``StepIndex``) come from ``rollout/engine_step.py``.
+(``Batch``) and a prefill's index tensors (``StepIndex``) come from ``rollout/embedded/step.py``.
 
 Legend: T = tokens in the step, k = sequences in the step, n = running rows, L = cached length,
 h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary,
@@ -60,8 +60,8 @@ from torch import nn
 from megatron_earl import runtime
 from megatron_earl.models.rotary import cos_signed_sin
 from megatron_earl.parallel.ddp import unwrap_chunk
-from megatron_earl.rollout.engine_step import Batch, StepIndex, StepTensors
-from megatron_earl.rollout.kv_cache import RowCache
+from megatron_earl.rollout.embedded.kv_cache import RowCache
+from megatron_earl.rollout.embedded.step import Batch, StepIndex, StepTensors
 
 PREFILL_COMPILE_MAX_SCORES = 1 << 22
 """Largest attention score tensor (sequences x query heads x the longest new tokens x the

@@ -67,19 +67,26 @@ from aiohttp import web
 from megatron_earl.compat.http_guard import parse_json, read_body, route_path
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import PauseMode
-from megatron_earl.rollout import serve_tp
-from megatron_earl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, RequestError
+from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig, RequestError
 from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
-from megatron_earl.rollout.generate_api import (
+from megatron_earl.rollout.serve import tp as serve_tp
+from megatron_earl.rollout.serve.auth import (
+    ADMIN_PATHS,
+    TENSOR_UPDATE_PATH,
+    RequestLimits,
+    allowed,
+    error_response,
+)
+from megatron_earl.rollout.serve.generate_api import (
     GENERATE_FIELDS,
     BadRequest,
     GeneratePlan,
     parse_generate,
     parse_weight_version,
 )
-from megatron_earl.rollout.generate_api import check_fields as _check_fields
-from megatron_earl.rollout.serve_memory import MemoryEndpoints
-from megatron_earl.rollout.serve_model import (
+from megatron_earl.rollout.serve.generate_api import check_fields as _check_fields
+from megatron_earl.rollout.serve.memory import MemoryEndpoints
+from megatron_earl.rollout.serve.model import (
     ByteCodec,
     ModelPathError,
     ServedModel,
@@ -91,14 +98,7 @@ from megatron_earl.rollout.serve_model import (
     server_args_json,
     server_info_json,
 )
-from megatron_earl.rollout.serve_weights import WeightEndpoints
-from megatron_earl.rollout.server_auth import (
-    ADMIN_PATHS,
-    TENSOR_UPDATE_PATH,
-    RequestLimits,
-    allowed,
-    error_response,
-)
+from megatron_earl.rollout.serve.weights import WeightEndpoints
 
 logger = logging.getLogger("megatron_earl.serve")
 
@@ -786,7 +786,7 @@ if __name__ == "__main__":
     # Run the imported module, not this ``__main__`` copy: ``serve_weights`` raises this
     # module's ``BadRequest``, which the middleware of a ``__main__`` copy would not catch.
     from megatron_earl.compat.processes import skip_exit_gc
-    from megatron_earl.rollout.server import main as imported_main
+    from megatron_earl.rollout.serve.server import main as imported_main
 
     skip_exit_gc()
     sys.exit(imported_main())

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.rollout.serve_weights import check_named, expected_hf_tensors, read_weights
+from megatron_earl.rollout.serve.weights import check_named, expected_hf_tensors, read_weights
 
 RANDOM = "random"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -301,7 +301,7 @@ def server_info_json(
     info (``max_total_num_tokens``: the KV rows' token capacity, ``max_req_input_len``: the
     longest prompt that still gets one new token) and one ``internal_states`` entry (one DP
     rank)."""
-    from megatron_earl.rollout.sglang_client import SGLANG_PINNED
+    from megatron_earl.rollout.sglang.client import SGLANG_PINNED
 
     total = max_batch_size * max_seq_len
     internal = {

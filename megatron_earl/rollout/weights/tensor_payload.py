@@ -59,7 +59,7 @@ import torch
 import torch.multiprocessing.reductions as reductions
 
 from megatron_earl.config.vocab import TensorPayload
-from megatron_earl.rollout.weight_group import (
+from megatron_earl.rollout.weights.group import (
     FLATTENED,
     NamedTensor,
     flatten_bucket,
@@ -112,7 +112,7 @@ def _load_portable(raw: bytes) -> list[NamedTensor]:
     except Exception as err:
         raise ValueError(
             "payload is not a torch.save'd list of (name, tensor) pairs (the portable format of "
-            f"megatron_earl.rollout.tensor_payload.serialize_portable): {err}"
+            f"megatron_earl.rollout.weights.tensor_payload.serialize_portable): {err}"
         ) from None
     return _named_pairs(items)
 

@@ -27,8 +27,8 @@ from torch import nn
 
 from megatron_earl import runtime
 from megatron_earl.config.vocab import MEMORY_TAGS, MemoryTag
+from megatron_earl.rollout.embedded.step import Step
 from megatron_earl.rollout.engine import RequestError
-from megatron_earl.rollout.engine_step import Step
 
 MEMORY_FIELDS = frozenset({"rid", "http_worker_ipc", "tags"})
 """Fields of SGLang's ``ReleaseMemoryOccupationReqInput`` and ``ResumeMemoryOccupationReqInput``

@@ -7,7 +7,7 @@
 ``build_command`` is pure (the project's chosen arguments, tested as a list). The process runs in
 its own process group, so ``stop()`` (SIGTERM, then SIGKILL after ``stop_timeout_s``) reaches
 SGLang's scheduler/detokenizer children too. ``module`` can name another server that speaks the
-same protocol and flags: the tests start ``megatron_earl.rollout.server`` this way.
+same protocol and flags: the tests start ``megatron_earl.rollout.serve.server`` this way.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class LaunchConfig:
     """Bind address (loopback unless the trainer is on another node)."""
     tp_size: int = 1
     """Tensor-parallel ranks of this engine: SGLang's GPUs; ``megatron-earl serve``'s processes
-    (rank 0 starts N-1 followers, ``rollout.serve_tp``). The trainer's
+    (rank 0 starts N-1 followers, ``rollout.serve.tp``). The trainer's
     ``rollout.sglang.engine_tp`` must equal it (tensor payloads, distributed group ranks)."""
     mem_fraction_static: float | None = None
     """Fraction of GPU memory for weights + KV cache (None: SGLang's default)."""

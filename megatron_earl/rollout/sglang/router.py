@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_earl.rollout.sglang_launcher import stop_group
+from megatron_earl.rollout.sglang.launcher import stop_group
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 

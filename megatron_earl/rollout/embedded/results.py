@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_earl import runtime
+from megatron_earl.rollout.embedded.sampling import sample_tokens
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -26,7 +27,6 @@ from megatron_earl.rollout.engine import (
     GenerateRequest,
     GenerateResult,
 )
-from megatron_earl.rollout.sampling import sample_tokens
 
 
 @dataclass
