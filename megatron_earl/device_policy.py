@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 EMULATE_ENV = "MEGATRON_EARL_EMULATE_DEVICE"
-"""Set to 1 to compute on the emulated device (``megatron_earl.testing.emulated_device``)."""
+"""Set to 1 to compute on the emulated device (``megatron_earl.emulated_device``)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def policy() -> DevicePolicy:
         return _POLICY
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if emulating():
-        from megatron_earl.testing import emulated_device
+        from megatron_earl import emulated_device
 
         emulated_device.install()  # idempotent: the whole process emulates
         return DevicePolicy(emulated_device.device(local_rank), "gloo", emulated=True)

@@ -76,7 +76,7 @@ def initialize(timeout_s: float = 300.0) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if emulating():
-        from megatron_earl.testing import emulated_device
+        from megatron_earl import emulated_device
 
         emulated_device.install()
         check_device_available(local_rank, emulated_device.device_count(), "emulated")

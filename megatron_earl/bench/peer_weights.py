@@ -23,10 +23,10 @@ import torch.distributed as dist
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.run import CheckpointConfig, RunConfig
 from megatron_earl.convert.families import family_for_model
-from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.parallel.state import destroy_layouts, use_layout
 from megatron_earl.tokenizer import build_tokenizer
+from megatron_earl.training import checkpoint as ckpt
 
 
 def save_start_weights(config: RunConfig, out: str | Path) -> None:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             _join_world_of_one()
-            from megatron_earl.orchestration.checkpoint import resolve_checkpoint
+            from megatron_earl.training.checkpoint import resolve_checkpoint
 
             model = convert.mcore_to_hf(
                 resolve_checkpoint(args.ckpt),

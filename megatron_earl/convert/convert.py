@@ -12,7 +12,7 @@ temporary directory is removed on failure.
 The checkpoint written by ``hf_to_mcore`` does not depend on a layout: ``tp``/``pp``/``vpp`` only
 check that the model can be split that way (vocabulary padding is layout independent, see
 ``config/model.py``). ``mcore_to_hf`` reads any checkpoint with this project's model keys (a
-converted one or a training checkpoint of ``orchestration/checkpoint.py``, whatever layout it was
+converted one or a training checkpoint of ``training/checkpoint.py``, whatever layout it was
 saved in; optimizer state is ignored).
 """
 

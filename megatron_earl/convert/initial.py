@@ -46,7 +46,7 @@ def load_initial_weights(model_chunks: list[nn.Module], path: str | Path) -> str
     if is_hf_dir(p):
         load_hf_weights(model_chunks, p)
         return "hf"
-    from megatron_earl.orchestration.checkpoint import load_model_weights, resolve_checkpoint
+    from megatron_earl.training.checkpoint import load_model_weights, resolve_checkpoint
 
     load_model_weights(model_chunks, resolve_checkpoint(p))
     return "mcore"

@@ -29,7 +29,6 @@ from megatron_earl import runtime
 from megatron_earl.config.run import CheckpointConfig, RunConfig
 from megatron_earl.config.vocab import Activity, Phase
 from megatron_earl.convert.families import family_for_model
-from megatron_earl.orchestration import checkpoint as ckpt
 from megatron_earl.orchestration.loop import RLLoop
 from megatron_earl.orchestration.metrics import MetricsLogger
 from megatron_earl.orchestration.progress import ProgressBar
@@ -38,6 +37,7 @@ from megatron_earl.orchestration.watchdog import Heartbeat
 from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.tokenizer import build_tokenizer
+from megatron_earl.training import checkpoint as ckpt
 
 
 def checkpoint_config(config: RunConfig) -> CheckpointConfig:

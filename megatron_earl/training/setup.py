@@ -73,7 +73,7 @@ def fuse_torch_adam(optimizer: Any) -> None:
     Python loop of ~8 ops per parameter, ``_single_tensor_adam``) as torch's fused kernel, one
     pass per parameter -- the same update up to float rounding -- where every parameter of a
     group is on ``FUSED_DEVICES``; elsewhere the loop. Also after optimizer state is loaded
-    (``orchestration.checkpoint``): torch restores the saved groups' ``fused`` with them, so it
+    (``training.checkpoint``): torch restores the saved groups' ``fused`` with them, so it
     is set again here, and a group switched to the kernel gets its ``step`` counters as float32
     on the parameter's device, where the kernel reads them. Local."""
     for sub in sub_optimizers(optimizer):

@@ -1,4 +1,4 @@
-"""Training checkpoints (``orchestration/checkpoint.py``) with real dist_checkpointing on gloo:
+"""Training checkpoints (``training/checkpoint.py``) with real dist_checkpointing on gloo:
 
 - saved at TP2, the model loads at TP1, DP2 and PP2 with the same logits and the optimizer state
   loads there too: the next step's loss equals the TP2 run's (within the fp32 bound of a forward's
@@ -22,7 +22,9 @@ import torch
 
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.run import CheckpointConfig
-from megatron_earl.orchestration.checkpoint import (
+from megatron_earl.parallel.layout import ParallelLayout
+from megatron_earl.testing.distributed import run_distributed
+from megatron_earl.training.checkpoint import (
     CheckpointError,
     clean_incomplete,
     complete_steps,
@@ -30,8 +32,6 @@ from megatron_earl.orchestration.checkpoint import (
     resolve_checkpoint,
     retained_steps,
 )
-from megatron_earl.parallel.layout import ParallelLayout
-from megatron_earl.testing.distributed import run_distributed
 from tests.tolerances import ADAM_EPS, adam_loss_tol, assert_fp32_close, gpt_terms
 
 MODEL = ModelConfig(
@@ -117,7 +117,7 @@ def _logits(ddp):
 
 def _save_then_step(save_dir: str):
     """TP2: one step, save (step 1), logits, one more step (its loss is the reference)."""
-    from megatron_earl.orchestration.checkpoint import save_checkpoint
+    from megatron_earl.training.checkpoint import save_checkpoint
 
     ddp, optimizer = _setup(ParallelLayout(tp=2), MODEL)
     _step(ddp, optimizer, 0)
@@ -126,7 +126,7 @@ def _save_then_step(save_dir: str):
 
 
 def _load_then_step(save_dir: str, layout: ParallelLayout):
-    from megatron_earl.orchestration.checkpoint import load_checkpoint
+    from megatron_earl.training.checkpoint import load_checkpoint
 
     ddp, optimizer = _setup(layout, MODEL)
     state = load_checkpoint(save_dir, ddp, optimizer)
@@ -164,7 +164,7 @@ def test_tp2_checkpoint_loads_in_other_layouts(tp2_checkpoint, layout):
 
 def _distopt_save(save_dir: str) -> list[float]:
     """DP2, distributed optimizer: two steps, save (Adam at step 2), then three more steps."""
-    from megatron_earl.orchestration.checkpoint import save_checkpoint
+    from megatron_earl.training.checkpoint import save_checkpoint
 
     ddp, optimizer = _setup(ParallelLayout(dp=2), MODEL, distributed_optimizer=True)
     for step in range(2):
@@ -174,8 +174,8 @@ def _distopt_save(save_dir: str) -> list[float]:
 
 
 def _distopt_load(save_dir: str, layout: ParallelLayout):
-    from megatron_earl.orchestration.checkpoint import load_checkpoint
     from megatron_earl.redistribute.optimizer_state import sub_optimizers, torch_optimizer
+    from megatron_earl.training.checkpoint import load_checkpoint
     from megatron_earl.training.rl_step import _grads_finite
 
     ddp, optimizer = _setup(layout, MODEL, distributed_optimizer=True)
@@ -218,7 +218,7 @@ def test_distributed_optimizer_reshards_over_dp(tmp_path):
 
 def _train(save_dir: str, steps: int, save_at: int | None, resume: bool):
     """TP2 with dropout: train ``steps`` steps (data position = step), saving after ``save_at``."""
-    from megatron_earl.orchestration.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_earl.training.checkpoint import load_checkpoint, save_checkpoint
 
     ddp, optimizer = _setup(ParallelLayout(tp=2), DROPOUT_MODEL)
     start, restored = 0, None
@@ -255,7 +255,7 @@ def test_resume_same_layout_continues_bitwise(tmp_path):
 
 def _crash_mid_save(save_dir: str):
     """Save step 1; make step 2's save fail after its files are written; then resume."""
-    from megatron_earl.orchestration import checkpoint
+    from megatron_earl.training import checkpoint
 
     ddp, optimizer = _setup(ParallelLayout(), MODEL)
     cfg = CheckpointConfig(dir=save_dir)
@@ -292,7 +292,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_retention_keeps_last_k_and_every_nth(tmp_path):
-    from megatron_earl.orchestration.checkpoint import _apply_retention
+    from megatron_earl.training.checkpoint import _apply_retention
 
     assert retained_steps([1, 2, 3, 4, 5, 6], keep_last=2, keep_every=3) == {3, 5, 6}
     assert retained_steps([10, 20, 30], keep_last=1, keep_every=0) == {30}

@@ -9,7 +9,7 @@ tied, Qwen3 q/k norm with head_dim != hidden/heads) and RoPE variant (Llama 3.x 
   (``load_initial_weights``);
 - HF -> mcore -> HF is bitwise and the output loads in ``transformers``;
 - every checkpoint read of mcore -> HF asks for one layer (streaming);
-- a training checkpoint (``orchestration/checkpoint.py``, model config + family stored) exports to
+- a training checkpoint (``training/checkpoint.py``, model config + family stored) exports to
   HF without ``--hf-config``, bitwise.
 """
 
@@ -167,9 +167,9 @@ def _round_trip(cases: dict, out_root: str):
     from megatron_earl.convert.dcp import COMMON_KEY, load_common
     from megatron_earl.convert.initial import load_initial_weights
     from megatron_earl.models.gpt import build_model
-    from megatron_earl.orchestration.checkpoint import save_checkpoint
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import use_layout
+    from megatron_earl.training.checkpoint import save_checkpoint
 
     reads = []
     original = convert.load_slices
@@ -195,7 +195,7 @@ def _round_trip(cases: dict, out_root: str):
     load_initial_weights(chunks, hf_dir)
     run_dir = f"{out_root}/run"
     save_checkpoint(CheckpointConfig(dir=run_dir), 5, chunks, model_config=model, family="llama")
-    from megatron_earl.orchestration.checkpoint import resolve_checkpoint
+    from megatron_earl.training.checkpoint import resolve_checkpoint
 
     convert.mcore_to_hf(resolve_checkpoint(run_dir), f"{out_root}/hf-from-training")
     paths["training"] = f"{out_root}/hf-from-training"

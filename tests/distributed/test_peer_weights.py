@@ -40,9 +40,9 @@ def _save_convert_and_forward(root: str, tokens: torch.Tensor):
     from megatron_earl.convert.convert import mcore_to_hf
     from megatron_earl.convert.initial import load_initial_weights
     from megatron_earl.models.gpt import build_model
-    from megatron_earl.orchestration.checkpoint import resolve_checkpoint
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import use_layout
+    from megatron_earl.training.checkpoint import resolve_checkpoint
     from megatron_earl.training.schedule import forward_backward
 
     config = load_config(DEMO, [*ONE_RANK, "sft.steps=2", "sft.examples_per_step=4"])

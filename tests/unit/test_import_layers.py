@@ -163,3 +163,56 @@ def test_cycle_finder_counts_function_imports_and_skips_type_checking(tmp_path):
     for rel, text in files.items():
         (pkg / rel).write_text(text)
     assert _import_cycles(_module_files(pkg)) == [["pkg.sub.leaf", "pkg.top"]]
+
+
+LAYERS = (
+    ("config", "compat", "tokenizer"),
+    ("device_policy", "emulated_device", "parallel", "runtime", "patches", "models", "dispatch",
+     "redistribute", "training", "convert", "selector", "envs", "tools", "rewards", "testing"),
+    ("rollout", "relay"),
+    ("orchestration",),
+    ("cli", "bench"),
+)  # fmt: skip
+"""docs/architecture.md's layers, bottom first: a module imports only from its own layer or
+below. ``rollout`` covers its subpackages (``agent``, ``embedded``, ``serve``, ``sglang``,
+``weights``)."""
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if module.count(".") else ""
+    for depth, names in enumerate(LAYERS):
+        if top in names:
+            return depth
+    raise AssertionError(f"{module} is in no layer of docs/architecture.md: add it to LAYERS")
+
+
+def test_imports_point_down_the_layers_of_the_architecture_doc():
+    """Every run-time import (``_runtime_imports``) goes to the importer's layer or a lower one;
+    the layer names are the ones ``docs/architecture.md`` draws; ``config/`` imports nothing else
+    of the project (STYLE.md habit 11); ``rollout/agent/`` reaches the engines only through the
+    engine protocol (``rollout/engine.py``)."""
+    modules = _module_files(PACKAGE) | _module_files(PATCHES, "megatron_earl.patches")
+    doc = (PACKAGE / "docs" / "architecture.md").read_text()
+    missing = [name for names in LAYERS for name in names if f"`{name}`" not in doc]
+    assert not missing, f"layers not named in docs/architecture.md: {missing}"
+    upward, config_out, agent_out = [], [], []
+    for name, path in sorted(modules.items()):
+        if name == "megatron_earl":
+            continue
+        for dep in sorted(_runtime_imports(name, path, modules)):
+            if dep == "megatron_earl":
+                continue
+            if _layer(dep) > _layer(name):
+                upward.append(f"{name} -> {dep}")
+            if name.startswith("megatron_earl.config") and not dep.startswith(
+                "megatron_earl.config"
+            ):
+                config_out.append(f"{name} -> {dep}")
+            rollout_dep = dep.startswith("megatron_earl.rollout.") and not dep.startswith(
+                ("megatron_earl.rollout.agent", "megatron_earl.rollout.engine")
+            )
+            if name.startswith("megatron_earl.rollout.agent") and rollout_dep:
+                agent_out.append(f"{name} -> {dep}")
+    assert not upward, "imports up the layers:\n  " + "\n  ".join(upward)
+    assert not config_out, "config/ imports other project modules:\n  " + "\n  ".join(config_out)
+    assert not agent_out, "rollout/agent/ past the engine protocol:\n  " + "\n  ".join(agent_out)
