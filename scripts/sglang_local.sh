@@ -126,14 +126,14 @@ fi
 if (( RELAYS > 0 )); then
     RELAY_PORT=$(( ENGINE_PORT + ENGINES + 2 ))
     ROOT_URL="http://127.0.0.1:${RELAY_PORT}"
-    "$PYTHON" -m megatron_earl.relay.server --port "$RELAY_PORT" > "$OUT/engines/relay_root.log" 2>&1 &
+    "$PYTHON" -m megatron_earl.rollout.weights.relay.server --port "$RELAY_PORT" > "$OUT/engines/relay_root.log" 2>&1 &
     PIDS+=($!)
     wait_up "$ROOT_URL" relay $!
     for (( j = 0; j < RELAYS; j++ )); do
         FED=()
         for (( i = j; i < ENGINES; i += RELAYS )); do FED+=("${URLS[$i]}"); done
         port=$(( RELAY_PORT + 1 + j ))
-        "$PYTHON" -m megatron_earl.relay.server --port "$port" --upstream "$ROOT_URL" \
+        "$PYTHON" -m megatron_earl.rollout.weights.relay.server --port "$port" --upstream "$ROOT_URL" \
             --engines "$(IFS=,; echo "${FED[*]}")" --release-holders "$HOLDERS" \
             > "$OUT/engines/relay$j.log" 2>&1 &
         PIDS+=($!)

@@ -54,10 +54,10 @@ from pathlib import Path
 import aiohttp
 
 from megatron_earl.config.loader import load_config
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rewards.service import RewardServiceProcess, launch_reward_service
 from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.testing.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

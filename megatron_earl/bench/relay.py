@@ -53,10 +53,10 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.models.hf_mapping import global_shapes
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
-from megatron_earl.relay.publisher import wait_for_engines
 from megatron_earl.rollout.sglang.client import SGLangClient
 from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
+from megatron_earl.rollout.weights.relay.publisher import wait_for_engines
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.rollout.weights.transports import build_transport
 from megatron_earl.testing.distributed import free_port

@@ -45,7 +45,7 @@ from megatron_earl.bench.async_rl import (
 )
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.vocab import RepackPolicy
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.testing.distributed import free_port
 
 POLICIES = tuple(RepackPolicy)

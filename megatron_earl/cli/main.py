@@ -54,7 +54,7 @@ _MODULES = {
     ("bench", "serve"): "megatron_earl.bench.serve",
     ("bench", "soak"): "megatron_earl.bench.soak",
     ("serve",): "megatron_earl.rollout.serve.server",
-    ("relay",): "megatron_earl.relay.server",
+    ("relay",): "megatron_earl.rollout.weights.relay.server",
     ("plot",): "megatron_earl.orchestration.plot",
     ("plan",): "megatron_earl.selector.plan_cli",
     ("convert",): "megatron_earl.convert.cli",

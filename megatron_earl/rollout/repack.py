@@ -54,8 +54,8 @@ import aiohttp
 
 from megatron_earl.config.repack import RepackConfig
 from megatron_earl.config.vocab import RepackPolicy
-from megatron_earl.relay.wire import auth_headers
 from megatron_earl.rollout.sglang.pool import EnginePool
+from megatron_earl.rollout.weights.relay.wire import auth_headers
 
 log = logging.getLogger("megatron_earl.repack")
 

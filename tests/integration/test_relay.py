@@ -32,11 +32,11 @@ from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.models.hf_mapping import global_shapes
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
-from megatron_earl.relay.versions import digest
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import SGLangClient
 from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
+from megatron_earl.rollout.weights.relay.versions import digest
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.rollout.weights.transports import build_transport
 from megatron_earl.testing.distributed import free_port

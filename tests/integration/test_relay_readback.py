@@ -25,10 +25,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rollout.serve.server import FAULT_CORRUPT_LOADS_ENV
 from megatron_earl.rollout.sglang.client import EngineRequestError, SGLangClient
 from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.testing.distributed import free_port
 from tests.integration.engine_calls import outputs, reported_version

@@ -19,13 +19,13 @@ import pytest
 
 from megatron_earl.config.repack import RepackConfig
 from megatron_earl.config.sampling import SamplingParams
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
-from megatron_earl.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.engine import GenerateRequest
 from megatron_earl.rollout.repack import Placement, relay_holders, release_holder_problems
 from megatron_earl.rollout.sglang.client import SGLangClient
 from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess
 from megatron_earl.rollout.sglang.pool import EnginePool
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
+from megatron_earl.rollout.weights.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.testing.distributed import free_port, run_distributed
 from tests.integration.test_relay import ENV, FAST, MODEL, PROMPT, weights

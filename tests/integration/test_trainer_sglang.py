@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from megatron_earl.config.loader import load_config
-from megatron_earl.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang.launcher import LaunchConfig, ServerProcess, stop_all
 from megatron_earl.rollout.sglang.router import RouterConfig, RouterProcess
+from megatron_earl.rollout.weights.relay.launch import RelayLaunch, RelayProcess
 from megatron_earl.testing.distributed import free_port
 from tests.integration.metrics_doc import check_documented
 

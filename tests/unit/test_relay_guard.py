@@ -14,9 +14,9 @@ import torch
 import yarl
 from aiohttp import web
 
-from megatron_earl.relay.publisher import RelayPublisher
-from megatron_earl.relay.server import RelayServer, RelaySettings, exposure_problem
-from megatron_earl.relay.wire import API_KEY_ENV
+from megatron_earl.rollout.weights.relay.publisher import RelayPublisher
+from megatron_earl.rollout.weights.relay.server import RelayServer, RelaySettings, exposure_problem
+from megatron_earl.rollout.weights.relay.wire import API_KEY_ENV
 
 KEY = "relay-key-1"
 NAMED = [("model.embed_tokens.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4))]
@@ -171,7 +171,7 @@ def test_a_relay_off_loopback_needs_a_key_or_a_declared_trusted_network():
 
 
 def test_the_command_refuses_to_serve_off_loopback_without_a_key(monkeypatch, capsys):
-    from megatron_earl.relay.server import main
+    from megatron_earl.rollout.weights.relay.server import main
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert main(["--host", "0.0.0.0", "--port", "1"]) == 2

@@ -7,9 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_earl.relay.readback import VERIFY_ROWS, read_back_matches, sampled_buckets
-from megatron_earl.relay.server import RelaySettings, parse_args, settings_from_args
 from megatron_earl.rollout.serve import server as serve
+from megatron_earl.rollout.weights.relay.readback import (
+    VERIFY_ROWS,
+    read_back_matches,
+    sampled_buckets,
+)
+from megatron_earl.rollout.weights.relay.server import RelaySettings, parse_args, settings_from_args
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_earl.relay.codec import decode_bucket, encode_bucket
-from megatron_earl.relay.versions import (
+from megatron_earl.rollout.weights.relay.codec import decode_bucket, encode_bucket
+from megatron_earl.rollout.weights.relay.versions import (
     BucketInfo,
     ChecksumError,
     Manifest,

@@ -13,9 +13,9 @@ from aiohttp import web
 from megatron_earl.config.loader import load_config
 from megatron_earl.config.repack import RepackConfig, RepackConfigError
 from megatron_earl.config.run import ConfigError
-from megatron_earl.relay.applier import may_load
-from megatron_earl.relay.server import RelayServer, RelaySettings
 from megatron_earl.rollout.repack import EngineView, Move, plan_repack
+from megatron_earl.rollout.weights.relay.applier import may_load
+from megatron_earl.rollout.weights.relay.server import RelayServer, RelaySettings
 
 
 def views(*engines: tuple[int, int]) -> list[EngineView]:

@@ -51,13 +51,13 @@ from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.redistribute.geometry import ShardPiece
 from megatron_earl.redistribute.weight_exec import reshard_weights
-from megatron_earl.relay.publisher import wait_for_engines
 from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
+from megatron_earl.rollout.weights.relay.publisher import wait_for_engines
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.rollout.weights.transports import WeightTransport, build_transport
 

@@ -50,7 +50,6 @@ import torch
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import WeightUpdate
-from megatron_earl.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import SGLangClient
 from megatron_earl.rollout.weights.group import (
@@ -58,6 +57,7 @@ from megatron_earl.rollout.weights.group import (
     broadcast_bucket,
     join_weight_update_group,
 )
+from megatron_earl.rollout.weights.relay.publisher import RelayPublisher, wait_for_engines
 from megatron_earl.rollout.weights.sync import (
     NamedTensor,
     PushStats,

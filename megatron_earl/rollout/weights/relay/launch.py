@@ -32,7 +32,7 @@ class RelayLaunch:
 
 
 def relay_command(launch: RelayLaunch) -> list[str]:
-    cmd = [launch.python, "-m", "megatron_earl.relay.server"]
+    cmd = [launch.python, "-m", "megatron_earl.rollout.weights.relay.server"]
     cmd += ["--host", launch.host, "--port", str(launch.port)]
     if launch.upstreams:
         cmd += ["--upstream", ",".join(launch.upstreams)]

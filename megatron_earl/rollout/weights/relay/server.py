@@ -76,19 +76,19 @@ from aiohttp import web
 
 from megatron_earl.compat.http_guard import bearer_matches, parse_json, route_path
 from megatron_earl.config.vocab import PauseMode
-from megatron_earl.relay.applier import EngineApplier, EngineState, backoff_s
-from megatron_earl.relay.settings import Counters, RelaySettings
-from megatron_earl.relay.versions import (
+from megatron_earl.rollout.engine import EngineError
+from megatron_earl.rollout.weights.relay.applier import EngineApplier, EngineState, backoff_s
+from megatron_earl.rollout.weights.relay.settings import Counters, RelaySettings
+from megatron_earl.rollout.weights.relay.versions import (
     ChecksumError,
     Manifest,
     VersionError,
     VersionStore,
     digest,
 )
-from megatron_earl.relay.wire import API_KEY_ENV, SHA_HEADER
-from megatron_earl.rollout.engine import EngineError
+from megatron_earl.rollout.weights.relay.wire import API_KEY_ENV, SHA_HEADER
 
-log = logging.getLogger("megatron_earl.relay")
+log = logging.getLogger("megatron_earl.rollout.weights.relay")
 
 
 class RelayServer:

@@ -24,11 +24,11 @@ from collections.abc import Iterable, Sequence
 
 import aiohttp
 
-from megatron_earl.relay.codec import NamedTensor, encode_bucket
-from megatron_earl.relay.versions import BucketInfo, Manifest, digest
-from megatron_earl.relay.wire import SHA_HEADER, auth_headers
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import SGLangClient
+from megatron_earl.rollout.weights.relay.codec import NamedTensor, encode_bucket
+from megatron_earl.rollout.weights.relay.versions import BucketInfo, Manifest, digest
+from megatron_earl.rollout.weights.relay.wire import SHA_HEADER, auth_headers
 from megatron_earl.rollout.weights.sync import PushStats, iter_buckets
 
 

@@ -24,20 +24,20 @@ from typing import Protocol
 
 import torch
 
-from megatron_earl.relay.codec import decode_bucket
-from megatron_earl.relay.readback import (
+from megatron_earl.rollout.engine import EngineError
+from megatron_earl.rollout.sglang.client import ClientConfig, EngineRequestError, SGLangClient
+from megatron_earl.rollout.weights.relay.codec import decode_bucket
+from megatron_earl.rollout.weights.relay.readback import (
     SGLANG_NO_EXPORT,
     VERIFY_ROWS,
     read_back_matches,
     sampled_buckets,
 )
-from megatron_earl.relay.settings import Counters, RelaySettings
-from megatron_earl.relay.versions import VersionStore
-from megatron_earl.rollout.engine import EngineError
-from megatron_earl.rollout.sglang.client import ClientConfig, EngineRequestError, SGLangClient
+from megatron_earl.rollout.weights.relay.settings import Counters, RelaySettings
+from megatron_earl.rollout.weights.relay.versions import VersionStore
 from megatron_earl.rollout.weights.sync import WeightSyncConfig, push_weights
 
-log = logging.getLogger("megatron_earl.relay")
+log = logging.getLogger("megatron_earl.rollout.weights.relay")
 
 
 class Relay(Protocol):
