@@ -94,8 +94,8 @@ def _prefill_eager_vs_compiled(model):
     tensor's largest |entry|, compiled graphs after each step, which steps ran the compiled graph,
     the token count of the two warm-up steps, and per compiled step whether every index size went
     to dynamo as an explicit hint equal to it)."""
+    from megatron_earl.rollout.embedded import batched_forward as bf
     from megatron_earl.rollout.embedded.batched_forward import BatchedForward
-    from megatron_earl.rollout.embedded.engine import batched_forward as bf
     from megatron_earl.rollout.embedded.step import Batch
 
     chunks, _ = _build(ParallelLayout(), None, model)
