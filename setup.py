@@ -42,7 +42,8 @@ setup(
         # _generate_single_turn are experimental/private: tested with 1.16 only).
         "bench": ["trl>=1.16,<1.17", "transformers>=4.56.2", "safetensors>=0.4"],
         "tensorboard": ["tensorboard>=2.14"],
-        # SGLang's Rust router in front of the engines (rollout.router); runs on CPU.
+        # SGLang's Rust router in front of the engines (rollout.router: rollout/sglang/router.py);
+        # runs on CPU.
         "router": ["sglang-router>=0.3.2,<0.4"],
         "dev": [
             "pytest>=8,<10",

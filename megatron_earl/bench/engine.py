@@ -16,8 +16,8 @@ Model: the ``model:`` section of ``--config`` (default ``configs/demo_cpu.yaml``
 plus dotted overrides. Megatron initialises it (seed ``--seed``) in one process; the same state is
 loaded into our ranks and converted with the project's converter into a ``transformers`` model
 (fp32, CPU, eval, SDPA attention; ``bench/engine_hf.py``). Before timing, the two models' logits
-of one prompt must agree within ``bench_hf.LOGITS_TOL`` (else the run stops), and the greedy tokens
-of both engines are compared (reported as a count: an fp32 near-tie may flip one).
+of one prompt must agree within ``engine_hf.LOGITS_TOL`` (else the run stops), and the greedy
+tokens of both engines are compared (reported as a count: an fp32 near-tie may flip one).
 
 Timing, per batch size B and per sampling mode (greedy; temperature 1 with no top-k/top-p, which
 is what RL does): every request has a fresh random prompt of ``--prompt-len`` tokens (no prefix

@@ -8,9 +8,9 @@ products the embedded engine's prefill forward runs, timed alone on this rank's 
 Why: at the demo model's size (hidden 128) a prefill step is projection-bound. Whatever the
 engine's attention, norms, kernels or scheduling do, its prefill forward as it is runs these
 products, so HF's prefill time over theirs bounds the ours/HF prefill ratio ``bench engine``
-reports (``bench.py``), measured on the same machine in the same rounds. It bounds this forward,
-not every possible one: a forward that computed fewer products (e.g. the last layer's queries on
-the returned tokens only, ~2% of them at the demo's size) would have a lower floor.
+reports (``bench/engine.py``), measured on the same machine in the same rounds. It bounds this
+forward, not every possible one: a forward that computed fewer products (e.g. the last layer's
+queries on the returned tokens only, ~2% of them at the demo's size) would have a lower floor.
 
 The products are those of ``BatchedForward._prefill`` returning each sequence's last token: every
 layer's fused QKV projection on all new tokens; every layer but the last also its output

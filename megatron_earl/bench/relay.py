@@ -27,7 +27,7 @@ Two projections to 256-1024 engines, both MODELLED, not measured:
    with NCCL broadcast, whose bandwidth term does not grow with N: this line is the HTTP
    transport's, the one that ran here.
 2. *The pipeline simulator of the asynchronous mode* (``pipeline_sim``, with
-   ``bench_async_sim.Assumptions``: 32B model, engines of 4 GPUs, 3/4 of the GPUs on rollout,
+   ``bench.async_sim.Assumptions``: 32B model, engines of 4 GPUs, 3/4 of the GPUs on rollout,
    async with ``max_staleness`` 1): the direct push is order 7's assumption (a 4 s NCCL push
    of 64 GB, trainer blocked and every engine paused for it); with relays the trainer is
    blocked for ``SIM_PUBLISH_S`` (its shards copied to relays on its own nodes) and each engine

@@ -260,7 +260,7 @@ def export_hf(
     *,
     max_shard_bytes: int = 5 * 2**30,
 ) -> int:
-    """Write HF-named tensors (e.g. ``weight_sync.hf_named_tensors`` of a trainer's full
+    """Write HF-named tensors (e.g. ``weights.sync.hf_named_tensors`` of a trainer's full
     weights) as an HF safetensors directory with its ``config.json``, streaming: at most one
     shard is held. Atomic like ``mcore_to_hf`` (a reader never sees a partial directory).
     Returns the tensor bytes written. Local; the caller holds the tensors."""

@@ -77,13 +77,18 @@ def check_reset_result(result: Any, vocab_size: int) -> str | None:
     if not isinstance(result.info, dict):
         return f"info={reprlib.repr(result.info)}, expected a dict"
     prompt = result.prompt
-    if isinstance(prompt, list) and (
-        all(isinstance(m, dict) for m in prompt)
-        or all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and (
+            all(isinstance(m, dict) for m in prompt)
+            or all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt)
+        )
     ):
         return None
     return (
-        f"prompt={reprlib.repr(prompt)}, expected chat messages or token ids in [0, {vocab_size})"
+        f"prompt={reprlib.repr(prompt)}, expected chat messages or token ids in [0, {vocab_size}), "
+        "at least one"
     )
 
 

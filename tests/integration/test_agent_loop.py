@@ -559,6 +559,13 @@ class GymStepEnv(ArithmeticEnv):
         return "ok", 0.0, False, {}
 
 
+class EmptyPromptEnv(ArithmeticEnv):
+    """``reset`` returns an empty prompt (was an engine error: "input_ids is empty")."""
+
+    async def reset(self, seed: int) -> ResetResult:
+        return ResetResult([], {})
+
+
 class NumberObservationEnv(ArithmeticEnv):
     async def step(self, action: Action) -> StepResult:
         return StepResult(42)
@@ -581,6 +588,7 @@ def test_badly_shaped_env_returns_fail_only_their_trajectory():
             "NumberObservationEnv.step returned observation=42, expected text or token ids",
         ),
         "no_env": (lambda: None, "the environment factory returned None, expected an Environment"),
+        "empty_prompt": (EmptyPromptEnv, "EmptyPromptEnv.reset returned prompt=[], expected chat"),
     }
     tasks = [RolloutTask(env, 3, name) for name, (env, _) in cases.items()]
     tasks += [RolloutTask("arithmetic", 3, f"healthy{i}") for i in range(2)]
@@ -594,7 +602,7 @@ def test_badly_shaped_env_returns_fail_only_their_trajectory():
         ), name
         assert error in by[name].error, by[name].error
     assert all(by[f"healthy{i}"].ok and by[f"healthy{i}"].reward == 1.0 for i in range(2))
-    assert batch.metrics.failures == {"env_garbage": 4}
+    assert batch.metrics.failures == {"env_garbage": 5}
 
 
 class SyncEnv(Environment):

@@ -1,4 +1,4 @@
-"""The embedded engine's prefill index tensors (``engine_step.StepIndex.build``): written
+"""The embedded engine's prefill index tensors (``embedded.step.StepIndex.build``): written
 out by hand for a step with a cached prefix, a shared row and prompt log-probs, and against a
 loop over every token on random steps."""
 

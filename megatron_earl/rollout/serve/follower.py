@@ -1,12 +1,12 @@
-"""A TP rank > 0 of ``megatron-earl serve --tp-size N``: started by rank 0's ``serve_tp.Followers``
+"""A TP rank > 0 of ``megatron-earl serve --tp-size N``: started by rank 0's ``serve.tp.Followers``
 with the server's own arguments, never by hand.
 
     python -m megatron_earl.rollout.serve.follower <the arguments of megatron-earl serve>
 
 It builds the engine as rank 0 does (``server.build_engine``) and runs ``EmbeddedEngine.follow()``
 until rank 0 shuts the engine down; it ignores SIGINT and SIGTERM and dies with rank 0
-(``serve_tp``'s docstring, "Lifetime"). The entry point lives here, above ``server``, so that
-``serve_tp`` (which ``server`` imports) does not import ``server``.
+(``serve.tp``'s docstring, "Lifetime"). The entry point lives here, above ``server``, so that
+``serve.tp`` (which ``server`` imports) does not import ``server``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_earl.rollout.serve.server import build_engine, parse_args
 from megatron_earl.rollout.serve.tp import PARENT_ENV
 
 MODULE = "megatron_earl.rollout.serve.follower"
-"""This module's name, as ``serve_tp.Followers`` starts it (``python -m``)."""
+"""This module's name, as ``serve.tp.Followers`` starts it (``python -m``)."""
 
 
 def _die_with_parent(parent: int) -> None:

@@ -9,7 +9,7 @@ and how it describes it (``/get_model_info``, ``/get_server_info``, ``/v1/models
 - an HF directory (``config.json`` + ``model.safetensors`` or a sharded index, as SGLang loads
   and ``convert.export_hf`` / ``mcore_to_hf`` write): the ``ModelConfig`` comes from
   ``config.json`` (``convert.families``: Llama/Qwen2/Qwen3, default RoPE; anything else is an
-  error naming the field), the weights are read with ``serve_weights.read_weights`` (the reader
+  error naming the field), the weights are read with ``serve.weights.read_weights`` (the reader
   of ``update_weights_from_disk``) and must be complete; the model's dtype is ``config.json``'s;
 - a file: a ``torch.save``'d full Megatron state dict (``geometry.full_state_dict``), the
   model from ``--model-config`` (a JSON file of ``ModelConfig`` fields; default the tiny one);

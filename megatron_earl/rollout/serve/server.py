@@ -6,13 +6,13 @@
         [--dist-timeout 300] [--tp-size N] [--pace-decode-ms X] [--decode-threads 1]
         [--compile-decode] [--compile-prefill]
 
-The model (``serve_model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
+The model (``serve.model``): an HF directory (``config.json`` + safetensors, as SGLang takes it;
 its tokenizer when present), a ``torch.save``'d full Megatron state dict
 (``geometry.full_state_dict``) or seeded random weights (``random``, ``--seed``), the last two
 shaped by ``--model-config`` (a JSON file of ``ModelConfig`` fields; default: the tiny default
 config). One process, TP1 (world of one); ``--tp-size N`` serves the model over N processes:
 this one (TP rank 0: HTTP, the engine's scheduler) and N-1 followers it starts and stops
-(``serve_tp``: same weights as TP1, weight updates on every rank, SGLang's distributed protocol
+(``serve.tp``: same weights as TP1, weight updates on every rank, SGLang's distributed protocol
 joined by every TP rank as ``rank_offset + tp_rank``). ``text`` in and out uses the HF tokenizer
 (``--tokenizer-path`` or the directory's), else a byte-level stand-in (id < 256 = that byte)
 when the vocabulary has >= 256 ids, so stop strings work on a toy model.
@@ -21,14 +21,14 @@ Endpoints (shapes of SGLang 0.5.x): ``/generate`` (SGLang's whole request schema
 ``generate_api``: prompts, n samples, min_p, prompt and top log-probs; ``stream`` answers
 SGLang's cumulative SSE events, one per token, then ``[DONE]``), ``/health``,
 ``/health_generate``, ``/get_model_info`` (``/model_info``), ``/get_server_info``
-(``/server_info``), ``/v1/models`` (field names of SGLang 0.5.23's answers, ``serve_model``),
+(``/server_info``), ``/v1/models`` (field names of SGLang 0.5.23's answers, ``serve.model``),
 ``/get_load``, ``/get_weight_version``, ``/flush_cache`` (400 while requests are pending),
 ``/update_weights_from_tensor`` (both payloads of ``tensor_payload``), SGLang's distributed
 protocol over gloo (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``) and ``/update_weights_from_disk`` (an HF safetensors directory
-or a full-state file, only below ``--weight-dirs``; see ``serve_weights``),
+or a full-state file, only below ``--weight-dirs``; see ``serve.weights``),
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve_memory``),
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (colocation, ``serve.memory``),
 ``/get_weights_by_name`` (the first values of a served tensor, to read back what was loaded).
 ``--pace-decode-ms X`` (measurement only) makes every decode step last at least X ms (the
 engine sleeps the rest after the real forward), so a benchmark on a shared CPU sees a fixed
@@ -36,7 +36,7 @@ per-token decode time; ``/server_info`` then says ``"paced": true`` and reports 
 and their overruns under ``pacing`` (``embedded.PaceStats``). ``$EARL_SERVE_FAULT_CORRUPT_LOADS=N``
 (fault injection, tests only) corrupts the first N weight loads (``FAULT_CORRUPT_LOADS_ENV``).
 
-Bound to 127.0.0.1 by default. Authorization as SGLang's (``server_auth``): with ``--api-key``
+Bound to 127.0.0.1 by default. Authorization as SGLang's (``serve.auth``): with ``--api-key``
 every endpoint but the health probes needs ``Authorization: Bearer KEY``; ``--admin-api-key``
 guards the weight/control endpoints instead. Bodies over ``--max-body-mb`` (weight updates:
 ``--max-weight-body-mb``) get 413. Bad input gets a 4xx with ``{"error": {"message": ...}}``; a
@@ -143,9 +143,9 @@ class Server(WeightEndpoints, MemoryEndpoints):
             ByteCodec() if vocab >= 256 else None,
             served_model_name=model_path,
         )
-        """What is served (``serve_model``): its paths, tokenizer, eos ids, identity."""
+        """What is served (``serve.model``): its paths, tokenizer, eos ids, identity."""
         self.server_args = server_args or {}
-        """Launch arguments under SGLang's names (``serve_model.server_args_json``)."""
+        """Launch arguments under SGLang's names (``serve.model.server_args_json``)."""
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.limits = limits or RequestLimits()
@@ -392,7 +392,7 @@ class Server(WeightEndpoints, MemoryEndpoints):
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        """SGLang's ``/model_info`` fields (``serve_model.model_info_json``)."""
+        """SGLang's ``/model_info`` fields (``serve.model.model_info_json``)."""
         return web.json_response(model_info_json(self.served, self.engine.weight_version))
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -536,7 +536,7 @@ def _check_update(full: dict[str, torch.Tensor], before: dict[str, tuple]) -> No
 
 def resolve_served(args: argparse.Namespace) -> ServedModel:
     """``--model-path`` / ``--model-config`` / ``--tokenizer-path`` -> what is served
-    (``serve_model.resolve_model``; ``ModelPathError`` names what cannot be served)."""
+    (``serve.model.resolve_model``; ``ModelPathError`` names what cannot be served)."""
     return resolve_model(
         args.checkpoint, args.model_config, args.tokenizer_path, args.served_model_name
     )
@@ -545,9 +545,9 @@ def resolve_served(args: argparse.Namespace) -> ServedModel:
 def build_engine(
     args: argparse.Namespace, served: ServedModel | None = None
 ) -> tuple[EmbeddedEngine, ModelConfig]:
-    """Build the model (HF directory, full-state file or seeded weights, see ``serve_model``) and
+    """Build the model (HF directory, full-state file or seeded weights, see ``serve.model``) and
     the engine: a world of one at TP1, with ``--tp-size N`` every rank of the world of N
-    (``serve_tp``: the model is built whole, then in tp=N from its full state)."""
+    (``serve.tp``: the model is built whole, then in tp=N from its full state)."""
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model
     from megatron_earl.models.impl import pin_transformer_impl
@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module, not this ``__main__`` copy: ``serve_weights`` raises this
+    # Run the imported module, not this ``__main__`` copy: ``serve.weights`` raises this
     # module's ``BadRequest``, which the middleware of a ``__main__`` copy would not catch.
     from megatron_earl.compat.processes import skip_exit_gc
     from megatron_earl.rollout.serve.server import main as imported_main

@@ -216,7 +216,7 @@ class TPGroup:
         backend: str,
         timeout_s: float,
     ) -> TPGroup:
-        """Every TP rank joins (``weight_group.join_weight_update_group`` with rank
+        """Every TP rank joins (``weights.group.join_weight_update_group`` with rank
         ``rank_offset + tp_rank``); on any failure none keeps the group."""
         join = functools.partial(
             _join_rank,

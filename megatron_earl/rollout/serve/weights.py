@@ -30,7 +30,7 @@ payload format of ``tensor_payload``), SGLang's distributed protocol over gloo a
 - with ``--tp-size N`` every TP rank joins, as ``rank_offset + tp_rank`` (SGLang's rule: the
   trainer's ``rollout.sglang.engine_tp`` must be N), and receives every bucket; joins and
   receives then run as engine steps, so generation waits meanwhile (as SGLang's scheduler
-  does); see ``serve_tp``;
+  does); see ``serve.tp``;
 - a disk update reads only below a directory given by ``--weight-dirs`` (symlinks resolved;
   none by default): anything else is answered 403 and nothing is read. Every file it reads is a
   regular file inside the resolved ``model_path`` (an index's shard names included: absolute,
@@ -153,7 +153,7 @@ async def join_group(
     timeout_s: float,
 ) -> Any:
     """Join the group with every TP rank of ``engine`` (rank ``rank_offset + tp_rank``); returns
-    an object with ``receive`` and ``shutdown`` (``LocalGroup`` or ``serve_tp.TPGroup``)."""
+    an object with ``receive`` and ``shutdown`` (``LocalGroup`` or ``serve.tp.TPGroup``)."""
     args = (master_address, master_port, rank_offset, world_size, name, backend, timeout_s)
     if engine.tp_size > 1:
         return await TPGroup.join(engine, *args)
@@ -261,7 +261,7 @@ class WeightEndpoints:
     def _init_weight_endpoints(self) -> None:
         """The endpoints' state (``Server.__init__`` calls it)."""
         self.groups: dict[str, Any] = {}
-        """Joined weight-update groups by name (``LocalGroup`` or ``serve_tp.TPGroup``)."""
+        """Joined weight-update groups by name (``LocalGroup`` or ``serve.tp.TPGroup``)."""
         self._expected_hf: dict[str, tuple[tuple, torch.dtype]] | None = None
 
     def _expected(self) -> dict[str, tuple[tuple, torch.dtype]]:

@@ -291,7 +291,7 @@ class SGLangClient:
         load_format: str | None = None,
     ) -> dict[str, Any]:
         """One bucket; the trainer broadcasts its tensors on the group meanwhile
-        (``weight_group.broadcast_bucket`` with the same ``load_format``)."""
+        (``weights.group.broadcast_bucket`` with the same ``load_format``)."""
         body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),

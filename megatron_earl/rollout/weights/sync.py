@@ -17,7 +17,7 @@ Transports (one function each):
   server reads, and serve too), with ``load_format`` None or "flattened_bucket".
 * ``distributed``: ``/init_weights_update_group`` once, then per bucket
   ``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer rank broadcasts
-  the tensors over that group (``weight_group.broadcast_bucket``); NCCL in production.
+  the tensors over that group (``weights.group.broadcast_bucket``); NCCL in production.
 
 ``rollout.weights.transports`` picks one of these per run (``rollout.sglang.weight_update``) and
 adds the disk protocol.
@@ -186,7 +186,7 @@ async def push_weights_distributed(
 
     For each bucket the metadata goes over HTTP while ``broadcast_bucket(bucket)`` (run in a
     daemon thread) broadcasts the tensors from the trainer rank (src 0) to the engines' ranks
-    (``load_format`` says how: ``weight_group``). An engine that refuses a bucket raises here at
+    (``load_format`` says how: ``weights.group``). An engine that refuses a bucket raises here at
     once; ``serve`` then drops the group, which ends the pending broadcast with an error.
     """
     config = config or WeightSyncConfig()

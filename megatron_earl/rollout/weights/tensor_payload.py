@@ -27,7 +27,7 @@ Two formats (``rollout.sglang.tensor_payload``):
   loads them with the model's ``load_weights``); ``"flattened_bucket"`` -> ``obj`` is
   ``{"flattened_tensor": uint8 tensor, "metadata": [m, ...]}`` with ``m.name, m.shape, m.dtype,
   m.start_idx, m.end_idx, m.numel`` (byte offsets; SGLang's ``FlattenedTensorMetadata`` fields,
-  the layout of ``weight_group.flatten_bucket``). The metadata travel as
+  the layout of ``weights.group.flatten_bucket``). The metadata travel as
   ``types.SimpleNamespace`` (SGLang's unpickler allows it and its loader reads the fields by
   attribute); a payload made by SGLang's own ``FlattenedTensorBucket`` is read too.
 

@@ -10,7 +10,7 @@ Every push follows SGLang users' order: ``pause_generation`` -> ``flush_cache`` 
 ``continue_generation``; then each engine's weight version is read back (``get_model_info``)
 and must be the pushed one (``EngineError`` naming the engine otherwise).
 
-- ``tensor``: ``update_weights_from_tensor`` per bucket (``weight_sync.push_weights``), in the
+- ``tensor``: ``update_weights_from_tensor`` per bucket (``weights.sync.push_weights``), in the
   payload format of ``tensor_payload`` / ``tensor_load_format``
   (``rollout.weights.tensor_payload``): portable (serve only, any host) or SGLang's own (real
   SGLang and serve; colocated only).
@@ -21,7 +21,7 @@ and must be the pushed one (``EngineError`` naming the engine otherwise).
 - ``distributed``: at the first push the trainer's rank 0 joins a process group with every
   engine (``init_weights_update_group``; engine i's ranks start at ``1 + i * engine_tp``), then
   per bucket ``update_weights_from_distributed`` while rank 0 broadcasts the tensors
-  (``weight_group.broadcast_bucket``). The group lives until ``close``.
+  (``weights.group.broadcast_bucket``). The group lives until ``close``.
 
 - ``relay``: published once to a root relay (``relay.publisher``); the relays fan it out and
   load it into their engines on their own (``relay.server``). Synchronous loop: the push waits

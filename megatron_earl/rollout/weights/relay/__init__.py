@@ -8,5 +8,7 @@ newest version into their own engines, each engine on its own schedule.
 - ``server``: ``megatron-earl relay`` (receive, fan out, ``/relay_info``);
 - ``applier``: feeding one engine (load, read back, the release rule);
 - ``wire``: the API-key variable and checksum header clients and server share;
-- ``publisher``: the trainer's side and the ``relay`` weight transport.
+- ``publisher``: the trainer's side and the ``relay`` weight transport;
+- ``settings``: a relay's settings and counters (the server and its appliers read them);
+- ``launch``: starting relay processes (tests, benchmarks, scripts).
 """
