@@ -19,10 +19,7 @@ from collections.abc import Sequence
 
 from megatron_earl.compat.processes import die_with_parent, skip_exit_gc
 from megatron_earl.rollout.serve.server import build_engine, parse_args
-from megatron_earl.rollout.serve.tp import PARENT_ENV
-
-MODULE = "megatron_earl.rollout.serve.follower"
-"""This module's name, as ``serve.tp.Followers`` starts it (``python -m``)."""
+from megatron_earl.rollout.serve.tp import FOLLOWER_MODULE, PARENT_ENV
 
 
 def _die_with_parent(parent: int) -> None:
@@ -42,8 +39,8 @@ def follower_main(argv: Sequence[str] | None = None) -> int:
     parent = os.environ.get(PARENT_ENV)
     if parent is None:
         raise SystemExit(
-            f"{MODULE} is a follower of 'megatron-earl serve --tp-size N' ({PARENT_ENV} unset); "
-            "start the server with megatron-earl serve"
+            f"{FOLLOWER_MODULE} is a follower of 'megatron-earl serve --tp-size N' "
+            f"({PARENT_ENV} unset); start the server with megatron-earl serve"
         )
     _die_with_parent(int(parent))
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops the followers

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 PARENT_ENV = "MEGATRON_EARL_SERVE_PARENT"
 """Set in a follower's environment: the pid of its rank 0 (the serve process)."""
+FOLLOWER_MODULE = "megatron_earl.rollout.serve.follower"
+"""The followers' entry point (``python -m``); it imports this module, so the name is kept here."""
 
 
 class Followers:
@@ -65,7 +67,7 @@ class Followers:
         os.environ.update(world, RANK="0", LOCAL_RANK="0")
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "megatron_earl.rollout.serve.follower", *argv],
+                [sys.executable, "-m", FOLLOWER_MODULE, *argv],
                 env=os.environ | world | {"RANK": str(r), "LOCAL_RANK": str(r), PARENT_ENV: parent},
                 stdin=subprocess.PIPE,  # closed when this process ends: followers watch it
             )
