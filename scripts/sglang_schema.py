@@ -56,6 +56,8 @@ CLASSES = {
         "InitWeightsUpdateGroupReqInput",
         "UpdateWeightsFromDistributedReqInput",
         "DestroyWeightsUpdateGroupReqInput",
+        "BeginWeightUpdateReqInput",
+        "EndWeightUpdateReqInput",
         "ReleaseMemoryOccupationReqInput",
         "ResumeMemoryOccupationReqInput",
         "GetWeightsByNameReqInput",

@@ -197,9 +197,11 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(servers):
                     "base64",
                 ),
             ]
+            assert (await post(s, "/begin_weight_update", "{}"))[0] == 200
             for path, data, needle in cases:
                 status, text = await post(s, path, data)
                 assert status == 400 and needle in text, (path, status, text)
+            assert (await post(s, "/end_weight_update", "{}"))[0] == 200
             status, text = await post(s, "/pause_generation", "{}", auth=False)
             assert status == 401 and "Bearer" in text
         client = _client(servers[1])
@@ -314,6 +316,7 @@ def test_weight_update_with_non_finite_or_misshapen_values_is_refused(servers):
     async def body():
         client = _client(servers[1])
         before = await client.generate(GenerateRequest(PROMPT, GREEDY))
+        await client.begin_weight_update()
         async with aiohttp.ClientSession() as s:
             for needle, tensors in cases.items():
                 async with s.post(
@@ -323,6 +326,7 @@ def test_weight_update_with_non_finite_or_misshapen_values_is_refused(servers):
                 ) as resp:
                     text = await resp.text()
                     assert resp.status == 400 and needle in text, text
+        await client.end_weight_update()
         after = await client.generate(GenerateRequest(PROMPT, GREEDY))
         assert after.output_ids == before.output_ids  # the served weights did not change
         await client.close()
@@ -500,11 +504,15 @@ def test_payload_entries_that_are_not_strings_and_values_nested_under_the_limit_
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with aiohttp.ClientSession(headers=headers) as s:
             url = servers[1].url
+            async with s.post(url + "/begin_weight_update", json={}) as resp:
+                assert resp.status == 200, resp.status
             for entry in ({"a": 1}, [1]):
                 update = {"serialized_named_tensors": [entry]}
                 async with s.post(url + "/update_weights_from_tensor", json=update) as resp:
                     assert resp.status == 400, resp.status
                     assert "base64 strings" in (await resp.json())["error"]["message"]
+            async with s.post(url + "/end_weight_update", json={}) as resp:
+                assert resp.status == 200, resp.status
             for depth in (900, 950, 980, 985, 987, 990, 995):
                 text = '{"name": ' + "[" * depth + "]" * depth + "}" + pad
                 async with s.post(url + "/get_weights_by_name", data=text) as resp:
@@ -533,8 +541,14 @@ def test_a_weight_update_peaks_at_twice_its_body_in_memory(servers):
     async def post():
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with aiohttp.ClientSession(headers=headers) as s:
-            async with s.post(servers[1].url + "/update_weights_from_tensor", data=body) as r:
-                return r.status, await r.text()
+            async with s.post(servers[1].url + "/begin_weight_update", json={}) as r:
+                assert r.status == 200, r.status
+            try:
+                async with s.post(servers[1].url + "/update_weights_from_tensor", data=body) as r:
+                    return r.status, await r.text()
+            finally:
+                async with s.post(servers[1].url + "/end_weight_update", json={}) as r:
+                    assert r.status == 200, r.status
 
     status, text = asyncio.run(post())
     assert status == 400 and "absent.weight" in text

@@ -80,7 +80,11 @@ def _cancelled_control() -> dict:
                 norm = torch.full((model.hidden_size,), 2.0)
                 payload = serialize_named_tensors([("model.norm.weight", norm)])
                 body = {"serialized_named_tensors": [payload], "weight_version": "7"}
+                async with session.post(base + "/begin_weight_update", json={}) as resp:
+                    assert resp.status == 200, resp.status
                 await hang_up(base, "/update_weights_from_tensor", body)
+                async with session.post(base + "/end_weight_update", json={}) as resp:
+                    out["session_closed"] = resp.status
                 out["version"] = engine.weight_version
                 out["updating"] = server.updating
                 state = await engine.state_dict()

@@ -78,9 +78,11 @@ def _memory_cycle() -> dict:
             payload = serialize_named_tensors(
                 [("model.norm.weight", torch.full((model.hidden_size,), 2.0))]
             )
+            await client.begin_weight_update()
             out["update_released"] = await post(
                 "/update_weights_from_tensor", {"serialized_named_tensors": [payload]}
             )
+            await client.end_weight_update()
 
             await client.resume_memory_occupation(["weights"])  # SGLang users' order
             out["info_weights"] = await info()

@@ -188,11 +188,18 @@ def test_requests_shaped_for_another_tp_size_are_refused(servers):
             async with session.post(url + path, json=body) as resp:
                 return resp.status, (await resp.json())["error"]["message"]
 
+    async def post_ok(path: str, body: dict) -> int:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + path, json=body) as resp:
+                return resp.status
+
     async def body():
+        assert (await post_ok("/begin_weight_update", {})) == 200
         one = await post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
         two = await post(
             "/update_weights_from_tensor", {"serialized_named_tensors": [payload, other]}
         )
+        assert (await post_ok("/end_weight_update", {})) == 200
         group = await post(
             "/init_weights_update_group",
             {

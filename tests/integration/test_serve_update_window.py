@@ -41,6 +41,7 @@ def _update_window() -> dict:
             payload = serialize_named_tensors(
                 [("model.norm.weight", torch.full((model.hidden_size,), 2.0))]
             )
+            assert (await client.post("/begin_weight_update", json={})).status == 200
             update = asyncio.create_task(
                 client.post(
                     "/update_weights_from_tensor",
@@ -53,6 +54,7 @@ def _update_window() -> dict:
             out["held"] = not during.done()
             release.set()
             out["update"] = (await update).status
+            assert (await client.post("/end_weight_update", json={})).status == 200
             answer = await during
             out["during"] = (answer.status, (await answer.json())["meta_info"]["weight_version"])
             out["after"] = (await client.post("/generate", json=gen)).status

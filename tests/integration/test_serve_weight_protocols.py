@@ -291,8 +291,14 @@ def test_a_hostile_sglang_payload_is_refused_and_nothing_runs(env, tmp_path):
         body = {"serialized_named_tensors": [payload], "load_format": load_format,
                 "weight_version": "10"}  # fmt: skip
         async with aiohttp.ClientSession() as s:
-            async with s.post(env["target"] + "/update_weights_from_tensor", json=body) as r:
-                return r.status, await r.text()
+            async with s.post(env["target"] + "/begin_weight_update", json={}) as r:
+                assert r.status == 200, r.status
+            try:
+                async with s.post(env["target"] + "/update_weights_from_tensor", json=body) as r:
+                    return r.status, await r.text()
+            finally:
+                async with s.post(env["target"] + "/end_weight_update", json={}) as r:
+                    assert r.status == 200, r.status
 
     for payload, load_format in zip(payloads, (None, "flattened_bucket"), strict=True):
         status, text = asyncio.run(send(payload, load_format))
@@ -374,10 +380,12 @@ def test_bad_group_init_and_versions_get_400_and_keep_a_working_group(env):
             status, text = asyncio.run(post("/init_weights_update_group", base | change))
             assert status == 400 and needle in text, (change, status, text)
         payload = serialize_named_tensors([("model.norm.weight", torch.full((32,), 2.0))])
+        assert asyncio.run(post("/begin_weight_update", {}))[0] == 200
         for version in (float("inf"), 2.5, True, "1e3"):
             body = {"serialized_named_tensors": [payload], "weight_version": version}
             status, text = asyncio.run(post("/update_weights_from_tensor", body))
             assert status == 400 and "weight_version" in text, (version, status, text)
+        assert asyncio.run(post("/end_weight_update", {}))[0] == 200
         assert asyncio.run(reported_version(env["target"])) == 40
         asyncio.run(_push_with(transport, env, W, 41))  # the same group still works
         assert asyncio.run(reported_version(env["target"])) == 41
@@ -385,3 +393,70 @@ def test_bad_group_init_and_versions_get_400_and_keep_a_working_group(env):
     finally:
         if transport.group is not None:
             asyncio.run(_push_with(transport, env, W, 42, close=True))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "distributed", "disk"])
+def test_a_push_opens_the_weight_update_session_after_the_flush_and_closes_it_before_continuing(
+    env, kind
+):
+    """SGLang 0.5.23's order: pause -> flush -> begin -> buckets -> end -> continue (disk: no
+    session, SGLang's disk update needs none)."""
+    settings = SGLangConfig(
+        weight_update=kind, bucket_bytes=64 << 10, group_timeout_s=30,
+        weight_dir=str(env["allowed"]),
+    )  # fmt: skip
+    transport = build_transport(settings, MODEL, env["tmp"])
+    paths: list[str] = []
+
+    async def push():
+        client = SGLangClient(env["target"])
+        client.on_request = lambda method, path, body: paths.append(path)
+        try:
+            await transport.push([client], hf_named_tensors(W, MODEL), 50)
+        finally:
+            await transport.close([client])
+            await client.close()
+
+    asyncio.run(push())
+    update = {"tensor": "/update_weights_from_tensor", "disk": "/update_weights_from_disk",
+              "distributed": "/update_weights_from_distributed"}[kind]  # fmt: skip
+    group = ("/init_weights_update_group", "/destroy_weights_update_group")  # run's start, end
+    calls = [p for i, p in enumerate(paths) if p not in group
+             and not (i and p == update and paths[i - 1] == update)]  # fmt: skip
+    begin, end = (["/begin_weight_update"], ["/end_weight_update"]) if kind != "disk" else ([], [])
+    assert calls == [
+        "/pause_generation", "/flush_cache", *begin, update, *end, "/continue_generation",
+        "/get_model_info",
+    ]  # fmt: skip
+    assert kind == "disk" or paths.count(update) > 1  # several buckets in the one session
+    assert asyncio.run(reported_version(env["target"])) == 50
+    assert _same_as_reference(env)
+
+
+def test_an_update_outside_a_session_is_refused_as_sglang_refuses_it_and_a_stale_session_is_closed(
+    env,
+):
+    """serve keeps SGLang 0.5.23's session rules (its messages); a session a killed trainer left
+    open is closed by the next push, which then lands."""
+    payload = serialize_named_tensors([("model.norm.weight", torch.full((32,), 2.0))])
+
+    async def post(path: str, body: dict) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(env["target"] + path, json=body) as r:
+                return r.status, await r.text()
+
+    status, text = asyncio.run(
+        post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    )
+    assert status == 400 and "update_weights_from_tensor must run between" in text, text
+    status, text = asyncio.run(post("/end_weight_update", {}))
+    assert status == 400 and "no weight-update session is open" in text, text
+    assert asyncio.run(post("/begin_weight_update", {"selector": "nope"}))[0] == 400
+    assert asyncio.run(post("/begin_weight_update", {}))[0] == 200  # then the trainer dies
+    status, text = asyncio.run(post("/begin_weight_update", {}))
+    assert status == 400 and "already open" in text, text
+    asyncio.run(_push(env, SGLangConfig(bucket_bytes=64 << 10), W, 60))
+    assert asyncio.run(reported_version(env["target"])) == 60
+    assert _same_as_reference(env)
+    status, text = asyncio.run(post("/end_weight_update", {}))
+    assert status == 400 and "no weight-update session is open" in text, text  # closed by it

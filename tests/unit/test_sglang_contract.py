@@ -69,6 +69,8 @@ ENDPOINTS = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/get_weights_by_name": "GetWeightsByNameReqInput",
@@ -145,11 +147,13 @@ async def _record_client_requests() -> list[tuple[str, str, object]]:
     await client.abort_all()
     await client.pause("retract")
     await client.flush_cache()
+    await client.begin_weight_update()
     await client.update_weights_from_tensor(
         [serialize_named_tensors([("lm_head.weight", torch.zeros(2, 2))])], weight_version=4
     )
     await client.init_weights_update_group("127.0.0.1", 1234, 1, 2, backend="gloo")
     await client.update_weights_from_distributed(["w"], ["float32"], [[2, 2]], weight_version=5)
+    await client.end_weight_update()
     await client.destroy_weights_update_group()
     await client.update_weights_from_disk("/ckpt", weight_version=6)
     await client.release_memory_occupation()

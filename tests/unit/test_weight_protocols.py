@@ -105,6 +105,52 @@ def test_broadcast_wire_formats(load_format):
         assert received.dtype == sent.dtype and torch.equal(received, sent)
 
 
+SGLANG_SIDE = """
+import datetime, sys, torch, torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend, PrefixStore, _new_process_group_helper, _world, rendezvous)
+port, group_name = int(sys.argv[1]), sys.argv[2]
+timeout = datetime.timedelta(seconds=30)
+store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+store.set_timeout(timeout)
+store = PrefixStore(group_name, store)
+pg, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), store, group_name=group_name,
+                                  backend_options=None, timeout=timeout)
+_world.pg_group_ranks[pg] = {0: 0, 1: 1}
+t = torch.empty(3)
+dist.broadcast(t, src=0, group=pg)
+print(t.tolist())
+"""
+"""What SGLang 0.5.23's ``init_custom_process_group`` does for an engine TP rank (rank 1 here),
+in torch's own calls: ``rendezvous`` on ``tcp://``, ``PrefixStore(group_name)``, then
+``_new_process_group_helper`` (which adds its own group and device prefixes); then a broadcast
+from rank 0. The real function is met in ``tests/sglang``."""
+
+
+def test_the_trainers_group_meets_a_rank_joined_the_way_sglang_joins():
+    """Fails if the trainer's rendezvous keys and SGLang's disagree (the trainer on
+    ``PrefixStore(group_name)`` alone waits for ``/g/0/1`` while SGLang's rank writes
+    ``/g/g//cpu//0/1``)."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    peer = subprocess.Popen(
+        [sys.executable, "-c", SGLANG_SIDE, str(port), "weights"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        group = join_weight_update_group("127.0.0.1", port, 0, 2, "weights", "gloo", 30)
+        broadcast_bucket(group, [("a", torch.tensor([1.0, 2.0, 3.0]))])
+        out, err = peer.communicate(timeout=30)
+    finally:
+        peer.kill()
+    assert peer.returncode == 0, err[-2000:]
+    assert out.strip() == "[1.0, 2.0, 3.0]"
+
+
 def test_a_peer_that_never_joins_times_out():
     with pytest.raises(TimeoutError, match="not every rank joined within 1 s"):
         join_weight_update_group("127.0.0.1", free_port(), 0, 2, "g", "gloo", 1)

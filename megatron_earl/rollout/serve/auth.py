@@ -48,6 +48,8 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_tensor",
         "/update_weights_from_distributed",
         "/init_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
         "/destroy_weights_update_group",
         "/update_weight_version",
         "/get_weights_by_name",

@@ -197,6 +197,8 @@ class Server(WeightEndpoints, MemoryEndpoints):
             (("POST",), "/init_weights_update_group", self.init_weights_update_group),
             (("POST",), "/update_weights_from_distributed", self.update_weights_from_distributed),
             (("POST",), "/destroy_weights_update_group", self.destroy_weights_update_group),
+            (("POST",), "/begin_weight_update", self.begin_weight_update),
+            (("POST",), "/end_weight_update", self.end_weight_update),
             (("GET", "POST"), "/get_weights_by_name", self.get_weights_by_name),
             (("POST",), "/pause_generation", self.pause),
             (("POST",), "/continue_generation", self.resume),

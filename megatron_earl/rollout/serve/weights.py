@@ -9,6 +9,7 @@ payload format of ``tensor_payload``), SGLang's distributed protocol over gloo a
     POST /update_weights_from_distributed  {names, dtypes, shapes, group_name, load_format, ...}
                                             -> receive one bucket broadcast by rank 0, apply it
     POST /destroy_weights_update_group     {group_name}
+    POST /begin_weight_update, /end_weight_update   {selector} / {}  -> SGLang's session
     POST /update_weights_from_disk         {model_path, load_format, weight_version, ...}
     GET|POST /get_weights_by_name          {name, truncate_size} -> the first values of a
                                             served tensor (read back what was loaded)
@@ -39,7 +40,11 @@ payload format of ``tensor_payload``), SGLang's distributed protocol over gloo a
   ``convert.export_hf`` writes it and SGLang loads it; names, shapes and dtypes are checked
   after reading, before loading) or a ``torch.save``'d full Megatron state file (the older
   form: read whole, then its names and shapes are checked before loading);
-- a group is replaced, or a ``weight_version`` accepted, only once the whole request is valid.
+- a group is replaced, or a ``weight_version`` accepted, only once the whole request is valid;
+- SGLang's weight-update session, as 0.5.23 keeps it: ``update_weights_from_tensor`` and
+  ``update_weights_from_distributed`` are refused (400, SGLang's message) outside a
+  ``/begin_weight_update`` ... ``/end_weight_update`` pair; a second begin, or an end without a
+  begin, is refused; ``update_weights_from_disk`` needs no session.
 """
 
 from __future__ import annotations
@@ -115,6 +120,9 @@ DISK_UPDATE_FIELDS = frozenset(
         "manifest",
     }
 )
+SESSION_FIELDS = frozenset({"rid", "selector"})
+"""Fields of SGLang's ``BeginWeightUpdateReqInput`` (``EndWeightUpdateReqInput``: ``rid``)."""
+SESSION_SELECTORS = ("target", "draft", "all")
 GET_WEIGHTS_FIELDS = frozenset({"rid", "http_worker_ipc", "name", "truncate_size"})
 """Fields of SGLang's ``GetWeightsByNameReqInput``."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors", "pt")
@@ -260,6 +268,8 @@ class WeightEndpoints:
 
     def _init_weight_endpoints(self) -> None:
         """The endpoints' state (``Server.__init__`` calls it)."""
+        self.weight_session: str | None = None
+        """The open weight-update session's ``selector`` (None: no session is open)."""
         self.groups: dict[str, Any] = {}
         """Joined weight-update groups by name (``LocalGroup`` or ``serve.tp.TPGroup``)."""
         self._expected_hf: dict[str, tuple[tuple, torch.dtype]] | None = None
@@ -278,6 +288,34 @@ class WeightEndpoints:
             except Exception:  # already broken: dropping the object closes its sockets
                 logger.exception("shutdown of weight-update group %s", name)
 
+    # ------------------------------------------------------------------ session
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body = await self._json(request, SESSION_FIELDS, "begin_weight_update")
+        selector = body.get("selector", "all")
+        if selector not in SESSION_SELECTORS:
+            raise BadRequest(f"selector {selector!r:.80} is not one of {SESSION_SELECTORS}")
+        if self.weight_session is not None:
+            raise BadRequest(
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        self.weight_session = selector
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await self._json(request, frozenset({"rid"}), "end_weight_update")
+        if self.weight_session is None:
+            raise BadRequest("no weight-update session is open; call begin_weight_update() first")
+        self.weight_session = None
+        return web.json_response({"success": True, "message": "Success"})
+
+    def _check_session(self, endpoint: str) -> None:
+        """SGLang 0.5.23's rule: tensor and distributed updates run inside a session."""
+        if self.weight_session is None:
+            raise BadRequest(
+                f"{endpoint} must run between begin_weight_update() and end_weight_update()"
+            )
+
     # ------------------------------------------------------------------ tensor
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
@@ -285,6 +323,7 @@ class WeightEndpoints:
         from megatron_earl.rollout.serve.generate_api import BadRequest
 
         body = await self._json(request, TENSOR_UPDATE_FIELDS, "update_weights_from_tensor")
+        self._check_session("update_weights_from_tensor")
         payloads = body.pop("serialized_named_tensors", None)
         tp = self.engine.tp_size
         if not isinstance(payloads, list) or len(payloads) != tp:
@@ -427,6 +466,7 @@ class WeightEndpoints:
             )
         load_format = body.get("load_format")
         try:
+            self._check_session("update_weights_from_distributed")
             if load_format not in LOAD_FORMATS:
                 raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
             names, shapes = body.get("names"), body.get("shapes")

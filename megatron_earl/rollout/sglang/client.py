@@ -41,6 +41,9 @@ SGLANG_PINNED = "0.5.23"
 fixture ``tests/fixtures/sglang_schema_<version>.json`` (after a change of version:
 ``python scripts/sglang_schema.py``, then the contract tests say what to adapt)."""
 
+SESSION_ALREADY_OPEN = "a weight-update session is already open"
+"""SGLang's answer (HTTP 400) to ``/begin_weight_update`` while a session is open."""
+
 _RETRY_STATUS = (502, 503, 504)
 ROUTER_UPSTREAM_ERROR = "call_upstream_request_error"
 """Error code of SGLang's router when the engine it chose failed mid-request (HTTP 500): the
@@ -160,6 +163,9 @@ class SGLangClient:
         self.retries = 0
         """Attempts repeated after a connection error, timeout, 502/503/504 or a router's
         upstream failure (reported in the rollout metrics)."""
+        self.has_weight_update_session = True
+        """Whether the server has SGLang's weight-update session (``begin_weight_update``);
+        cleared when it answers 404 to it (an SGLang release that predates sessions)."""
         self._version = -1
         self._session: aiohttp.ClientSession | None = None
         self._ids = itertools.count()
@@ -239,6 +245,29 @@ class SGLangClient:
                     raise
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
 
+    async def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session (0.5.23 refuses ``update_weights_from_tensor``
+        and ``update_weights_from_distributed`` outside one). A session left open by a push
+        that died half-way (its trainer killed) is closed first: the new push owns the engine's
+        weights from here on."""
+        if not self.has_weight_update_session:
+            return
+        try:
+            await self._weights_call("/begin_weight_update", {}, retries=0)
+        except EngineRequestError as err:
+            if err.status == 404:  # an SGLang release before sessions: updates need none
+                self.has_weight_update_session = False
+                return
+            if SESSION_ALREADY_OPEN not in str(err):
+                raise
+            await self._weights_call("/end_weight_update", {}, retries=0)
+            await self._weights_call("/begin_weight_update", {}, retries=0)
+
+    async def end_weight_update(self) -> None:
+        """Close the weight-update session (``begin_weight_update``)."""
+        if self.has_weight_update_session:
+            await self._weights_call("/end_weight_update", {}, retries=0)
+
     async def update_weights_from_tensor(
         self,
         serialized: Sequence[str],
@@ -268,7 +297,12 @@ class SGLangClient:
         world_size: int,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
+        """Ask the server's TP ranks to join the group (ranks ``rank_offset + tp_rank``). Never
+        retried (a second join would block SGLang's scheduler on a rendezvous nobody hosts);
+        ``timeout_s``: the HTTP wait, at most the group's timeout (SGLang's own wait for the
+        group is 30 min)."""
         body = {
             "master_address": master_address,
             "master_port": master_port,
@@ -277,7 +311,9 @@ class SGLangClient:
             "group_name": group_name,
             "backend": backend,
         }
-        return await self._weights_call("/init_weights_update_group", body)
+        return await self._weights_call(
+            "/init_weights_update_group", body, retries=0, timeout_s=timeout_s
+        )
 
     async def update_weights_from_distributed(
         self,
@@ -289,9 +325,11 @@ class SGLangClient:
         weight_version: int | None = None,
         flush_cache: bool = False,
         load_format: str | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """One bucket; the trainer broadcasts its tensors on the group meanwhile
-        (``weights.group.broadcast_bucket`` with the same ``load_format``)."""
+        (``weights.group.broadcast_bucket`` with the same ``load_format``). ``timeout_s``: the
+        HTTP wait (the group's timeout bounds the broadcast it waits for)."""
         body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -304,7 +342,9 @@ class SGLangClient:
             body["weight_version"] = str(weight_version)
         # Never retried: the trainer broadcasts each bucket once, a second receive would wait for
         # a broadcast that never comes.
-        out = await self._weights_call("/update_weights_from_distributed", body, retries=0)
+        out = await self._weights_call(
+            "/update_weights_from_distributed", body, retries=0, timeout_s=timeout_s
+        )
         if weight_version is not None:
             self._version = weight_version
         return out
@@ -353,9 +393,14 @@ class SGLangClient:
     # ------------------------------------------------------------------ transport
 
     async def _weights_call(
-        self, path: str, body: dict[str, Any], retries: int | None = None
+        self,
+        path: str,
+        body: dict[str, Any],
+        retries: int | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        out = await self._call("POST", path, body, self.config.control_timeout_s * 10, retries)
+        timeout_s = timeout_s or self.config.control_timeout_s * 10
+        out = await self._call("POST", path, body, timeout_s, retries)
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineRequestError(400, f"{path}: {out.get('message')}")
         return out

@@ -6,9 +6,10 @@
                                      "gloo", timeout_s=300)
     broadcast_bucket(group, bucket, flattened=False)      # trainer: send; engines: receive_bucket
 
-The group is a standalone process group (its own TCP store under a ``PrefixStore`` named after
-the group, like SGLang's ``init_custom_process_group``): it never touches the default group of
-either side, so a trainer's torchrun world and a server's own world stay as they are. gloo on
+The group is a standalone process group (its own TCP store, under the prefixes SGLang's
+``init_custom_process_group`` gives its keys: ``sglang_group_store``): it never touches the
+default group of either side, so a trainer's torchrun world and a server's own world stay as
+they are. gloo on
 CPU (``megatron-earl serve``, CI), NCCL between GPUs (SGLang; the tensors must then be on the
 device). A peer that never joins ends in a ``TimeoutError`` naming the rendezvous after
 ``timeout_s``, not in a hang.
@@ -64,7 +65,7 @@ def join_weight_update_group(
             timeout=timeout,
             wait_for_workers=False,
         )
-        store = dist.PrefixStore(group_name, store)
+        store = sglang_group_store(store, group_name, backend)
         if backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         options = dist.ProcessGroupNCCL.Options()
@@ -76,6 +77,26 @@ def join_weight_update_group(
                 f"{where}: not every rank joined within {timeout_s:g} s ({err})"
             ) from None
         raise RuntimeError(f"{where}: cannot join: {err}") from None
+
+
+GROUP_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+"""The device torch's ``_new_process_group_helper`` registers each backend for (its store
+prefix)."""
+
+
+def sglang_group_store(store: dist.Store, group_name: str, backend: str) -> dist.Store:
+    """The store the group's backend talks through, with the keys SGLang's side uses.
+
+    SGLang's ``init_custom_process_group`` wraps the rendezvous store in
+    ``PrefixStore(group_name)`` and hands it to torch's ``_new_process_group_helper``, which
+    wraps it again in ``PrefixStore(f"{group_name}/")`` and then in ``PrefixStore(f"{device}/")``
+    for the backend's device (gloo: cpu, NCCL: cuda). A backend's keys are therefore
+    ``<group>/<group>//<device>//<key>``; a sender on ``PrefixStore(group_name)`` alone never
+    meets SGLang's ranks. Both sides of this project (trainer and ``serve``) build the same.
+    """
+    store = dist.PrefixStore(group_name, store)
+    store = dist.PrefixStore(f"{group_name}/", store)
+    return dist.PrefixStore(f"{GROUP_DEVICE[backend]}/", store)
 
 
 def flattened_sizes(

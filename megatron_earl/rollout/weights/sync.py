@@ -4,10 +4,13 @@
     named = hf_named_tensors(full, model_config)      # lazily converted to HF names
     stats = await push_weights(clients, named, version=7, config=WeightSyncConfig())
 
-Order (what RL trainers do with SGLang): ``pause_generation`` -> ``flush_cache`` -> buckets ->
-``continue_generation``; the last bucket carries the new ``weight_version`` so a server reports the
-new version only once every tensor arrived. Each bucket holds at most ``bucket_bytes`` of tensors
-(a tensor larger than a bucket travels alone) and is sent to all engines concurrently.
+Order (what RL trainers do with SGLang): ``pause_generation`` -> ``flush_cache`` ->
+``begin_weight_update`` -> buckets -> ``end_weight_update`` -> ``continue_generation`` (the
+session pair is SGLang's, which 0.5.23 requires around tensor and distributed updates; a server
+that answers 404 to it predates sessions and gets none). The last bucket carries the new
+``weight_version`` so a server reports the new version only once every tensor arrived. Each
+bucket holds at most ``bucket_bytes`` of tensors (a tensor larger than a bucket travels alone)
+and is sent to all engines concurrently.
 
 Transports (one function each):
 * ``tensor``: ``/update_weights_from_tensor`` with ``serialized_named_tensors`` = one base64
@@ -121,13 +124,36 @@ def iter_buckets(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[li
 
 
 @contextlib.asynccontextmanager
-async def paused(clients: Sequence, config: WeightSyncConfig) -> AsyncIterator[None]:
-    """The push order RL trainers use: pause -> flush (optional) -> body -> continue (always)."""
+async def paused(
+    clients: Sequence, config: WeightSyncConfig, *, session: bool = False
+) -> AsyncIterator[None]:
+    """The push order RL trainers use: pause -> flush (optional) -> body -> continue (always).
+
+    ``session``: the body runs inside SGLang's weight-update session, opened after the flush
+    and closed before generation continues (``begin_weight_update`` / ``end_weight_update``;
+    SGLang 0.5.23 refuses tensor and distributed updates outside one). The session is closed
+    even when the body fails (a failure to close then does not hide the body's error)."""
     await asyncio.gather(*(c.pause(config.pause_mode) for c in clients))
     try:
         if config.flush_cache:
             await asyncio.gather(*(c.flush_cache() for c in clients))
-        yield
+        if not session:
+            yield
+            return
+        opened = await asyncio.gather(
+            *(c.begin_weight_update() for c in clients), return_exceptions=True
+        )
+        try:
+            if errors := [e for e in opened if isinstance(e, BaseException)]:
+                raise errors[0]
+            yield
+        except BaseException:
+            await asyncio.gather(
+                *(c.end_weight_update() for c, e in zip(clients, opened) if e is None),
+                return_exceptions=True,
+            )
+            raise
+        await asyncio.gather(*(c.end_weight_update() for c in clients))
     finally:
         await asyncio.gather(*(c.resume() for c in clients))
 
@@ -151,7 +177,7 @@ async def push_weights(
     config = config or WeightSyncConfig()
     payload = payload or TensorPayloadFormat()
     start = time.perf_counter()
-    async with paused(clients, config):
+    async with paused(clients, config, session=True):
         buckets = list(iter_buckets(named, config.bucket_bytes))
         sent = tensors = 0
         for index, bucket in enumerate(buckets):
@@ -181,6 +207,7 @@ async def push_weights_distributed(
     *,
     group_name: str = "weight_update_group",
     load_format: str | None = None,
+    timeout_s: float | None = None,
 ) -> PushStats:
     """Push over an already initialised weight-update group (``init_weights_update_group``).
 
@@ -191,7 +218,7 @@ async def push_weights_distributed(
     """
     config = config or WeightSyncConfig()
     start = time.perf_counter()
-    async with paused(clients, config):
+    async with paused(clients, config, session=True):
         buckets = list(iter_buckets(named, config.bucket_bytes))
         sent = tensors = 0
         for index, bucket in enumerate(buckets):
@@ -207,6 +234,7 @@ async def push_weights_distributed(
                     group_name=group_name,
                     weight_version=version if last else None,
                     load_format=load_format,
+                    timeout_s=timeout_s,
                 )
                 for c in clients
             ]

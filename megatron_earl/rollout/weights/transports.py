@@ -198,7 +198,13 @@ class DistributedTransport(WeightTransport):
         world = 1 + len(clients) * s.engine_tp
         joins = [
             c.init_weights_update_group(
-                address, port, 1 + i * s.engine_tp, world, GROUP_NAME, self.backend
+                address,
+                port,
+                1 + i * s.engine_tp,
+                world,
+                GROUP_NAME,
+                self.backend,
+                timeout_s=s.group_timeout_s,
             )
             for i, c in enumerate(clients)
         ]
@@ -241,6 +247,7 @@ class DistributedTransport(WeightTransport):
             self.sync,
             group_name=GROUP_NAME,
             load_format=self.load_format,
+            timeout_s=self.settings.group_timeout_s,
         )
 
     async def close(self, clients: Sequence[SGLangClient]) -> None:
