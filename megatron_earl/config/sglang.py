@@ -87,9 +87,10 @@ class SGLangConfig:
     relay_timeout_s: float = 600.0
     """relay: how long a publish may take, and (synchronous loop) how long the trainer waits
     for every engine to report the published version."""
-    engine_tp: int = 1
+    engine_tp: int | None = None
     """TP ranks of each engine, its ``--tp-size`` (SGLang's or ``megatron-earl serve``'s; ranks
-    it joins the group with; payloads per tensor push)."""
+    it joins the group with; payloads per tensor push). None: read from the engines at start-up
+    (``/get_server_info``'s ``tp_size``); set, it must equal theirs (checked at start-up)."""
     router_url: str | None = None
     """SGLang's router (``sglang-router``) in front of ``rollout.engine_urls``: generation goes
     through it (its policy balances the requests and retries those of a failed engine); weight
@@ -167,7 +168,7 @@ class SGLangConfig:
             problems.append(f"health_interval_s ({self.health_interval_s}) must be > 0")
         if self.relay_timeout_s <= 0:
             problems.append(f"relay_timeout_s ({self.relay_timeout_s}) must be > 0")
-        if self.engine_tp < 1:
+        if self.engine_tp is not None and self.engine_tp < 1:
             problems.append(f"engine_tp ({self.engine_tp}) must be >= 1")
         if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
             problems.append(f"router_url {self.router_url!r} must start with http:// or https://")

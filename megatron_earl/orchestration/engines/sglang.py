@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 
@@ -56,10 +57,13 @@ from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
+from megatron_earl.rollout.sglang.identity import check_engines, read_identity
 from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
 from megatron_earl.rollout.weights.relay.publisher import wait_for_engines
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.rollout.weights.transports import WeightTransport, build_transport
+
+log = logging.getLogger("megatron_earl.orchestration.engines.sglang")
 
 
 def gather_full_weights(
@@ -110,6 +114,8 @@ class SGLangBackend(RolloutBackend):
         memory release after it)."""
         self.released = False
         """Colocated: the engines' memory is released (since the last rollout)."""
+        self.engine_tp: int | None = None
+        """The engines' TP size (read from them at start-up)."""
         asyncio.run(self._check_reachable())
 
     async def _check_reachable(self) -> None:
@@ -129,6 +135,23 @@ class SGLangBackend(RolloutBackend):
                 f"SGLang engines not reachable at start-up (GET /health): {down}; check "
                 "rollout.engine_urls / rollout.sglang.router_url and that the servers are up"
             )
+        await self._check_engines(config)
+
+    async def _check_engines(self, config: ClientConfig) -> None:
+        """Read every engine's identity (``rollout.sglang.identity``) and refuse, naming the
+        first difference, an engine the run cannot use as configured; the engines' TP size
+        becomes ``rollout.sglang.engine_tp`` when it is unset. Every rank checks."""
+        clients = [SGLangClient(url, config) for url in self.urls]
+        try:
+            identities = await asyncio.gather(*(read_identity(c) for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        check = check_engines(identities, self.config.rollout.sglang, self.config.model)
+        for warning in check.warnings:
+            if dist.get_rank() == 0:
+                log.warning("%s", warning)
+        check.raise_problems()
+        self.engine_tp = check.engine_tp
 
     @classmethod
     def policy_layouts(cls, layouts: dict[str, ParallelLayout]) -> dict[str, ParallelLayout]:
@@ -171,9 +194,8 @@ class SGLangBackend(RolloutBackend):
         """Rank 0: the push (colocated with released engines: resume ``weights`` before it and
         ``kv_cache`` + ``cuda_graph`` after it, each timed)."""
         if self.transport is None:
-            self.transport = build_transport(
-                self.config.rollout.sglang, self.config.model, self.config.run_dir
-            )
+            settings = dataclasses.replace(self.config.rollout.sglang, engine_tp=self.engine_tp)
+            self.transport = build_transport(settings, self.config.model, self.config.run_dir)
             if self.config.rollout.mode == "async":
                 # requests are in flight during the push (SGLang's flush_cache refuses then);
                 # the pause retracts or holds them and they continue under the new weights

@@ -86,6 +86,21 @@ class WeightTransport(ABC):
         self.sync = WeightSyncConfig(
             bucket_bytes=settings.bucket_bytes, pause_mode=settings.pause_mode
         )
+        self._engine_tp: int | None = None
+
+    async def engine_tp(self, clients: Sequence[SGLangClient]) -> int:
+        """The engines' TP size: ``rollout.sglang.engine_tp`` when set (the trainer's start-up
+        check compared it with the engines'), else read from the engines once
+        (``/get_server_info``'s ``tp_size``; engines that disagree are an ``EngineError``)."""
+        if self.settings.engine_tp is not None:
+            return self.settings.engine_tp
+        if self._engine_tp is None:
+            infos = await asyncio.gather(*(c.get_server_info() for c in clients))
+            sizes = {c.base_url: int(i.get("tp_size") or 1) for c, i in zip(clients, infos)}
+            if len(set(sizes.values())) > 1:
+                raise EngineError(f"the engines' TP sizes differ: {sizes}")
+            self._engine_tp = next(iter(sizes.values()), 1)
+        return self._engine_tp
 
     async def push(
         self, clients: Sequence[SGLangClient], named: Iterable[NamedTensor], version: int
@@ -141,7 +156,7 @@ class TensorTransport(WeightTransport):
             version,
             self.sync,
             payload=self.payload,
-            engine_tp=self.settings.engine_tp,
+            engine_tp=await self.engine_tp(clients),
         )
 
 
@@ -195,12 +210,13 @@ class DistributedTransport(WeightTransport):
         urls = [c.base_url for c in clients]
         address = s.group_address or group_address(urls)
         port = s.group_port or _free_port(address)
-        world = 1 + len(clients) * s.engine_tp
+        tp = await self.engine_tp(clients)
+        world = 1 + len(clients) * tp
         joins = [
             c.init_weights_update_group(
                 address,
                 port,
-                1 + i * s.engine_tp,
+                1 + i * tp,
                 world,
                 GROUP_NAME,
                 self.backend,

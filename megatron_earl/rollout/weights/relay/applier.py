@@ -24,8 +24,10 @@ from typing import Protocol
 
 import torch
 
+from megatron_earl.config.vocab import TensorPayload
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import ClientConfig, EngineRequestError, SGLangClient
+from megatron_earl.rollout.sglang.identity import SERVE_ENGINE
 from megatron_earl.rollout.weights.relay.codec import decode_bucket
 from megatron_earl.rollout.weights.relay.readback import (
     SGLANG_NO_EXPORT,
@@ -36,6 +38,7 @@ from megatron_earl.rollout.weights.relay.readback import (
 from megatron_earl.rollout.weights.relay.settings import Counters, RelaySettings
 from megatron_earl.rollout.weights.relay.versions import VersionStore
 from megatron_earl.rollout.weights.sync import WeightSyncConfig, push_weights
+from megatron_earl.rollout.weights.tensor_payload import TensorPayloadFormat
 
 log = logging.getLogger("megatron_earl.rollout.weights.relay")
 
@@ -78,6 +81,11 @@ class EngineState:
     unverified: int | None = None
     """A version the engine reports but whose read-back did not match: not taken as reached,
     loaded again."""
+    tp_size: int | None = None
+    """The engine's TP size (read before its first load)."""
+    payload: str | None = None
+    """The tensor payload it reads: ``sglang`` for SGLang (same host: a relay feeds the engines
+    of its node), ``portable`` for ``megatron-earl serve``."""
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -184,7 +192,10 @@ class EngineApplier:
                 pause_mode=self.settings.pause_mode,
                 flush_cache=False,
             )
-            await push_weights([client], named(), version, sync, engine_tp=self.settings.engine_tp)
+            await self._read_engine(client, state)
+            payload = TensorPayloadFormat(state.payload)
+            await push_weights([client], named(), version, sync, payload=payload,
+                               engine_tp=state.tp_size)  # fmt: skip
         await client.get_model_info()
         if client.weight_version != version:
             raise EngineError(
@@ -196,6 +207,21 @@ class EngineApplier:
         state.loaded = version
         state.released_by.clear()
         state.last_apply_s = time.perf_counter() - start
+
+    async def _read_engine(self, client: SGLangClient, state: EngineState) -> None:
+        """The engine's TP size and the payload it reads (``/get_server_info``), once."""
+        if state.tp_size is not None:
+            return
+        info = await client.get_server_info()
+        tp = int(info.get("tp_size") or 1)
+        if self.settings.engine_tp is not None and tp != self.settings.engine_tp:
+            raise EngineError(
+                f"engine {client.base_url} runs with tp_size={tp}, this relay's --engine-tp is "
+                f"{self.settings.engine_tp}"
+            )
+        serve = info.get("engine") == SERVE_ENGINE
+        kind = TensorPayload.PORTABLE if serve else TensorPayload.SGLANG
+        state.tp_size, state.payload = tp, str(kind)
 
     async def _read_back(
         self,

@@ -449,7 +449,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pause-mode", default=str(PauseMode.RETRACT), choices=[str(m) for m in PauseMode]
     )
-    p.add_argument("--engine-tp", type=int, default=1)
+    p.add_argument(
+        "--engine-tp",
+        type=int,
+        default=None,
+        help="TP size of each engine (default: each engine's own, from /get_server_info)",
+    )
     p.add_argument("--lease-s", type=float, default=60.0)
     p.add_argument("--poll-wait-s", type=float, default=10.0)
     p.add_argument("--engine-check-s", type=float, default=2.0)

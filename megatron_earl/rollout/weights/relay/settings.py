@@ -22,8 +22,10 @@ class RelaySettings:
     """Engines this relay loads (SGLang's HTTP API); each engine is fed by one relay."""
     pause_mode: str = PauseMode.RETRACT
     """``pause_generation`` mode around a load into an engine."""
-    engine_tp: int = 1
-    """TP ranks of each engine (tensor payloads per bucket)."""
+    engine_tp: int | None = None
+    """TP ranks of each engine (tensor payloads per bucket); None: each engine's own
+    (``/get_server_info``'s ``tp_size``), set: it must equal the engine's (a load into an
+    engine with another TP size fails, naming both)."""
     lease_s: float = 60.0
     """A version a child fetched from within this long is not collected."""
     poll_wait_s: float = 10.0
@@ -70,7 +72,7 @@ class RelaySettings:
         ):
             if not 0 < getattr(self, name) < math.inf:
                 problems.append(f"{name} must be finite and > 0, got {getattr(self, name)}")
-        if self.engine_tp < 1:
+        if self.engine_tp is not None and self.engine_tp < 1:
             problems.append(f"engine_tp must be >= 1, got {self.engine_tp}")
         if self.release_holders < 0:
             problems.append(
