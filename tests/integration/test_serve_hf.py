@@ -235,10 +235,14 @@ def test_unservable_model_paths_fail_at_start_naming_why(env, tmp_path):
     assert "lacks tensors" in errs[3]
 
 
-def test_llama3_scaled_hf_directory_generates_what_transformers_generates(tmp_path):
+def test_llama3_scaled_hf_directory_generates_what_transformers_generates_with_its_log_probs(
+    tmp_path,
+):
     from transformers import AutoModelForCausalLM
 
-    from megatron_earl.convert.tiny import save_tiny_hf
+    from megatron_earl.convert.families import model_config_from_hf
+    from megatron_earl.convert.tiny import save_tiny_hf, tiny_model_config
+    from tests.tolerances import assert_fp32_close, gpt_terms
 
     hf_dir = save_tiny_hf("llama", tmp_path / "llama3", tie=True, rope="llama3")
     prompt = torch.randint(0, 100, (21,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -250,8 +254,24 @@ def test_llama3_scaled_hf_directory_generates_what_transformers_generates(tmp_pa
             for _ in range(NEW):
                 expected.append(int(hf(torch.tensor([expected])).logits[0, -1].argmax()))
         server.wait_healthy(timeout_s=120)
-        got = _greedy(server.url, prompt, ignore_eos=True)["output_ids"]
+        params = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+        body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+        answer = asyncio.run(_post(server.url, "/generate", body))
+        got = answer["output_ids"]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([expected])).logits[0].float(), dim=-1)
     finally:
         server.stop(stop_timeout_s=20)
     assert got == expected[len(prompt) :]
     assert len(set(got)) > 3  # not one repeated token
+    # Normalised over the real vocabulary (100 ids; serve's Megatron model pads it to 128):
+    # transformers' log-probs within the fp32 bound of two summation orders.
+    model = tiny_model_config("llama", tie=True, rope="llama3")
+    assert (
+        model.vocab_size == 100
+        and model_config_from_hf(json.loads((hf_dir / "config.json").read_text())).padded_vocab_size
+        == 128
+    )
+    want = torch.tensor([float(logprobs[len(prompt) - 1 + t, tok]) for t, tok in enumerate(got)])
+    served = torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])
+    assert_fp32_close(served, want, gpt_terms(model, len(expected)))

@@ -88,9 +88,9 @@ class StepResults:
         return failed
 
     def _logprobs_at(self, logits_mV: torch.Tensor, targets: Sequence[int], top_k: int) -> tuple:
-        """log p(targets[j]) under row j (raw logits, padded vocabulary, as the sampled tokens'
-        log-probs) and each row's ``top_k`` most likely real-vocabulary tokens."""
-        logprobs = torch.log_softmax(logits_mV.float(), dim=-1)
+        """log p(targets[j]) under row j (raw logits over the real vocabulary, as the sampled
+        tokens' log-probs) and each row's ``top_k`` most likely tokens."""
+        logprobs = torch.log_softmax(logits_mV[:, : self.model_config.vocab_size].float(), dim=-1)
         values = logprobs.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0]
         if not bool(torch.isfinite(values).all()):
             raise ValueError("non-finite logits")
@@ -153,7 +153,8 @@ class StepResults:
         computation fails are returned to be retired with the message."""
         try:
             k = max(entries[r].top_k for r in rows)
-            logprobs = torch.log_softmax(host[rows].float(), dim=-1)
+            real = host[rows][:, : self.model_config.vocab_size]
+            logprobs = torch.log_softmax(real.float(), dim=-1)
             top = _top_logprobs(logprobs, self.model_config.vocab_size, k)
         except Exception as err:
             return [(entries[r], f"top log-probs failed: {err!r}") for r in rows]

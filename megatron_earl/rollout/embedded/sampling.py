@@ -1,10 +1,11 @@
 """Token sampling and rollout log-probs for the embedded engine, vectorised over the step's rows
 (pure torch, no communication).
 
-Log-probs: ``log_softmax`` of the *raw* logits (before temperature, top-k, top-p) over the whole
-*padded* vocabulary, in fp32: exactly what the training side computes
-(``training.schedule.token_logprobs`` = ``-vocab_parallel_cross_entropy`` over the padded vocab),
-so the rollout/train mismatch of the same weights is ~1e-7 in fp32. The sampling distribution
+Log-probs: ``log_softmax`` of the *raw* logits (before temperature, top-k, top-p) over the *real*
+vocabulary (ids ``< vocab_size``; Megatron's padding rows excluded), in fp32: what the trainer
+computes (``training.logprobs.head_logprobs`` with ``vocab_size``), what SGLang and transformers
+compute on the HF model (whose vocabulary is the real one), so the rollout/train mismatch of the
+same weights is ~1e-7 in fp32. The sampling distribution
 itself excludes the padded ids (``>= vocab_size``), applies temperature, then top-k, then top-p,
 then min-p (SGLang's rule: drop a token whose probability after temperature is below ``min_p``
 times the most likely one's; done on the scaled logits as ``logit < max + log(min_p)``, only when
@@ -67,7 +68,7 @@ def sample_tokens(
     params: Sequence[SamplingParams],
     generators: Sequence[random.Random],
 ) -> tuple[list[int], list[float]]:
-    """One token per row and its log-prob under the raw-logit distribution over the padded vocab."""
+    """One token per row and its log-prob under the raw-logit distribution over the real vocab."""
     if logits_nV.size(-1) < vocab_size:
         raise ValueError(f"logits have {logits_nV.size(-1)} entries < vocab_size {vocab_size}")
     if not len(params) == len(generators) == logits_nV.size(0):
@@ -91,7 +92,7 @@ def sample_tokens(
             tokens = picked
         else:
             tokens[rows] = picked
-    logprobs = torch.log_softmax(logits_nV, dim=-1).gather(1, tokens[:, None])[:, 0]
+    logprobs = torch.log_softmax(real, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
 
 

@@ -56,6 +56,7 @@ def join_weight_update_group(
         f"weight-update group {group_name!r} at {master_address}:{master_port} "
         f"(rank {rank} of {world_size})"
     )
+    store = None
     try:
         store = dist.TCPStore(
             master_address,
@@ -72,11 +73,15 @@ def join_weight_update_group(
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     except (RuntimeError, dist.DistError) as err:
-        if "timeout" in str(err).lower() or "timed out" in str(err).lower():
-            raise TimeoutError(
-                f"{where}: not every rank joined within {timeout_s:g} s ({err})"
-            ) from None
-        raise RuntimeError(f"{where}: cannot join: {err}") from None
+        # Rank 0 hosts the store: dropping it now (not when the error's traceback is collected)
+        # ends the other ranks' waits at once. SGLang's own wait has no timeout of its own (30
+        # min): it blocks its scheduler until the store goes away.
+        store = None
+        message = str(err)
+    timed_out = "timeout" in message.lower() or "timed out" in message.lower()
+    if timed_out:
+        raise TimeoutError(f"{where}: not every rank joined within {timeout_s:g} s ({message})")
+    raise RuntimeError(f"{where}: cannot join: {message}")
 
 
 GROUP_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
