@@ -4,6 +4,7 @@
         [--make-vocab-size-divisible-by 128] [--dtype bfloat16]
     megatron-earl convert mcore-to-hf --ckpt MCORE_DIR --out HF_OUT [--hf-config HF_DIR]
         [--family qwen2] [--max-shard-size 5GB]
+    megatron-earl convert engine-model --config CONFIG --out HF_DIR [key=value ...]
 
 ``main(argv)`` takes the arguments after ``convert``. Both directions run in one process (the
 mcore -> HF direction joins a gloo world of one to use ``dist_checkpointing.load``). Errors
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--hf-config", default=None, help="HF dir whose config/tokenizer to use")
     to_hf.add_argument("--family", default=None, help="llama, qwen2 or qwen3 (if not stored)")
     to_hf.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
+    engine = sub.add_parser(
+        "engine-model",
+        help="the HF directory an engine starts from for a run (convert.engine_model)",
+    )
+    engine.add_argument("--config", required=True, help="the run's YAML config")
+    engine.add_argument("--out", required=True, help="output HF directory")
+    engine.add_argument("overrides", nargs="*", help="key=value overrides, as for train")
     return parser
 
 
@@ -69,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_earl.convert import convert
 
     try:
-        if args.direction == "hf-to-mcore":
+        if args.direction == "engine-model":
+            from megatron_earl.config.loader import load_config
+            from megatron_earl.convert.engine_model import write_engine_model
+
+            config = load_config(args.config, args.overrides)
+            model = config.model
+            write_engine_model(model, config.tokenizer, args.out, seed=config.seed)
+        elif args.direction == "hf-to-mcore":
             model = convert.hf_to_mcore(
                 args.hf,
                 args.out,

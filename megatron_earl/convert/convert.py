@@ -259,12 +259,15 @@ def export_hf(
     out_dir: str | Path,
     *,
     max_shard_bytes: int = 5 * 2**30,
+    base_config: dict | None = None,
 ) -> int:
     """Write HF-named tensors (e.g. ``weights.sync.hf_named_tensors`` of a trainer's full
     weights) as an HF safetensors directory with its ``config.json``, streaming: at most one
     shard is held. Atomic like ``mcore_to_hf`` (a reader never sees a partial directory).
-    Returns the tensor bytes written. Local; the caller holds the tensors."""
-    cfg = hf_config_from_model(model, family_for_model(model))
+    ``base_config``: further ``config.json`` fields (the tokenizer's token ids:
+    ``convert.engine_model.token_ids_config``). Returns the tensor bytes written. Local; the
+    caller holds the tensors."""
+    cfg = hf_config_from_model(model, family_for_model(model), base_config)
     dtype = None
     with atomic_output_dir(out_dir) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron_earl.compat import event_loop
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase, WeightUpdate
+from megatron_earl.convert.engine_model import token_ids_config
 from megatron_earl.models.hf_mapping import global_shapes
 from megatron_earl.orchestration.engines.base import (
     Rollout,
@@ -196,6 +197,7 @@ class SGLangBackend(RolloutBackend):
         if self.transport is None:
             settings = dataclasses.replace(self.config.rollout.sglang, engine_tp=self.engine_tp)
             self.transport = build_transport(settings, self.config.model, self.config.run_dir)
+            self.transport.hf_config = token_ids_config(self.tokenizer)
             if self.config.rollout.mode == "async":
                 # requests are in flight during the push (SGLang's flush_cache refuses then);
                 # the pause retracts or holds them and they continue under the new weights

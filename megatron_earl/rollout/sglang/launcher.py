@@ -25,6 +25,25 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+"""Environment of every SGLang engine a run uses: log-probs of the untempered distribution (at a
+temperature other than 1 SGLang returns the tempered one's otherwise; the trainer's and the
+embedded engine's are of the raw logits, so the importance ratio would be off by the
+temperature)."""
+SGLANG_CPU_ENV = {**SGLANG_ENV, "SGLANG_USE_CPU_ENGINE": "1"}
+"""On a CPU-only machine (``scripts/install_sglang_cpu.sh``): without ``SGLANG_USE_CPU_ENGINE``
+``--device cpu`` still takes GPU code paths."""
+
+
+def sglang_cpu_args(max_total_tokens: int = 4096, dtype: str = "float32") -> tuple[str, ...]:
+    """SGLang's flags for its CPU path: torch-native attention, no CUDA graphs, the checkpoint's
+    dtype (``auto`` would serve an fp32 checkpoint in fp16) and a capped KV pool (uncapped, SGLang
+    sizes it from the machine's free RAM: ~13 GB and ~2 min of start-up on a 24 GiB machine)."""
+    return (
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+        "--dtype", dtype, "--max-total-tokens", str(max_total_tokens),
+    )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LaunchConfig:

@@ -35,6 +35,7 @@ Which ranks call: only the rank that holds the full tensors (rank 0).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import shutil
 import socket
@@ -87,6 +88,9 @@ class WeightTransport(ABC):
             bucket_bytes=settings.bucket_bytes, pause_mode=settings.pause_mode
         )
         self._engine_tp: int | None = None
+        self.hf_config: dict = {}
+        """``config.json`` fields of the HF directories the disk protocol writes (the
+        tokenizer's token ids: ``convert.engine_model.token_ids_config``)."""
 
     async def engine_tp(self, clients: Sequence[SGLangClient]) -> int:
         """The engines' TP size: ``rollout.sglang.engine_tp`` when set (the trainer's start-up
@@ -177,7 +181,9 @@ class DiskTransport(WeightTransport):
         out = self.dir / f"v{version}"
         if out.exists():  # a push of this version that did not complete (e.g. resumed run)
             shutil.rmtree(out)
-        written = await asyncio.to_thread(export_hf, named, self.model, out)
+        written = await asyncio.to_thread(
+            functools.partial(export_hf, base_config=self.hf_config), named, self.model, out
+        )
         async with paused(clients, self.sync):
             await asyncio.gather(
                 *(c.update_weights_from_disk(str(out), weight_version=version) for c in clients)
