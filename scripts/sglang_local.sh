@@ -20,6 +20,10 @@
 # router's), REPACK (none: default; drain or repack: rollout.repack, docs/relay.md -- needs
 # RELAYS > 0, turns the router off since the trainer routes each trajectory itself, and starts
 # the relays with --release-holders NPROC).
+# ENGINE (serve: `megatron-earl serve`, default; sglang: the real SGLang server, CPU build, from the
+# venv of scripts/install_sglang_cpu.sh, which SGLANG_PYTHON overrides; its model directory is
+# `megatron-earl convert engine-model` of the same config, and the tensor protocol then defaults
+# to SGLang's own payload, tensor_payload=sglang: SGLang cannot read the portable one).
 # The engines start with random weights: the trainer pushes its own before the first rollout.
 set -euo pipefail
 
@@ -33,6 +37,7 @@ RELAYS=${RELAYS:-0}
 REPACK=${REPACK:-none}
 ENGINE_PORT=${ENGINE_PORT:-31000}
 ENGINE_BATCH=${ENGINE_BATCH:-64}
+ENGINE=${ENGINE:-serve}
 PACE_DECODE_MS=${PACE_DECODE_MS:-0}
 OUT=${OUT:-runs/sglang_local}
 case "$REPACK" in
@@ -46,6 +51,10 @@ case "$REPACK" in
         HOLDERS=${NPROC:-2} ;;
     *) echo "sglang_local.sh: REPACK '$REPACK' is not one of none, drain, repack" >&2; exit 2 ;;
 esac
+case "$ENGINE" in
+    serve|sglang) ;;
+    *) echo "sglang_local.sh: ENGINE '$ENGINE' is not one of serve, sglang" >&2; exit 2 ;;
+esac
 if [[ ! -f "$CONFIG" ]]; then
     echo "sglang_local.sh: config file '$CONFIG' does not exist" >&2
     exit 2
@@ -58,15 +67,21 @@ fi
 export SGLANG_API_KEY
 
 # The engines' model and context limit, from the same config and overrides as the trainer.
-MAX_CONTEXT=$("$PYTHON" - "$CONFIG" "$OUT/engines/model.json" "$@" <<'PY'
+read -r MAX_CONTEXT DTYPE < <("$PYTHON" - "$CONFIG" "$OUT/engines/model.json" "$@" <<'PY'
 import json, sys
 from megatron_earl.config.loader import load_config
 config = load_config(sys.argv[1], sys.argv[3:])
 with open(sys.argv[2], "w") as f:
     json.dump(config.model.to_dict(), f)
-print(config.rollout.max_context)
+print(config.rollout.max_context, config.model.params_dtype)
 PY
 )
+if [[ "$ENGINE" == sglang ]]; then
+    SGLANG_PYTHON=${SGLANG_PYTHON:-$(bash "$(dirname "$0")/install_sglang_cpu.sh")}
+    rm -rf "$OUT/engines/model"
+    "$PYTHON" -m megatron_earl.cli.main convert engine-model --config "$CONFIG" \
+        --out "$OUT/engines/model" "$@" > /dev/null
+fi
 
 PIDS=()
 cleanup() {
@@ -95,12 +110,23 @@ wait_up() {  # url what [pid]: fails at once when the process has exited (e.g. p
 URLS=()
 for (( i = 0; i < ENGINES; i++ )); do
     port=$(( ENGINE_PORT + i ))
-    OMP_NUM_THREADS=1 "$PYTHON" -m megatron_earl.rollout.serve.server --model-path random \
-        --model-config "$OUT/engines/model.json" --host 127.0.0.1 --port "$port" \
-        --max-seq-len "$MAX_CONTEXT" --max-batch-size "$ENGINE_BATCH" \
-        --api-key "$SGLANG_API_KEY" --weight-dirs "$OUT/weights" \
-        --pace-decode-ms "$PACE_DECODE_MS" \
-        > "$OUT/engines/engine$i.log" 2>&1 &
+    if [[ "$ENGINE" == sglang ]]; then
+        # SGLang's CPU path (rollout/sglang/launcher.py: SGLANG_CPU_ENV, sglang_cpu_args)
+        SGLANG_USE_CPU_ENGINE=1 SGLANG_RETURN_ORIGINAL_LOGPROB=1 OMP_NUM_THREADS=1 \
+            "$SGLANG_PYTHON" -m sglang.launch_server --model-path "$OUT/engines/model" \
+            --host 127.0.0.1 --port "$port" --api-key "$SGLANG_API_KEY" --skip-server-warmup \
+            --device cpu --attention-backend torch_native --disable-cuda-graph --dtype "$DTYPE" \
+            --max-total-tokens $(( ENGINE_BATCH * MAX_CONTEXT )) \
+            --max-running-requests "$ENGINE_BATCH" \
+            > "$OUT/engines/engine$i.log" 2>&1 &
+    else
+        OMP_NUM_THREADS=1 "$PYTHON" -m megatron_earl.rollout.serve.server --model-path random \
+            --model-config "$OUT/engines/model.json" --host 127.0.0.1 --port "$port" \
+            --max-seq-len "$MAX_CONTEXT" --max-batch-size "$ENGINE_BATCH" \
+            --api-key "$SGLANG_API_KEY" --weight-dirs "$OUT/weights" \
+            --pace-decode-ms "$PACE_DECODE_MS" \
+            > "$OUT/engines/engine$i.log" 2>&1 &
+    fi
     PIDS+=($!)
     URLS+=("http://127.0.0.1:${port}")
 done
@@ -108,7 +134,11 @@ for url in "${URLS[@]}"; do
     wait_up "$url" engine
 done
 URL_LIST=$(IFS=,; echo "${URLS[*]}")
-OVERRIDES=("$@" "rollout.engine=sglang" "rollout.engine_urls=[${URL_LIST}]"
+DEFAULTS=()
+if [[ "$ENGINE" == sglang ]]; then
+    DEFAULTS+=("rollout.sglang.tensor_payload=sglang")  # what SGLang reads (engines on this host)
+fi
+OVERRIDES=("${DEFAULTS[@]}" "$@" "rollout.engine=sglang" "rollout.engine_urls=[${URL_LIST}]"
            "rollout.sglang.weight_dir=$OUT/weights")
 
 if [[ "$ROUTER" == 1 ]]; then

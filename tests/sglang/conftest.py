@@ -92,8 +92,19 @@ def engine_model(run_config, tmp_path_factory) -> Path:
     )
 
 
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+"""SGLang's CPU path starts more TP ranks than the machine has NUMA nodes only with each rank's
+cores named (here: one core per rank)."""
+
+
 def start_engines(
-    python: str, model_dir: Path, log_dir: Path, count: int, *, api_key: str | None = KEY
+    python: str,
+    model_dir: Path,
+    log_dir: Path,
+    count: int,
+    *,
+    api_key: str | None = KEY,
+    tp_size: int = 1,
 ) -> list[ServerProcess]:
     """``count`` real SGLang servers on ``model_dir``, healthy (started concurrently)."""
     procs = [
@@ -103,9 +114,10 @@ def start_engines(
                 port=free_port(),
                 api_key=api_key,
                 python=python,
+                tp_size=tp_size,
                 extra_args=sglang_cpu_args(max_total_tokens=8192),
             ),
-            env={**SGLANG_CPU_ENV, "OMP_NUM_THREADS": "1"},
+            env={**SGLANG_CPU_ENV, "OMP_NUM_THREADS": "1", **(TP2_ENV if tp_size > 1 else {})},
             log_path=str(log_dir / f"sglang{i}.log"),
             rebind_on_conflict=True,
         )

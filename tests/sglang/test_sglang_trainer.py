@@ -86,11 +86,17 @@ def check_numerics(records: list[dict], run_config) -> None:
         assert r["rollout/logprob_mismatch"] <= bound, (r["step"], r["rollout/logprob_mismatch"])
 
 
-@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+@pytest.mark.parametrize("protocol", [*PROTOCOLS, "colocated"])
 def test_the_trainer_pushes_and_rolls_out_on_real_sglang(engines, run_config, tmp_path, protocol):
+    """``colocated``: tensor-sglang with the engines' memory released after each rollout and
+    resumed around the next push, in SGLang users' order (on CPU SGLang answers these calls
+    without freeing anything: ``--enable-memory-saver`` needs libcuda; their effect is tested on
+    ``serve``, tests/integration/test_trainer_sglang.py)."""
     urls = [e.url for e in engines]
     with contextlib.ExitStack() as stack:
-        extra = list(PROTOCOLS[protocol])
+        extra = list(PROTOCOLS.get(protocol, SGLANG_PAYLOAD))
+        if protocol == "colocated":
+            extra.append("rollout.sglang.colocated=true")
         if protocol == "distributed":  # generation through SGLang's router, as a cluster runs
             router = stack.enter_context(
                 RouterProcess(
@@ -113,6 +119,10 @@ def test_the_trainer_pushes_and_rolls_out_on_real_sglang(engines, run_config, tm
         assert r["rollout/engine_retries"] == r["rollout/engine_failovers"] == 0
     assert served == [1, 1]  # pushed before step 2's rollout: the weights after one step
     check_numerics(records, run_config)
+    if protocol == "colocated":
+        assert all(r["rollout/memory_release_s"] > 0 for r in records)
+        assert records[1]["sync/memory_resume_weights_s"] > 0
+        assert records[1]["sync/memory_resume_kv_cache_s"] > 0
 
 
 def test_async_with_staleness_1_on_real_sglang(engines, run_config, tmp_path):
