@@ -49,8 +49,8 @@ def summary(run: Path) -> dict:
         "token_gap_max": max(weights) if weights else None,
         "push_s": statistics.fmean(push) if push else None,
         "transfer_s": statistics.fmean(transfer) if transfer else None,
-        "trajectories": sum(r.get("rollout/trajectories", 0) for r in records),
-        "failed": sum(r.get("rollout/failed", 0) for r in records),
+        "trajectories": int(sum(r.get("rollout/trajectories", 0) for r in records)),
+        "failed": int(sum(r.get("rollout/failed", 0) for r in records)),
     }
 
 
