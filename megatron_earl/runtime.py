@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_earl import device_policy, patches
+from megatron_earl.compat.launch_env import launch_env
 from megatron_earl.compat.version import check_megatron_core
 from megatron_earl.device_policy import (
     EMULATE_ENV,
@@ -60,17 +61,16 @@ def initialize(timeout_s: float = 300.0) -> None:
     and of every group created later (``collective_timeout``; a run's
     ``runtime.collective_timeout_s``).
 
-    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a
-    process started without it runs as a world of one. Every process of the job must call it.
+    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
+    srun's (one task per rank: ``compat.launch_env``); a process started without either runs as
+    a world of one, and a task of a multi-task srun job that cannot tell its rank is refused.
+    Every process of the job must call it.
     """
     check_megatron_core()
     patches.apply_all()
     if dist.is_initialized():
         return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.update(launch_env(os.environ, _free_port))
     if not 0 < timeout_s < float("inf"):
         raise ValueError(f"collective timeout_s ({timeout_s!r}) must be a finite number > 0")
     timeout = datetime.timedelta(seconds=timeout_s)
