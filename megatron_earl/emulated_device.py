@@ -16,8 +16,10 @@ policy is then ``emu:LOCAL_RANK`` with separate host groups, as on GPUs. What it
 * **Mixing fails.** An op that gets a device tensor and a host tensor of one or more dimensions
   raises ``HostDeviceMixError`` naming the op, the host tensor's shape and dtype, and the first
   call site in megatron_earl (or megatron.core). As on CUDA, these stay allowed: copies between
-  host and device (``.to``, ``copy_``), a 0-dim host tensor as an operand (a CPU scalar), and host
-  index tensors in advanced indexing (``x[idx]``, ``x[idx] = v``).
+  host and device (``.to``, ``copy_``), a 0-dim host tensor (a CPU scalar) as an operand of a
+  pointwise op or as a fill value (``masked_fill``, ``fill_``), and host index tensors in
+  advanced indexing (``x[idx]``, ``x[idx] = v``); a CPU scalar anywhere else (``torch.stack``,
+  ``embedding``, ``index_select``, ``cat``, a matmul) fails, as on CUDA.
 * **Collectives check their group's role.** Every process runs gloo underneath, but a group is
   a *device* group (the world, and every ``new_group(backend=None)``: NCCL on GPUs) or a *host*
   group (``new_group(backend="gloo")``). A host tensor on a device group fails (NCCL cannot move
@@ -57,6 +59,13 @@ _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_", "aten::_copy_from", "ate
 # Advanced indexing accepts host index tensors on CUDA (they are moved to the device).
 _INDEX_OPS = frozenset({"aten::index.Tensor", "aten::index_put_", "aten::_index_put_impl_"})
 """Overloads whose host index tensors (second argument) CUDA accepts for a device ``self``."""
+_SCALAR_VALUE_OPS = frozenset(
+    {"aten::masked_fill.Tensor", "aten::masked_fill_.Tensor", "aten::fill_.Tensor",
+     "aten::fill.Tensor"}
+)  # fmt: skip
+"""Non-pointwise overloads that take a CPU scalar (a 0-dim host tensor) as their fill value on
+CUDA. Elsewhere CUDA accepts one only in pointwise (TensorIterator) ops (``_takes_cpu_scalars``):
+``torch.stack``, ``embedding``, ``index_select``, ``cat``, matmuls... refuse it."""
 _INSTALLED = False
 _LOCK = threading.Lock()
 _STATE = threading.local()
@@ -184,6 +193,18 @@ class EmuTensor(torch.Tensor):
         return _run(func, args, kwargs or {})
 
 
+def _takes_cpu_scalars(func: Any, overload: str) -> bool:
+    """Whether CUDA takes a 0-dim host tensor beside device tensors in this op: pointwise ops
+    (torch's ``pointwise`` tag: TensorIterator's CPU-scalar rule), the fill values of
+    ``_SCALAR_VALUE_OPS``, the foreach ops (their scalar lists) and indexing (``_INDEX_OPS``)."""
+    return (
+        torch.Tag.pointwise in func.tags
+        or overload in _SCALAR_VALUE_OPS
+        or overload in _INDEX_OPS
+        or overload.startswith("aten::_foreach_")
+    )
+
+
 def _flat(args: Any, kwargs: Any) -> list[Any]:
     out: list[Any] = []
     tree_map(out.append, (args, kwargs))
@@ -230,7 +251,8 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
     inner_args = tree_map(unwrap, args)
     inner_kwargs = tree_map(unwrap, kwargs)
-    mixed = [h for h in hosts if h.dim() > 0]
+    scalars_ok = _takes_cpu_scalars(func, overload)
+    mixed = [h for h in hosts if h.dim() > 0 or not scalars_ok]
     if name in _COPY_OPS:
         mixed = []
     elif overload in _INDEX_OPS and isinstance(args[0], EmuTensor):

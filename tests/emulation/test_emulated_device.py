@@ -35,6 +35,12 @@ def _mixing_rules() -> dict[str, str]:
         "mixed": _outcome(lambda: x + host),
         "mixed_module": _outcome(lambda: lin(torch.ones(4, 3))),
         "host_scalar": _outcome(lambda: x * torch.tensor(2.0)),
+        "host_scalar_fill": _outcome(lambda: x.masked_fill(x > 0, torch.tensor(0.5))),
+        "host_scalar_stack": _outcome(lambda: torch.stack([x.sum(), torch.tensor(2.0)])),
+        "host_scalar_embedding": _outcome(
+            lambda: torch.nn.functional.embedding(torch.tensor(1), x.view(3, 1))
+        ),
+        "host_scalar_index_select": _outcome(lambda: x.index_select(0, torch.tensor(1))),
         "host_index": _outcome(lambda: x[torch.tensor([0, 2])]),
         "device_index_into_host": _outcome(lambda: host[torch.tensor([0, 2], device=dev)]),
         "copies": _outcome(lambda: (x.cpu() + host, host.to(dev) + x)),
@@ -62,8 +68,14 @@ def test_host_device_mixing_fails_as_on_cuda():
     assert "(3,) (torch.float32)" in out["mixed"] and "test_emulated_device.py" in out["mixed"]
     assert "aten::addmm" in out["mixed_module"] and "(4, 3)" in out["mixed_module"]
     assert "host tensor" in out["device_index_into_host"]
+    # A CPU scalar outside a pointwise op or a fill value: CUDA refuses it ("Expected all
+    # tensors to be on the same device"), so does the emulated device.
+    for op, name in (("stack", "aten::stack"), ("embedding", "aten::embedding"),
+                     ("index_select", "aten::index_select")):  # fmt: skip
+        assert out[f"host_scalar_{op}"].startswith(f"HostDeviceMixError: {name}"), out
+        assert "host tensor of shape ()" in out[f"host_scalar_{op}"], out[f"host_scalar_{op}"]
     # What CUDA accepts stays accepted.
-    for allowed in ("host_scalar", "host_index", "copies"):
+    for allowed in ("host_scalar", "host_scalar_fill", "host_index", "copies"):
         assert out[allowed] == "ok", (allowed, out[allowed])
     assert out["numpy"].startswith("TypeError: can't convert emu:0 device type tensor to numpy")
     assert out["tolist"] == "[1.0, 1.0, 1.0]"
