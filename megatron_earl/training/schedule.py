@@ -24,13 +24,24 @@ MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
     """log p(target) per position from vocab-parallel logits [..., V/tp]; differentiable.
 
+    ``vocab_size``: normalise over the real vocabulary (this rank's padding rows, global ids
+    ``>= vocab_size``, get -inf logits), as the RL loss (``logprobs.head_logprobs``) and the
+    engines do; None keeps every row, like Megatron's own cross entropy (the SFT loss).
     Megatron's ``vocab_parallel_cross_entropy`` overwrites fp32 logits in place, so it gets a
     clone when the caller still needs them (autograd does: the clone is cheap next to the matmul).
     """
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), targets)
+    logits = logits.float().clone()
+    if vocab_size is not None:
+        start = parallel_state.get_tensor_model_parallel_rank() * logits.size(-1)
+        first_padded = max(0, vocab_size - start)
+        if first_padded < logits.size(-1):
+            logits[..., first_padded:] = float("-inf")
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
 
 
 def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,14 @@ def _reference(prompts, max_new, model: ModelConfig = MODEL):
     return weights, outputs
 
 
-def _train_logprobs(chunks, prompt, output):
-    from megatron_earl.training.schedule import forward_backward
+def _train_logprobs(chunks, prompt, output, vocab_size: int = MODEL.vocab_size):
+    """The trainer's log-probs of ``output``: normalised over the real vocabulary, as the RL
+    loss computes them (``head_logprobs`` with ``vocab_size``)."""
+    from megatron_earl.training.schedule import forward_backward, token_logprobs
+
+    def loss_fn(logits, batch):
+        logprobs = token_logprobs(logits, batch["labels"], vocab_size)
+        return logits.new_zeros(()), {"logprobs": logprobs.detach()}
 
     seq = torch.tensor([list(prompt) + list(output)])
     batch = {
@@ -90,7 +96,7 @@ def _train_logprobs(chunks, prompt, output):
         "position_ids": torch.arange(seq.size(1) - 1)[None],
         "loss_mask": torch.ones(1, seq.size(1) - 1),
     }
-    metrics = forward_backward(chunks, [batch], forward_only=True)
+    metrics = forward_backward(chunks, [batch], loss_fn, forward_only=True)
     return metrics[0]["logprobs"][0, len(prompt) - 1 :]
 
 
