@@ -35,8 +35,13 @@ def _load_patches() -> None:
 
 _load_patches()
 
+from megatron_earl.patches import lazy_jit_fuser as _lazy_jit_fuser  # noqa: E402
 from megatron_earl.patches import quiet_warnings as _quiet_warnings  # noqa: E402
 
 # megatron-core announces, at import, every torch fallback it takes when Transformer Engine / Apex
 # are absent (always the case on CPU machines): hide exactly those (patches/quiet_warnings.py).
 _quiet_warnings.filter_import_warnings()
+# ... and decorates its fusion functions with torch.compile, which imports torch._dynamo and
+# inductor (~1.3 s a process) for functions this project never runs: compile them at their first
+# call instead (patches/lazy_jit_fuser.py).
+_lazy_jit_fuser.install_import_hook()

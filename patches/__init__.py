@@ -33,6 +33,7 @@ from typing import Any
 
 PATCHES: tuple[str, ...] = (
     "quiet_warnings",
+    "lazy_jit_fuser",
     "cpu_rng_tracker",
     "cpu_redirect",
     "parallel_state_groups",

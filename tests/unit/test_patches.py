@@ -8,6 +8,8 @@ import ast
 import importlib
 import re
 import runpy
+import subprocess
+import sys
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -177,6 +179,43 @@ def test_cpu_warning_filter_hides_only_the_cuda_connections_advice():
         (advice, "other.py"),
         ("other advice", "layers.py"),
     ]
+
+
+def test_megatron_core_import_leaves_dynamo_unloaded():
+    # A fresh process: megatron_earl first (as every entry point), then what the trainer and the
+    # embedded engine import from megatron-core.
+    code = (
+        "import sys, megatron_earl\n"
+        "import megatron.core.models.gpt, megatron.core.optimizer, megatron.core.transformer\n"
+        "from megatron.core import jit\n"
+        "from megatron_earl.patches import lazy_jit_fuser\n"
+        "print(jit.jit_fuser is lazy_jit_fuser.lazy_compile, lazy_jit_fuser.apply(),\n"
+        "      sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "True True []", done.stdout
+
+
+def test_lazy_compile_compiles_at_the_first_call(monkeypatch):
+    from megatron_earl.patches.lazy_jit_fuser import lazy_compile
+
+    made = []
+
+    def fake_compile(fn, **kwargs):
+        made.append((fn.__name__, kwargs))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    def add(a, b=0):
+        return a + b
+
+    plain, with_args = lazy_compile(add), lazy_compile(dynamic=True)(add)
+    assert made == [] and plain.__name__ == "add"
+    assert plain(1, b=2) == ("compiled", 3) and plain(2) == ("compiled", 2)
+    assert with_args(3) == ("compiled", 3)
+    assert made == [("add", {}), ("add", {"dynamic": True})]
 
 
 # ----------------------------------------------------------------------------- no patch elsewhere

@@ -113,7 +113,8 @@ def test_sampling_filters_and_logprobs():
     greedy = SamplingParams(temperature=0.0)
     tokens, lps = sample_tokens(logits, 3, [greedy], [random.Random()])
     assert tokens == [1]  # the padded id never wins
-    assert lps[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))  # raw, padded vocab
+    # raw logits, normalised over the real vocabulary (as the trainer, SGLang and HF do)
+    assert lps[0] == pytest.approx(float(torch.log_softmax(logits[:, :3], -1)[0, 1]))
     rows = torch.tensor([[1.0, 3.0, 2.0], [0.0, 10.0, 0.0], [1.0, 2.0, 3.0]])
     one = torch.ones(3)
     kept = filter_logits(rows, one, torch.tensor([2, -1, -1]), torch.tensor([1.0, 0.5, 1.0]))

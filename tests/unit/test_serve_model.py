@@ -5,6 +5,8 @@ and what would be valid). The served generation itself: tests/integration/test_s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,3 +70,17 @@ def test_start_up_errors_name_the_value(dirs):
     small.write_text(json.dumps({**MODEL.to_dict(), "vocab_size": 100}))
     with pytest.raises(ModelPathError, match="has 320 ids, more than the model's vocabulary"):
         resolve_model("random", str(small), str(dirs / "tok"))
+
+
+def test_a_bad_model_path_is_refused_before_megatron_core_is_imported(tmp_path):
+    # a fresh process, as `megatron-earl serve` runs: exit 2 naming the path, without paying
+    # megatron-core's import (the engine is imported once the model path is resolved)
+    code = (
+        "import sys\n"
+        "from megatron_earl.rollout.serve import server\n"
+        f"rc = server.main(['--model-path', {str(tmp_path / 'missing')!r}, '--port', '0'])\n"
+        "print(rc, 'megatron.core' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split("\n")[-2] == "2 False", (done.stdout, done.stderr[-2000:])
+    assert "does not exist; give an HF directory" in done.stderr

@@ -59,7 +59,7 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -67,8 +67,7 @@ from aiohttp import web
 from megatron_earl.compat.http_guard import parse_json, read_body, route_path
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import PauseMode
-from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig, RequestError
-from megatron_earl.rollout.engine import GenerateRequest, SamplingParams
+from megatron_earl.rollout.engine import GenerateRequest, RequestError, SamplingParams
 from megatron_earl.rollout.serve import tp as serve_tp
 from megatron_earl.rollout.serve.auth import (
     ADMIN_PATHS,
@@ -99,6 +98,9 @@ from megatron_earl.rollout.serve.model import (
     server_info_json,
 )
 from megatron_earl.rollout.serve.weights import WeightEndpoints
+
+if TYPE_CHECKING:
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine
 
 logger = logging.getLogger("megatron_earl.serve")
 
@@ -550,11 +552,13 @@ def build_engine(
     """Build the model (HF directory, full-state file or seeded weights, see ``serve.model``) and
     the engine: a world of one at TP1, with ``--tp-size N`` every rank of the world of N
     (``serve.tp``: the model is built whole, then in tp=N from its full state)."""
+    # megatron-core (~1.5 s of imports) only once the arguments and the model path are checked
     from megatron_earl import runtime
     from megatron_earl.models.gpt import build_model
     from megatron_earl.models.impl import pin_transformer_impl
     from megatron_earl.parallel.layout import ParallelLayout
     from megatron_earl.parallel.state import initialize_layout
+    from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     served = served or resolve_served(args)
     runtime.initialize()
