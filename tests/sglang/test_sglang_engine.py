@@ -218,14 +218,15 @@ def test_sglang_refuses_updates_outside_a_session_and_a_second_session(engines):
 
 
 SGLANG_RANK = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from sglang.srt.utils.common import init_custom_process_group
 port, name = int(sys.argv[1]), sys.argv[2]
 pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
                                world_size=2, rank=1, group_name=name)
 t = torch.empty(3)
 dist.broadcast(t, src=0, group=pg)
-print(t.tolist())
+print(t.tolist(), flush=True)
+os._exit(0)  # gloo's threads may abort a normal interpreter exit ("terminate called ...")
 """
 """An engine TP rank joined by SGLang's own function (the real server calls it so)."""
 

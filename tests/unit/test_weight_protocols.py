@@ -106,7 +106,7 @@ def test_broadcast_wire_formats(load_format):
 
 
 SGLANG_SIDE = """
-import datetime, sys, torch, torch.distributed as dist
+import datetime, os, sys, torch, torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     Backend, PrefixStore, _new_process_group_helper, _world, rendezvous)
 port, group_name = int(sys.argv[1]), sys.argv[2]
@@ -119,7 +119,8 @@ pg, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), store, group_name=g
 _world.pg_group_ranks[pg] = {0: 0, 1: 1}
 t = torch.empty(3)
 dist.broadcast(t, src=0, group=pg)
-print(t.tolist())
+print(t.tolist(), flush=True)
+os._exit(0)  # gloo's threads may abort a normal interpreter exit ("terminate called ...")
 """
 """What SGLang 0.5.23's ``init_custom_process_group`` does for an engine TP rank (rank 1 here),
 in torch's own calls: ``rendezvous`` on ``tcp://``, ``PrefixStore(group_name)``, then
