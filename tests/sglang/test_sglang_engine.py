@@ -181,6 +181,46 @@ def test_a_push_to_a_tp2_engine_serves_exactly_the_pushed_weights(
         stop_all([engine])
 
 
+@pytest.mark.parametrize("protocol", ["tensor-sglang", "distributed"])
+def test_a_push_without_the_flush_before_it_leaves_no_prefix_of_the_old_weights(
+    engines, run_config, hf_reference, tmp_path, protocol
+):
+    """The asynchronous loop and the relays push without flushing first (requests are in
+    flight): the last bucket asks SGLang to flush once the new weights are in, so a prompt
+    cached under the old weights is computed again under the new ones (without it SGLang reuses
+    the cached prefix: log-probs off by ~1e-1 on these weights)."""
+    import dataclasses
+
+    model, url = run_config.model, engines[0].url
+    old, new = 40 + 2 * (protocol == "distributed"), 41 + 2 * (protocol == "distributed")
+    transport = build_transport(PROTOCOLS[protocol], model, tmp_path)
+
+    async def push(seed: int) -> None:
+        c = client(url)
+        try:
+            await transport.push([c], hf_named_tensors(weights(model, seed), model), seed)
+        finally:
+            await c.close()
+
+    asyncio.run(push(old))
+    asyncio.run(generate_all([url], PROMPTS))  # both prompts now cached under the old weights
+    transport.sync = dataclasses.replace(transport.sync, flush_cache=False)
+    asyncio.run(push(new))
+
+    async def close():
+        c = client(url)
+        try:
+            await transport.close([c])
+        finally:
+            await c.close()
+
+    asyncio.run(close())
+    _, hf_model = hf_reference(new)
+    for prompt, result in zip(PROMPTS, asyncio.run(generate_all([url], PROMPTS))[0]):
+        assert result.weight_version == new
+        check_like_transformers(hf_model, model, prompt, result)
+
+
 def test_sglang_refuses_updates_outside_a_session_and_a_second_session(engines):
     """What the trainer's session pair is for (``weights.sync.paused``): without it SGLang
     0.5.23 refuses the update; the client closes a session left open by a dead push."""

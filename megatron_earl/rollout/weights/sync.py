@@ -123,6 +123,17 @@ def iter_buckets(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[li
         yield current
 
 
+def flushes_after(config: WeightSyncConfig) -> bool:
+    """Whether the last bucket asks the engine to flush its prefix cache once the new weights are
+    in (SGLang's ``flush_cache`` field of the update): always, but with ``pause_mode: in_place``,
+    whose running requests keep their KV on purpose (SGLang refuses the flush then). A paused
+    SGLang flushes with retracted requests waiting; without it the prefixes cached under the old
+    weights (every prompt's chat-template head) would be reused after the update, which the
+    flush before the update cannot prevent when requests were in flight (the asynchronous loop,
+    relays)."""
+    return config.pause_mode != PauseMode.IN_PLACE
+
+
 @contextlib.asynccontextmanager
 async def paused(
     clients: Sequence, config: WeightSyncConfig, *, session: bool = False
@@ -189,6 +200,7 @@ async def push_weights(
                         strings[i * engine_tp : (i + 1) * engine_tp],
                         weight_version=version if last else None,
                         load_format=payload.load_format,
+                        flush_cache=last and flushes_after(config),
                     )
                     for i, c in enumerate(clients)
                 )
@@ -235,6 +247,7 @@ async def push_weights_distributed(
                     weight_version=version if last else None,
                     load_format=load_format,
                     timeout_s=timeout_s,
+                    flush_cache=last and flushes_after(config),
                 )
                 for c in clients
             ]
