@@ -6,9 +6,11 @@ drive a real SGLang server (GPU) and ``megatron-earl serve`` (CPU, CI).
     stats = asyncio.run(transport.push(clients, full, version))    # every step the engines lag
     asyncio.run(transport.close(clients))                          # end of the run
 
-Every push follows SGLang users' order: ``pause_generation`` -> ``flush_cache`` -> the update ->
-``continue_generation``; then each engine's weight version is read back (``get_model_info``)
-and must be the pushed one (``EngineError`` naming the engine otherwise).
+Every push follows SGLang users' order: ``pause_generation`` -> ``flush_cache`` ->
+``begin_weight_update`` -> the update (its last bucket also flushes the prefix cache, but with
+``pause_mode: in_place``) -> ``end_weight_update`` -> ``continue_generation`` (``weights.sync``;
+the disk protocol opens no session); then each engine's weight version is read back
+(``get_model_info``) and must be the pushed one (``EngineError`` naming the engine otherwise).
 
 - ``tensor``: ``update_weights_from_tensor`` per bucket (``weights.sync.push_weights``), in the
   payload format of ``tensor_payload`` / ``tensor_load_format``
