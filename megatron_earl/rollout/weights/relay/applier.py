@@ -212,14 +212,19 @@ class EngineApplier:
         """The engine's TP size and the payload it reads (``/get_server_info``), once."""
         if state.tp_size is not None:
             return
-        info = await client.get_server_info()
-        tp = int(info.get("tp_size") or 1)
+        try:
+            info = await client.get_server_info()
+        except EngineRequestError as err:
+            if err.status != 404:
+                raise
+            info = {}  # not SGLang (which always answers it): one rank, the portable payload
+        tp = int(info.get("tp_size") or self.settings.engine_tp or 1)
         if self.settings.engine_tp is not None and tp != self.settings.engine_tp:
             raise EngineError(
                 f"engine {client.base_url} runs with tp_size={tp}, this relay's --engine-tp is "
                 f"{self.settings.engine_tp}"
             )
-        serve = info.get("engine") == SERVE_ENGINE
+        serve = info.get("engine") == SERVE_ENGINE or not info
         kind = TensorPayload.PORTABLE if serve else TensorPayload.SGLANG
         state.tp_size, state.payload = tp, str(kind)
 
