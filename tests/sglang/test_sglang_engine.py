@@ -149,36 +149,42 @@ def test_a_push_serves_exactly_the_pushed_weights(
             check_like_transformers(hf_model, model, prompt, result)
 
 
+@pytest.fixture(scope="module")
+def tp2_engine(python, engine_model, tmp_path_factory):
+    """One real SGLang engine of TP 2 for the module (each test pushes its own weights first)."""
+    from tests.sglang.conftest import start_engines
+
+    engine = start_engines(python, engine_model, tmp_path_factory.mktemp("tp2"), 1, tp_size=2)[0]
+    try:
+        yield engine
+    finally:
+        stop_all([engine])
+
+
 @pytest.mark.parametrize("protocol", ["tensor-sglang", "distributed"])
 def test_a_push_to_a_tp2_engine_serves_exactly_the_pushed_weights(
-    python, engine_model, run_config, hf_reference, tmp_path, protocol
+    tp2_engine, run_config, hf_reference, tmp_path, protocol
 ):
     """An engine of TP 2: the trainer reads its TP size from it (``/get_server_info``), sends
     one SGLang payload per TP rank (tensor), or joins a group of 1 + 2 ranks (distributed); the
     engine then generates what transformers generates on the pushed weights."""
-    from tests.sglang.conftest import start_engines
+    seed, model, engine = 30 + (protocol == "distributed"), run_config.model, tp2_engine
+    transport = build_transport(PROTOCOLS[protocol], model, tmp_path)
 
-    seed, model = 30 + (protocol == "distributed"), run_config.model
-    engine = start_engines(python, engine_model, tmp_path, 1, tp_size=2)[0]
-    try:
-        transport = build_transport(PROTOCOLS[protocol], model, tmp_path)
+    async def push():
+        c = client(engine.url)
+        try:
+            await transport.push([c], hf_named_tensors(weights(model, seed), model), seed)
+            tp = await transport.engine_tp([c])
+            await transport.close([c])
+            return tp, c.weight_version
+        finally:
+            await c.close()
 
-        async def push():
-            c = client(engine.url)
-            try:
-                await transport.push([c], hf_named_tensors(weights(model, seed), model), seed)
-                tp = await transport.engine_tp([c])
-                await transport.close([c])
-                return tp, c.weight_version
-            finally:
-                await c.close()
-
-        assert asyncio.run(push()) == (2, seed)
-        _, hf_model = hf_reference(seed)
-        for prompt, result in zip(PROMPTS, asyncio.run(generate_all([engine.url], PROMPTS))[0]):
-            check_like_transformers(hf_model, model, prompt, result)
-    finally:
-        stop_all([engine])
+    assert asyncio.run(push()) == (2, seed)
+    _, hf_model = hf_reference(seed)
+    for prompt, result in zip(PROMPTS, asyncio.run(generate_all([engine.url], PROMPTS))[0]):
+        check_like_transformers(hf_model, model, prompt, result)
 
 
 @pytest.mark.parametrize("protocol", ["tensor-sglang", "distributed"])
