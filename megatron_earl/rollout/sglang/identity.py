@@ -51,6 +51,11 @@ HF_SHAPE_KEYS = (
 """(HF config.json key, ModelConfig field) pairs an engine's model must share with the trainer."""
 
 
+def engine_tp_size(server_info: dict[str, Any]) -> int:
+    """An engine's TP size from its ``/get_server_info`` (1 when it does not say)."""
+    return int(server_info.get("tp_size") or 1)
+
+
 class EngineMismatch(EngineError):
     """An engine the run cannot use as configured (start-up, before any weight moves)."""
 
@@ -100,7 +105,7 @@ async def read_identity(client: Any) -> EngineIdentity:
         url=client.base_url,
         version=_str_or_none(server.get("version")),
         is_serve=is_serve,
-        tp_size=int(server.get("tp_size") or 1),
+        tp_size=engine_tp_size(server),
         device=_str_or_none(server.get("device")),
         architectures=tuple(model.get("architectures") or ()),
         model_type=_str_or_none(model.get("model_type")),

@@ -55,6 +55,7 @@ from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import WeightUpdate
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import SGLangClient
+from megatron_earl.rollout.sglang.identity import engine_tp_size
 from megatron_earl.rollout.weights.group import (
     FLATTENED,
     broadcast_bucket,
@@ -102,7 +103,7 @@ class WeightTransport(ABC):
             return self.settings.engine_tp
         if self._engine_tp is None:
             infos = await asyncio.gather(*(c.get_server_info() for c in clients))
-            sizes = {c.base_url: int(i.get("tp_size") or 1) for c, i in zip(clients, infos)}
+            sizes = {c.base_url: engine_tp_size(i) for c, i in zip(clients, infos)}
             if len(set(sizes.values())) > 1:
                 raise EngineError(f"the engines' TP sizes differ: {sizes}")
             self._engine_tp = next(iter(sizes.values()), 1)
