@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from megatron_earl.cli.train import ERROR_FILE_ENV, checked_config
+from megatron_earl.cli.train import ERROR_FILE_ENV, resolve_config
 from megatron_earl.compat.processes import die_with_parent, skip_exit_gc
 
 # subcommand -> module whose ``main(argv)`` implements it
@@ -71,6 +71,10 @@ _TORCHRUN = {
     "train": "megatron_earl.cli.train",
     "bench-rl-sweep": "megatron_earl.bench.rl",
 }
+_RUNNERS = {"train": "megatron_earl.cli.checked_torchrun"}
+"""torchrun itself for every subcommand but these: ``train`` starts its workers only after every
+start-up check of the run passed (``cli.checked_torchrun``, in torchrun's own process: this
+launcher imports no ``torch``)."""
 
 
 STOP_GRACE_S = 30.0
@@ -80,12 +84,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that stop a run started by this command."""
 
 
-def _torchrun(module: str, argv: list[str], grace_s: float = STOP_GRACE_S) -> int:
+def _torchrun(
+    module: str,
+    argv: list[str],
+    grace_s: float = STOP_GRACE_S,
+    runner: str = "torch.distributed.run",
+) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         error_file = os.path.join(tmp, "error.txt")
-        rc = _torchrun_to(module, argv, {ERROR_FILE_ENV: error_file}, grace_s)
+        rc = _torchrun_to(module, argv, {ERROR_FILE_ENV: error_file}, grace_s, runner)
         if rc and os.path.exists(error_file):
             with open(error_file) as f:
                 print(f"megatron-earl {module.rsplit('.', 1)[-1]}: {f.read()}", file=sys.stderr)
@@ -109,13 +118,17 @@ def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def _torchrun_to(
-    module: str, argv: list[str], extra_env: dict[str, str], grace_s: float = STOP_GRACE_S
+    module: str,
+    argv: list[str],
+    extra_env: dict[str, str],
+    grace_s: float = STOP_GRACE_S,
+    runner: str = "torch.distributed.run",
 ) -> int:
     nproc, argv = _pop_nproc(argv)
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        runner,
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
@@ -226,19 +239,21 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     grace_s = STOP_GRACE_S
     if argv[0] == "train":
-        # Validate the whole run before any process (or process group) is started.
+        # The config (for the stop grace time); the whole run is validated before any worker
+        # starts, in torchrun's process (_RUNNERS).
         from megatron_earl.config.run import ConfigError
 
         nproc, plain = _pop_nproc(argv[1:])
         try:
-            config = checked_config(plain, nproc)
+            config = resolve_config(plain, nproc)
         except ConfigError as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2
         if config.checkpoint.on_signal:
             grace_s = config.checkpoint.on_signal_grace_s
     if argv[0] in _TORCHRUN:
-        return _torchrun(_TORCHRUN[argv[0]], argv[1:], grace_s)
+        runner = _RUNNERS.get(argv[0], "torch.distributed.run")
+        return _torchrun(_TORCHRUN[argv[0]], argv[1:], grace_s, runner)
     for words, module in _MODULES.items():
         if tuple(argv[: len(words)]) == words:
             return int(importlib.import_module(module).main(argv[len(words) :]) or 0)

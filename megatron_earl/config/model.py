@@ -13,14 +13,16 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from megatron_earl.config.vocab import TransformerImpl
 
 if TYPE_CHECKING:
+    import torch
     from megatron.core.transformer import TransformerConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")
+"""``params_dtype`` values, each the ``torch`` dtype of its name. The config imports no ``torch``:
+``megatron-earl train`` validates a run before it starts torchrun, in a process that never needs
+torch (one import fewer per launch, ~1 s)."""
 ATTENTION_BACKENDS = ("sdpa", "local")
 """Core attention of the local spec: the project's SDPAttention, Megatron's DotProductAttention."""
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -265,7 +267,9 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.params_dtype]
+        import torch
+
+        return getattr(torch, self.params_dtype)
 
     def num_parameters(self) -> int:
         """Parameter count of the built model (padded vocabulary included)."""
@@ -327,6 +331,7 @@ def build_transformer_config(
 
     ``use_cpu_initialization`` and ``batch_p2p_comm`` default to what this machine has (CUDA or
     not); ``models.gpt.build_model`` passes the device policy's answers."""
+    import torch
     from megatron.core.transformer import TransformerConfig
 
     model.validate_for_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
