@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_earl.config.dynamic_sampling import DynamicSamplingConfig
 from megatron_earl.config.embedded import EmbeddedRolloutConfig
 from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
@@ -250,6 +251,10 @@ class RolloutConfig:
     """async: where trajectories run across weight versions -- none, drain (one version per
     trajectory) or repack (drain, and the long tail consolidated onto few engines);
     ``config.repack``, docs/relay.md."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """Drop groups whose rewards are all equal and draw more prompts until the step holds
+    ``batch.prompts_per_step`` informative groups (DAPO; ``config.dynamic_sampling``,
+    docs/training.md); off by default."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_turns", "max_context", "max_concurrency"))
@@ -644,7 +649,34 @@ class RunConfig:
         problems = _positive(self, ("steps",)) + _positive(self, ("seed",), minimum=0)
         if not self.name or "/" in self.name:
             problems.append(f"name {self.name!r} must be a non-empty directory name (no '/')")
+        if self.rollout.dynamic_sampling.enabled:
+            problems += self._dynamic_sampling_problems()
         _require(problems, "run")
+
+    def _dynamic_sampling_problems(self) -> list[str]:
+        """``rollout.dynamic_sampling`` against the other sections: its metric must be a reward
+        the trajectories carry, its extra prompts' seeds must not be training or held-out
+        ones."""
+        ds = self.rollout.dynamic_sampling
+        problems = []
+        names = ds.metric_names(self.reward.fns)
+        if ds.metric not in names:
+            problems.append(
+                f"rollout.dynamic_sampling.metric {ds.metric!r} is not a reward of this run; "
+                f"valid: {names} (the total, the environment's outcome, reward.fns)"
+            )
+        first, n = ds.seed_offset, self.steps * ds.extra_prompt_cap(self.batch.prompts_per_step)
+        taken = {
+            "training": (0, self.steps * self.batch.prompts_per_step),
+            "eval": (self.eval.seed_offset, self.eval.seed_offset + self.eval.num_prompts),
+        }
+        for what, (lo, hi) in taken.items():
+            if first < hi and lo < first + n:
+                problems.append(
+                    f"rollout.dynamic_sampling.seed_offset ({first}): the extra prompts' seeds "
+                    f"[{first}, {first + n}) overlap the {what} seeds [{lo}, {hi})"
+                )
+        return problems
 
     def old_logprobs_pass(self) -> bool:
         """Whether the experience phase computes old log-probs (``train.old_logprobs``). "auto"

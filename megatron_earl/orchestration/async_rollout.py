@@ -34,8 +34,16 @@ unfinished trajectory before the push (their HTTP requests are dropped; the serv
 and runs it again from its start under the new weights; the tokens it had received are counted
 as wasted (a lower bound: tokens of the dropped request are not known).
 
-Accounting: ``produced`` (finished groups) = ``consumed`` + ``discarded`` + buffered at any time;
-every started group is in flight, buffered, consumed or discarded (``check_accounting``).
+Dynamic sampling (``rollout.dynamic_sampling``): a finished group whose rewards are all equal
+(``orchestration.dynamic_sampling.judge_group``) is dropped instead of buffered and counted like a
+discarded one: it frees its admission slot, so the next prompt starts in its place. A rank drops
+at most its share of ``max_extra_prompts`` per RL step admitted (``GroupPlan.drop_budget``); past
+it uninformative groups are buffered (counted as filler), so a policy whose every group is equal
+still trains, never loops.
+
+Accounting: ``produced`` (finished groups) = ``consumed`` + ``discarded`` + ``dropped`` +
+buffered at any time; every started group is in flight, buffered, consumed, discarded or dropped
+(``check_accounting``).
 
 Threads: the producer's event loop runs in its own thread and only speaks HTTP; the trainer's
 thread calls ``take``/``begin_update``/``end_update`` (thread-safe) and does every collective.
@@ -51,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_earl.envs.base import ENVS
+from megatron_earl.orchestration.dynamic_sampling import GroupVerdict, judge_group
 from megatron_earl.rollout.agent.loop import AgentLoop
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.engine import GenerateRequest, GenerateResult
@@ -71,6 +80,9 @@ class GroupPlan:
     first_step: int = 0
     """The RL step the producer starts at (a resumed run's step): its first group is that
     step's, and the groups of earlier steps count as started (admission)."""
+    max_dropped_per_step: int = 0
+    """Dynamic sampling: uninformative groups the ranks may drop per RL step, over all ranks
+    (``rollout.dynamic_sampling.max_extra_prompts``); 0 without it."""
 
     def __post_init__(self) -> None:
         if self.quota < 1:
@@ -107,6 +119,13 @@ class GroupPlan:
         """Groups (not counting discarded ones) this rank may have started while the engines
         serve step ``pushed_step``'s weights."""
         return self.quota * (pushed_step + self.max_staleness + 1)
+
+    def drop_budget(self, pushed_step: int) -> int:
+        """Uninformative groups this rank may have dropped while the engines serve step
+        ``pushed_step``'s weights: its share of ``max_dropped_per_step`` for every step admitted
+        so far."""
+        share = -(-self.max_dropped_per_step * self.quota // self.prompts_per_step)
+        return share * (pushed_step - self.first_step + self.max_staleness + 1)
 
     def buffer_cap(self) -> int | None:
         """This rank's share of ``max_buffered_groups`` (groups started, not consumed)."""
@@ -187,6 +206,7 @@ class AsyncProducer:
         group_size: int,
         partial_rollout: str = "continue",
         placement: Callable[[object], Placement] | None = None,
+        judge: tuple[str, float] | None = None,
     ) -> None:
         self.plan = plan
         self.env_spec = env_spec
@@ -195,6 +215,8 @@ class AsyncProducer:
         self._close_engine = close_engine
         self.group_size = group_size
         self.partial_rollout = partial_rollout
+        self.judge = judge
+        """Dynamic sampling: (metric, tolerance) of ``judge_group``; None keeps every group."""
         self.version = 0
         """Weight version the engines serve (set by ``end_update``)."""
         self.pushed_step = -1
@@ -205,6 +227,12 @@ class AsyncProducer:
         self.produced = 0
         self.consumed = 0
         self.discarded = 0
+        self.dropped: Counter = Counter()
+        """Dynamic sampling: groups dropped by verdict (never buffered)."""
+        self.dropped_trajectories = 0
+        self.dropped_generated_tokens = 0
+        self.filler = 0
+        """Dynamic sampling: uninformative groups buffered because the drop budget was spent."""
         self.restarts = 0
         self.wasted_tokens = 0
         self.straddled_turns = 0
@@ -301,10 +329,12 @@ class AsyncProducer:
         """Every started group is in flight, buffered, consumed or discarded; none twice."""
         with self._cond:
             buffered = len(self._ready)
-        if self.produced != self.consumed + self.discarded + buffered:
+        dropped = self.dropped.total()
+        if self.produced != self.consumed + self.discarded + dropped + buffered:
             raise AssertionError(
                 f"async rollout accounting: produced {self.produced} != consumed "
-                f"{self.consumed} + discarded {self.discarded} + buffered {buffered}"
+                f"{self.consumed} + discarded {self.discarded} + dropped {dropped} + buffered "
+                f"{buffered}"
             )
         if self.produced > self.started:
             raise AssertionError(f"produced {self.produced} > started {self.started}")
@@ -312,7 +342,8 @@ class AsyncProducer:
     def summary(self) -> str:
         return (
             f"started {self.started}, produced {self.produced}, consumed {self.consumed}, "
-            f"discarded {self.discarded}, buffered {self.buffered()}, engines at step "
+            f"discarded {self.discarded}, dropped {self.dropped.total()}, buffered "
+            f"{self.buffered()}, engines at step "
             f"{self.pushed_step}"
         )
 
@@ -385,11 +416,12 @@ class AsyncProducer:
     def _may_start(self) -> bool:
         if self._updating or self.pushed_step < 0:
             return False
-        live = self.plan.first_group + self.started - self.discarded
+        freed = self.discarded + self.dropped.total()
+        live = self.plan.first_group + self.started - freed
         if live >= self.plan.limit(self.pushed_step):
             return False
         cap = self.plan.buffer_cap()
-        return cap is None or self.started - self.consumed - self.discarded < cap
+        return cap is None or self.started - self.consumed - freed < cap
 
     def _group_done(self, task: asyncio.Task) -> None:
         self._groups.discard(task)
@@ -405,9 +437,22 @@ class AsyncProducer:
         trajectories = await asyncio.gather(
             *(self._run_one(g, gid, i, seed) for i in range(self.group_size))
         )
+        verdict = (
+            GroupVerdict.INFORMATIVE
+            if self.judge is None
+            else judge_group(trajectories, *self.judge)
+        )
         with self._cond:
-            self._ready.append(FinishedGroup(g, list(trajectories), time.monotonic()))
             self.produced += 1
+            if verdict != GroupVerdict.INFORMATIVE:
+                if self.dropped.total() < self.plan.drop_budget(self.pushed_step):
+                    self.dropped[verdict] += 1
+                    self.dropped_trajectories += len(trajectories)
+                    self.dropped_generated_tokens += sum(sum(t.loss_mask) for t in trajectories)
+                    self._wake.set()  # its slot is free: the next prompt starts now
+                    return
+                self.filler += 1
+            self._ready.append(FinishedGroup(g, list(trajectories), time.monotonic()))
             self._cond.notify_all()
 
     async def _run_one(self, g: int, gid: str, i: int, seed: int) -> Trajectory:
@@ -467,7 +512,8 @@ def async_metrics(producer: AsyncProducer, taken: Taken, max_staleness: int) -> 
     step's discards, restarts and wasted tokens, straddled turns, the engine pool's failovers
     and requests moved off a stalled engine (cumulative), ``rollout.repack``'s counters
     (``Placement.stats``, cumulative), and trajectories and generated tokens per lag
-    0..max_staleness."""
+    0..max_staleness; with dynamic sampling, the groups dropped (by verdict), buffered as
+    filler, and the trajectories and generated tokens dropped (cumulative)."""
     out = {
         "async_started_groups": float(producer.started),
         "async_produced_groups": float(producer.produced),
@@ -483,6 +529,13 @@ def async_metrics(producer: AsyncProducer, taken: Taken, max_staleness: int) -> 
         "async_engine_failovers": float(getattr(producer.engine, "failovers", 0)),
         "async_moved_from_stalled": float(getattr(producer.engine, "moved_from_stalled", 0)),
     }
+    if producer.judge is not None:
+        out["async_dropped_groups"] = float(producer.dropped.total())
+        for verdict in (GroupVerdict.ALL_CORRECT, GroupVerdict.ALL_WRONG, GroupVerdict.OTHER):
+            out[f"async_dropped_{verdict}_groups"] = float(producer.dropped[verdict])
+        out["async_filler_groups"] = float(producer.filler)
+        out["async_dropped_trajectories"] = float(producer.dropped_trajectories)
+        out["async_dropped_generated_tokens"] = float(producer.dropped_generated_tokens)
     if producer.placement is not None:
         out.update(producer.placement.stats())
     lags = Counter(taken.lags)

@@ -6,7 +6,10 @@ One step, with the per-phase layouts of the run config:
                 ``rollout.engine``): sync its weights, generate this rank's share of the
                 prompts -- embedded: reshard policy -> R, agent loops on the engine in R
                 (trajectories on TP rank 0 of each replica); sglang: push weights if stale,
-                drive the servers from every rank. GRPO advantages where the groups are.
+                drive the servers from every rank. With ``rollout.dynamic_sampling``, groups
+                whose rewards are all equal are dropped and extra rounds of prompts drawn in
+                their place (``orchestration.dynamic_sampling``). GRPO advantages where the
+                groups are.
     experience  use_layout(E); reshard policy -> E; dispatch R -> E; old log-probs (only when
                 ``RunConfig.old_logprobs_pass``: several mini-batches, dropout, or
                 ``train.old_logprobs: always``) and, with ``train.loss.kl_coef > 0``, ref
@@ -58,6 +61,7 @@ from megatron_earl.orchestration.async_rollout import (
     async_metrics,
     group_ids,
 )
+from megatron_earl.orchestration.dynamic_sampling import DynamicSampler
 from megatron_earl.orchestration.engines import Rollout, rollout_backend_class
 from megatron_earl.orchestration.policy import Policy
 from megatron_earl.orchestration.rollout import PromptSet, agent_config, group_index
@@ -162,6 +166,13 @@ class RLLoop:
         """Steps in a row skipped for want of usable trajectories (``rollout.max_empty_steps``)."""
         self.usable = 0
         """Usable (OK) trajectories of the last step over all ranks."""
+        self.sampler: DynamicSampler | None = None
+        """``rollout.dynamic_sampling`` in the synchronous loop (the async producer filters
+        itself: ``_build_producer``)."""
+        if config.rollout.dynamic_sampling.enabled and config.rollout.mode == "sync":
+            self.sampler = DynamicSampler(config)
+        self.sampling_metrics: dict[str, float] = {}
+        """What dynamic sampling did in the last step (``dynamic_sampling/*``)."""
 
     def warm_start(self, env=None) -> None:
         """``config.sft.steps`` SFT steps on the master copy (``orchestration.sft``) on
@@ -390,6 +401,7 @@ class RLLoop:
         )
         selected: dict[str, float | str] = {}
         self.sync_stats = {}
+        self.sampling_metrics = {}
         with clock(Phase.ROLLOUT), self.heartbeat.activity(Activity.ROLLOUT):
             if self.selected(Phase.ROLLOUT):
                 lengths = (
@@ -407,10 +419,19 @@ class RLLoop:
                 trajs, source, groups = self._async_rollout()
             else:
                 trajs, source = self.rollout(prompts, agent)
+            drawn = trajs  # every trajectory generated (the rollout metrics cover them)
+            if self.sampler is not None:
+                drawn, trajs, sampling = self.sampler.fill(
+                    self.step,
+                    Rollout(trajs, source),
+                    lambda more: self._extra_rollout(more, agent),
+                    self._skip_floor(),
+                )
+                self.sampling_metrics = sampling.metrics()
 
         ok = [t for t in trajs if t.ok]
         if self._too_few(trajs, ok):
-            return self._skipped_step(trajs, clock, start, selected)
+            return self._skipped_step(drawn, clock, start, selected)
         self.empty_steps = 0
         with clock(Phase.EXPERIENCE), self.heartbeat.activity(Activity.EXPERIENCE):
             if cfg.rollout.mode != "async":
@@ -458,7 +479,16 @@ class RLLoop:
             "num_skipped_samples": float(skipped.num_samples),
             "num_skipped_tokens": float(skipped.num_tokens),
         }
-        return self._step_metrics(trajs, shown, train_metrics, clock, start, selected)
+        return self._step_metrics(drawn, shown, train_metrics, clock, start, selected)
+
+    def _extra_rollout(self, prompts: PromptSet, agent: AgentLoopConfig) -> Rollout:
+        """An extra round of dynamic sampling in the layout the step's rollout ran in; the sync
+        it may cost adds to the step's ``sync_stats``. Every rank calls."""
+        before = self.sync_stats
+        rolled = self.rollout(prompts, agent, self.active[Phase.ROLLOUT])
+        after = self.sync_stats
+        self.sync_stats = {k: before.get(k, 0.0) + after.get(k, 0.0) for k in before | after}
+        return rolled
 
     def _step_metrics(self, trajs, batch, train_metrics, clock, start, selected):
         """The metrics of a step (every rank calls: the rollout statistics are all-reduced)."""
@@ -480,6 +510,7 @@ class RLLoop:
         metrics["time/step"] = time.perf_counter() - start
         metrics.update({f"layout/{p}": str(lay) for p, lay in self.active.items()})
         metrics.update(selected)
+        metrics.update(self.sampling_metrics)
         metrics.update({f"sync/{k}": v for k, v in self.sync_stats.items()})
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
@@ -565,6 +596,7 @@ class RLLoop:
 
     def _build_producer(self) -> AsyncProducer:
         cfg = self.config
+        ds = cfg.rollout.dynamic_sampling
         plan = GroupPlan(
             cfg.batch.prompts_per_step,
             dist.get_rank(),
@@ -573,6 +605,9 @@ class RLLoop:
             max_buffered_groups=cfg.rollout.max_buffered_groups,
             seed=cfg.seed,
             first_step=self.step,  # a resumed run goes on with its step's prompts
+            max_dropped_per_step=ds.extra_prompt_cap(cfg.batch.prompts_per_step)
+            if ds.enabled
+            else 0,
         )
         # the per-group sampling seed replaces this config's (GroupPlan.sampling_seed)
         agent = agent_config(
@@ -608,6 +643,7 @@ class RLLoop:
             group_size=cfg.batch.samples_per_prompt,
             partial_rollout=cfg.rollout.partial_rollout,
             placement=placement,
+            judge=(ds.metric, ds.tolerance) if ds.enabled else None,
         )
 
     def stop_async(self) -> None:

@@ -27,10 +27,13 @@ class PromptSet:
     """One task seed per prompt."""
     tag: str
     """Prefix of group ids (e.g. "s12" for step 12, "eval")."""
+    first_index: int = 0
+    """Index of the first prompt's group: group ids are ``<tag>-<first_index + i>`` (a step's
+    extra rounds under ``rollout.dynamic_sampling`` continue its numbering)."""
 
     def tasks_for(self, replica: int, num_replicas: int) -> list[RolloutTask]:
         return [
-            RolloutTask(self.env, seed, group_id=f"{self.tag}-{i}")
+            RolloutTask(self.env, seed, group_id=f"{self.tag}-{self.first_index + i}")
             for i, seed in enumerate(self.seeds)
             if i % num_replicas == replica
         ]

@@ -1,7 +1,8 @@
 """The metrics contract of ``megatron_earl/docs/metrics.md``: the table under "Keys the RL loop
 writes" lists every key with the condition under which the loop emits it (``always``, ``eval``,
 ``selector``, ``sglang``, ``colocated``, ``reshard``, ``async``, ``repack``: ``rollout.repack``
-drain or repack).
+drain or repack, ``dynamic_sampling`` and ``async_dynamic_sampling``: ``rollout.dynamic_sampling``
+in the synchronous loop and in async mode).
 ``check_documented(records, conditions)`` asserts, for one run's metrics records, that every
 emitted key matches a documented key and every documented key of the run's conditions is
 emitted. The trainer's integration tests call it on the runs they make anyway.
@@ -13,7 +14,18 @@ import re
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "megatron_earl" / "docs" / "metrics.md"
-CONDITIONS = ("always", "eval", "selector", "sglang", "colocated", "reshard", "async", "repack")
+CONDITIONS = (
+    "always",
+    "eval",
+    "selector",
+    "sglang",
+    "colocated",
+    "reshard",
+    "async",
+    "repack",
+    "dynamic_sampling",
+    "async_dynamic_sampling",
+)
 PLACEHOLDERS = {"<phase>": r"[a-z_]+", "<i>": r"\d+"}
 
 

@@ -107,6 +107,34 @@ def test_every_metric_is_documented_and_every_documented_metric_is_emitted(full_
     assert any(skipped) and all(r["train/num_samples"] >= 2 for r in records), skipped
 
 
+def test_dynamic_sampling_run_accounts_for_every_group(tmp_path):
+    """The demo with ``rollout.dynamic_sampling`` on (2 steps, the selector choosing the rollout
+    layout too): at every step drawn = kept + dropped and the dropped groups add up by verdict;
+    every ``dynamic_sampling/*`` key is documented and emitted."""
+    overrides = [
+        *TINY,
+        "steps=2",
+        "eval.num_prompts=0",
+        "checkpoint.interval=0",
+        "rollout.dynamic_sampling.enabled=true",
+        "rollout.dynamic_sampling.max_extra_prompts=4",
+        f"output_dir={tmp_path}",
+        "name=dynamic",
+    ]
+    result = _run(ROOT / "configs" / "demo_cpu.yaml", overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _metrics(tmp_path / "dynamic")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        g = {k.split("/groups_")[1]: v for k, v in r.items() if "/groups_" in k}
+        assert g["drawn"] == g["kept"] + g["dropped"], g
+        by_verdict = g["dropped_all_correct"] + g["dropped_all_wrong"] + g["dropped_other"]
+        assert g["dropped"] == by_verdict + g["surplus"], g
+        assert g["missing"] == 4 - (g["kept"] - g["filler"]), g
+        assert 4 <= g["drawn"] <= 4 + 4 and r["rollout/trajectories"] == 4 * g["drawn"]
+    check_documented(records, {"dynamic_sampling"})
+
+
 def test_sigkill_mid_step_resumes_to_identical_metrics(full_run, tmp_path):
     demo = ROOT / "configs" / "demo_cpu.yaml"
     reference = _metrics(full_run)
@@ -230,6 +258,10 @@ def test_trained_policy_exports_to_hf_with_identical_greedy_tokens(full_run, tmp
         # issue 22 item 9: env.kwargs were only used after the processes started
         (["env.kwargs.dificulty=3"], "unexpected keyword argument 'dificulty'"),
         (["env.kwargs.difficulty=hard"], "env.kwargs {'difficulty': 'hard'}: constructing"),
+        (
+            ["rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.metric=acc"],
+            "rollout.dynamic_sampling.metric 'acc' is not a reward of this run",
+        ),
     ],
 )
 def test_bad_config_fails_before_any_process_group(tmp_path, overrides, fragment):

@@ -286,12 +286,14 @@ ASYNC_COUNTS = ("started", "produced", "consumed", "discarded", "buffered", "in_
 
 
 def _check_accounting(records: list[dict], groups_per_step: int, max_staleness: int) -> None:
-    """Every group produced is consumed, discarded or buffered; a step takes exactly its groups;
+    """Every group produced is consumed, discarded, dropped (``rollout.dynamic_sampling``) or
+    buffered; a step takes exactly its groups;
     every taken trajectory is at most max_staleness steps old; its trainable tokens all train
     unless the zero-advantage skip left samples out (``train/num_skipped_samples``)."""
     for step, r in enumerate(records, start=1):
         c = {k: r[f"rollout/async_{k}_groups"] for k in ASYNC_COUNTS}
-        assert c["produced"] == c["consumed"] + c["discarded"] + c["buffered"], (step, c)
+        dropped = r.get("rollout/async_dropped_groups", 0.0)
+        assert c["produced"] == c["consumed"] + c["discarded"] + dropped + c["buffered"], (step, c)
         assert c["started"] == c["produced"] + c["in_flight"], (step, c)
         assert c["consumed"] == step * groups_per_step, (step, c)
         lags = [r[f"rollout/staleness_traj_lag{i}"] for i in range(max_staleness + 1)]
@@ -346,6 +348,31 @@ def test_async_restart_with_staleness_1_loses_and_repeats_no_group(servers, tmp_
     _check_accounting(records, groups_per_step=4, max_staleness=1)
     assert records[-1]["rollout/async_started_groups"] > 3 * 4  # admitted a step ahead
     assert any(r["rollout/staleness_traj_lag1"] > 0 for r in records[1:])
+
+
+def test_async_dynamic_sampling_drops_equal_groups_and_accounts_for_them(servers, tmp_path):
+    """rollout.dynamic_sampling with max_staleness 1: the producers buffer informative groups
+    only, a dropped group frees its slot for the next prompt, and past each rank's drop budget
+    (its share of max_extra_prompts per step) uninformative groups are buffered as filler, so the
+    run completes even though a random policy's groups are all wrong. The counts add up at every
+    step: produced = consumed + discarded + dropped + buffered, each step takes its 4 groups."""
+    records = _train(
+        servers,
+        tmp_path,
+        "dynamic",
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.dynamic_sampling.enabled=true",
+        "rollout.dynamic_sampling.max_extra_prompts=4",
+        steps=2,
+    )
+    _check_accounting(records, groups_per_step=4, max_staleness=1)
+    last = records[-1]
+    kinds = ("all_correct", "all_wrong", "other")
+    by_verdict = sum(last[f"rollout/async_dropped_{k}_groups"] for k in kinds)
+    assert last["rollout/async_dropped_groups"] == by_verdict > 0
+    assert last["rollout/async_dropped_trajectories"] == 4 * last["rollout/async_dropped_groups"]
+    check_documented(records, {"sglang", "async", "async_dynamic_sampling"})
 
 
 def test_async_repack_runs_every_trajectory_on_one_version(servers, tmp_path):

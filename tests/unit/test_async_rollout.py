@@ -166,3 +166,48 @@ def test_async_config_bad_input_is_named():
     problems = "\n".join(run_problems(config, 2))
     assert "rollout.mode=async needs rollout.engine=sglang" in problems
     assert "max_buffered_groups (3) < batch.prompts_per_step (8)" in problems
+
+
+def test_dynamic_sampling_drops_uninformative_groups_within_the_budget():
+    """``rollout.dynamic_sampling`` in async mode: an uninformative group is dropped (counted by
+    verdict, its slot freed for the next prompt) until the rank's drop budget for the steps
+    admitted is spent; later ones are buffered as filler, so the step still fills."""
+    from megatron_earl.orchestration.dynamic_sampling import GroupVerdict
+
+    plan = GroupPlan(2, 0, 1, max_dropped_per_step=1)  # quota 2; 1 drop per step admitted
+    assert [plan.drop_budget(s) for s in range(3)] == [1, 2, 3]
+    assert GroupPlan(8, 1, 2, max_dropped_per_step=5, max_staleness=1).drop_budget(0) == 6
+    producer = AsyncProducer(plan, {}, None, None, None, group_size=2, judge=("reward", 0.0))
+    producer.pushed_step, producer.version_step = 0, {0: 0}
+    rewards = {0: (1.0, 1.0), 1: (0.0, 1.0), 2: (0.0, 0.0), 3: (1.0, 0.0)}
+
+    async def run_one(g, gid, i, seed):
+        traj = _traj(gid, i, [(3, 0)])
+        traj.reward = rewards[g][i]
+        return traj
+
+    async def main() -> None:
+        producer._wake = asyncio.Event()
+        producer._run_one = run_one
+        for g in range(2):
+            producer.started += 1
+            await producer._run_group(g)
+        assert producer._wake.is_set()  # the drop woke the producer
+        assert producer._may_start()  # 2 started, 1 dropped: 1 live < limit 2
+        for g in range(2, 4):
+            producer.started += 1
+            await producer._run_group(g)
+
+    asyncio.run(main())
+    assert producer.dropped == {GroupVerdict.ALL_CORRECT: 1}  # group 2: over the budget
+    assert [g.index for g in producer._ready] == [1, 2, 3] and producer.filler == 1
+    producer.check_accounting()
+    taken = producer.take(step=0, timeout_s=1.0)
+    assert [g.index for g in taken.groups] == [1, 2]
+    metrics = async_metrics(producer, taken, max_staleness=0)
+    assert metrics["async_dropped_groups"] == metrics["async_dropped_all_correct_groups"] == 1
+    assert metrics["async_dropped_all_wrong_groups"] == 0 and metrics["async_filler_groups"] == 1
+    assert metrics["async_dropped_trajectories"] == 2
+    assert metrics["async_dropped_generated_tokens"] == 6
+    producer.check_accounting()
+    assert "async_dropped_groups" not in async_metrics(_producer(k=0), taken, max_staleness=0)
