@@ -313,6 +313,10 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.kv_channels": args.kv_channels,
         "model.vocab_size": args.vocab_size,
         "model.make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
+        # Megatron-LM pads to the divisor x its TP: the same vocabulary (and checkpoints) as the
+        # recipe's Megatron-LM run, in every layout here.
+        "model.vocab_padding": "megatron-lm",
+        "model.vocab_padding_tp": tp,
         "model.max_position_embeddings": args.max_position_embeddings or args.seq_length,
         "model.rotary_base": float(args.rotary_base),
         **rope_tree,

@@ -1,10 +1,12 @@
 """Typed model config for Llama/Qwen-family GPT models, and the one place that builds Megatron's
 ``TransformerConfig`` from it.
 
-The global shapes (and so the checkpoint) never depend on the parallel layout: the vocabulary is
-padded to a multiple of ``make_vocab_size_divisible_by`` only (Megatron-LM also multiplies by TP;
-we do not, so a model can switch between TP sizes without changing shape). A layout whose TP does
-not divide the padded vocabulary is rejected by ``validate_for_parallel``.
+The global shapes (and so the checkpoint) never depend on the parallel layout. The vocabulary is
+padded by ``vocab_padding``: "earl" (default) to a multiple of ``make_vocab_size_divisible_by``;
+"megatron-lm" to a multiple of ``make_vocab_size_divisible_by`` x ``vocab_padding_tp``,
+Megatron-LM's rule at the TP of the Megatron-LM run (Llama-3's 128256 at 128 x TP8: 129024), fixed
+for every layout here so a model still switches TP sizes without changing shape. A layout whose TP
+does not divide the padded vocabulary is rejected by ``validate_for_parallel``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from megatron_earl.config.vocab import TransformerImpl
+from megatron_earl.config.vocab import TransformerImpl, VocabPadding
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +86,12 @@ class ModelConfig:
     """Tokenizer vocabulary size before padding."""
     make_vocab_size_divisible_by: int = 64
     """Pad the embedding/output vocabulary up to a multiple of this (1 = no padding)."""
+    vocab_padding: VocabPadding = VocabPadding.EARL
+    """Padding rule: "earl" (a multiple of make_vocab_size_divisible_by) or "megatron-lm" (a
+    multiple of make_vocab_size_divisible_by x vocab_padding_tp, as Megatron-LM pads)."""
+    vocab_padding_tp: int | None = None
+    """"megatron-lm" padding only (required there): the tensor-parallel size of the Megatron-LM
+    run whose vocabulary to match; the shape stays the same in every layout here."""
     max_position_embeddings: int = 4096
     """Longest sequence RoPE is prepared for (rotary tables grow on demand beyond it)."""
     rotary_base: float = 10000.0
@@ -179,6 +187,7 @@ class ModelConfig:
             object.__setattr__(self, "transformer_impl", TransformerImpl(self.transformer_impl))
         except ValueError as err:
             raise ModelConfigError(f"transformer_impl: {err}") from None
+        self._check_vocab_padding()
         if self.attention_backend not in ATTENTION_BACKENDS:
             hint = (
                 "; Transformer Engine is chosen by model.transformer_impl"
@@ -198,6 +207,23 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ModelConfigError(f"{name} ({getattr(self, name)}) must be in [0, 1)")
         self._check_rope()
+
+    def _check_vocab_padding(self) -> None:
+        try:
+            object.__setattr__(self, "vocab_padding", VocabPadding(self.vocab_padding))
+        except ValueError as err:
+            raise ModelConfigError(f"vocab_padding: {err}") from None
+        tp = self.vocab_padding_tp
+        if self.vocab_padding == VocabPadding.MEGATRON_LM and (tp is None or tp < 1):
+            raise ModelConfigError(
+                f"vocab_padding 'megatron-lm' pads to make_vocab_size_divisible_by x the TP of the "
+                f"Megatron-LM run: set vocab_padding_tp to that TP (>= 1), got {tp}"
+            )
+        if self.vocab_padding == VocabPadding.EARL and tp is not None:
+            raise ModelConfigError(
+                f"vocab_padding_tp ({tp}) is read by vocab_padding 'megatron-lm' only (it is "
+                "'earl'): set it to null, or vocab_padding to megatron-lm"
+            )
 
     def _check_rope(self) -> None:
         """``rope_type`` known, its required fields set, no field of another type set; fills the
@@ -262,8 +288,9 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.make_vocab_size_divisible_by
-        return int(math.ceil(self.vocab_size / m) * m)
+        return padded_vocab_size(
+            self.vocab_size, self.make_vocab_size_divisible_by, self.vocab_padding_tp or 1
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -296,8 +323,8 @@ class ModelConfig:
         if self.padded_vocab_size % tp:
             problems.append(
                 f"padded vocab ({self.padded_vocab_size} = vocab_size {self.vocab_size} padded to "
-                f"a multiple of make_vocab_size_divisible_by {self.make_vocab_size_divisible_by}) "
-                f"% tp ({tp}) != 0; set make_vocab_size_divisible_by to a multiple of {tp}"
+                f"a multiple of {self.vocab_multiple_text()}) % tp ({tp}) != 0; set "
+                f"make_vocab_size_divisible_by to a multiple of {tp}"
             )
         chunks = pp * (vpp or 1)
         if self.num_layers % chunks:
@@ -305,10 +332,27 @@ class ModelConfig:
         if problems:
             raise ModelConfigError("model does not fit the parallel layout: " + "; ".join(problems))
 
+    def vocab_multiple_text(self) -> str:
+        """What the vocabulary is padded to a multiple of, in words (for messages)."""
+        text = f"make_vocab_size_divisible_by {self.make_vocab_size_divisible_by}"
+        if self.vocab_padding == VocabPadding.MEGATRON_LM:
+            text += f" x vocab_padding_tp {self.vocab_padding_tp} (Megatron-LM's rule)"
+        return text
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (vocabulary members as their strings): YAML/JSON safe."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return out | {"transformer_impl": self.transformer_impl.value}
+        return out | {
+            "transformer_impl": self.transformer_impl.value,
+            "vocab_padding": self.vocab_padding.value,
+        }
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by`` x ``tp``: Megatron-LM's rule
+    (``_vocab_size_with_padding``) at TP ``tp``; this project's "earl" rule is ``tp`` = 1."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def sequence_parallel_size(model: ModelConfig, tp: int) -> int:

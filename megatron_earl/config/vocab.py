@@ -1,7 +1,7 @@
 """The words the code uses everywhere, defined once: the phases of an RL step, the rollout
 engine kinds, when old log-probs are computed, the transformer-layer implementations, the weight
 update protocols and their distributed load formats, the memory tags of colocated engines and
-the pause modes, the activities a rank's heartbeat reports. Use the
+the pause modes, the activities a rank's heartbeat reports, the vocabulary padding rules. Use the
 members (``Phase.TRAIN``), never the bare strings: a typo then fails at import, not at step 300.
 
     from megatron_earl.config.vocab import Phase
@@ -182,6 +182,17 @@ class RepackPolicy(Vocabulary):
     REPACK = "repack"
     """Drain, and the few trajectories left on a draining engine move to another engine on the
     same version, so the freed engine is loaded and starts new prompts."""
+
+
+class VocabPadding(Vocabulary):
+    """How the embedding/output vocabulary is padded (``model.vocab_padding``;
+    ``config.model.padded_vocab_size``)."""
+
+    EARL = "earl"
+    """To a multiple of ``make_vocab_size_divisible_by``: the same shape in every layout."""
+    MEGATRON_LM = "megatron-lm"
+    """Megatron-LM's rule: to a multiple of ``make_vocab_size_divisible_by`` x the tensor-parallel
+    size of the Megatron-LM run (``model.vocab_padding_tp``), fixed for every layout here."""
 
 
 class Fanout(Vocabulary):

@@ -34,8 +34,12 @@ def is_hf_dir(path: str | Path) -> bool:
     return (p / "config.json").is_file() and has_weights
 
 
-def load_initial_weights(model_chunks: list[nn.Module], path: str | Path) -> str:
+def load_initial_weights(
+    model_chunks: list[nn.Module], path: str | Path, model_config: ModelConfig | None = None
+) -> str:
     """Load ``path`` into this rank's chunks; returns "hf" or "mcore" (what was detected).
+    ``model_config`` (the run's ``ModelConfig``): a Megatron checkpoint's ``args`` are checked
+    against it, so a padding or shape difference names both values and the keys that fix it.
 
     Which ranks call: every rank of the world (a Megatron checkpoint load is collective; the HF
     path is local but every rank must load its own shards).
@@ -48,7 +52,7 @@ def load_initial_weights(model_chunks: list[nn.Module], path: str | Path) -> str
         return "hf"
     from megatron_earl.training.checkpoint import load_model_weights, resolve_checkpoint
 
-    load_model_weights(model_chunks, resolve_checkpoint(p))
+    load_model_weights(model_chunks, resolve_checkpoint(p), model_config)
     return "mcore"
 
 

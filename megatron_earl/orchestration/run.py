@@ -77,7 +77,9 @@ def train(
         if rank0:
             ckpt.clean_incomplete(config.checkpoint_dir)
         dist.barrier(group=host_group())
-        state = ckpt.load_checkpoint(source, policy.ddp_chunks, policy.optimizer)
+        state = ckpt.load_checkpoint(
+            source, policy.ddp_chunks, policy.optimizer, model_config=config.model
+        )
         loop.step = int(state.data_state.get("step", state.step))
         policy.version = state.weight_version
         if loop.selection is not None and state.data_state.get("selector"):
@@ -96,7 +98,9 @@ def train(
             # layout); the run starts at step 0 with a fresh optimizer.
             from megatron_earl.convert.initial import load_initial_weights
 
-            kind = load_initial_weights(policy.ddp_chunks, config.checkpoint.load)
+            kind = load_initial_weights(
+                policy.ddp_chunks, config.checkpoint.load, model_config=config.model
+            )
             summary["initial_weights"] = f"{kind}:{config.checkpoint.load}"
         if config.sft.steps:
             with heartbeat.activity(Activity.SFT):
@@ -194,7 +198,7 @@ def _load_reference(loop: RLLoop, config: RunConfig) -> None:
             f"checkpoint.load={config.checkpoint_dir} to use the resumed weights as reference"
         )
     with loop.reference.in_layout():
-        ckpt.load_model_weights(loop.reference.chunks, path)
+        ckpt.load_model_weights(loop.reference.chunks, path, model_config=config.model)
     loop.reference.loaded = True
 
 

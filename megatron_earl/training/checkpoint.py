@@ -4,11 +4,21 @@
     state = load_checkpoint(cfg.dir, ddp_chunks, optimizer)    # follows 'latest'
 
 ``cfg`` is the run config's ``CheckpointConfig`` (``config.run``) with ``dir`` set. On disk
-(``dir``)::
+(``dir``), Megatron-LM's layout::
 
     iter_0000010/          a complete dist_checkpointing (torch_dist) directory + run_metadata.json
     iter_0000020.tmp/      a save in progress (or interrupted): ignored, removed by clean_incomplete
     latest                 "iter_0000010", replaced by atomic rename once a new directory is final
+    latest_checkpointed_iteration.txt   "10": Megatron-LM's tracker, written the same way
+
+Megatron-LM interop (``training/checkpoint_interop.py``): ``common.pt`` carries Megatron-LM's
+``args`` (an ``argparse.Namespace``: parallel sizes, model shape, padded vocabulary, ...),
+``iteration`` and ``checkpoint_version``, so Megatron-LM's loader reads our checkpoints; and
+``load_checkpoint`` reads a checkpoint Megatron-LM wrote (its tracker, ``iter_*`` or ``release``
+directory and ``args``: weights and iteration; its optimizer and RNG formats are not ours). A
+config that does not describe the model being saved is refused before anything is written; a
+checkpoint whose args do not describe the model loading it (another vocabulary padding rule or
+TP for the rule, another shape) is refused naming both values and the config key that fixes it.
 
 What a checkpoint holds: every model chunk's ``sharded_state_dict()`` (keys independent of the
 layout), the Megatron optimizer's ``sharded_state_dict(model_sd)`` (plain optimizer: sharded like
@@ -25,8 +35,9 @@ layout and world size (``ResumeState.rng_restored`` says which happened). See
 megatron_earl/docs/checkpoints.md for the megatron-core 0.16.1 details.
 
 Atomicity: all ranks write into ``iter_N.tmp/``; rank 0 then fsyncs every file and the directory,
-renames it to ``iter_N/``, writes ``latest.tmp``, fsyncs and renames it to ``latest``. A crash at
-any point leaves ``latest`` naming the previous complete checkpoint. Retention keeps the last
+renames it to ``iter_N/``, and writes each tracker (``latest``, then Megatron-LM's) to a ``.tmp``
+file, fsyncs and renames it over the tracker. A crash at any point leaves each tracker naming a
+complete checkpoint (the previous one, or the new one). Retention keeps the last
 ``keep_last`` checkpoints (0: all) plus every step divisible by ``keep_every``.
 
 ``dist_checkpointing.save`` normally starts a *spawned* multiprocessing manager, which re-imports
@@ -69,6 +80,7 @@ from megatron_earl.redistribute.optimizer_state import (
     sub_optimizers,
     torch_optimizer,
 )
+from megatron_earl.training import checkpoint_interop as interop
 from megatron_earl.training.setup import fuse_torch_adam
 
 COMMON_KEY = "megatron_earl"
@@ -123,26 +135,56 @@ def complete_steps(save_dir: str | Path) -> list[int]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The ``iter_*`` (or any dist_checkpointing) directory ``path`` names: itself, or via
-    ``latest`` (falling back to the newest complete ``iter_*``) for a run directory."""
+    """The ``iter_*`` (or any dist_checkpointing) directory ``path`` names: itself, or for a save
+    root the one its trackers name (``latest``, Megatron-LM's ``latest_checkpointed_iteration.txt``;
+    the newer if they differ), falling back to the newest complete ``iter_*``."""
     p = Path(path)
     if (p / "metadata.json").is_file():
         return p
     if not p.exists():
         raise CheckpointError(f"checkpoint path {p} does not exist")
-    latest = p / LATEST
-    if latest.is_file():
-        target = p / latest.read_text().strip()
-        if (target / "metadata.json").is_file():
-            return target
-        raise CheckpointError(f"{latest} names {target}, which is not a complete checkpoint")
+    named = []
+    for tracker, name in ((LATEST, _read(p / LATEST)), (interop.TRACKER, _tracked(p))):
+        if name is None:
+            continue
+        if not (p / name / "metadata.json").is_file():
+            raise CheckpointError(
+                f"{p / tracker} names {p / name}, which is not a complete checkpoint"
+            )
+        named.append(p / name)
+    if named:
+        return max(named, key=lambda d: _step_of(d.name))
     steps = complete_steps(p)
     if steps:
         return p / iter_dir_name(steps[-1])
     raise CheckpointError(
         f"no checkpoint at {p}: expected a dist_checkpointing directory (metadata.json), a "
-        f"'{LATEST}' file or {_PREFIX}NNNNNNN/ directories"
+        f"'{LATEST}' or '{interop.TRACKER}' file, or {_PREFIX}NNNNNNN/ directories"
     )
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text().strip() if path.is_file() else None
+
+
+def _tracked(save_dir: Path) -> str | None:
+    """The directory Megatron-LM's tracker names, None without one."""
+    text = _read(save_dir / interop.TRACKER)
+    if text is None:
+        return None
+    name = interop.tracker_dir_name(text)
+    if name is None:
+        raise CheckpointError(
+            f"{save_dir / interop.TRACKER} holds {text!r}: neither an iteration number nor "
+            f"'{interop.RELEASE}'"
+        )
+    return name
+
+
+def _step_of(name: str) -> int:
+    """The step of an ``iter_*`` directory name; 0 for any other (Megatron-LM's ``release``)."""
+    tail = name[len(_PREFIX) :]
+    return int(tail) if name.startswith(_PREFIX) and tail.isdigit() else 0
 
 
 # ----------------------------------------------------------------------------- file system
@@ -180,19 +222,25 @@ def clean_incomplete(save_dir: str | Path) -> list[Path]:
 
 
 def _publish(tmp: Path, final: Path, save_dir: Path) -> None:
-    """Make ``tmp`` the checkpoint ``final`` and point ``latest`` at it (rank 0)."""
+    """Make ``tmp`` the checkpoint ``final`` and point both trackers at it (rank 0)."""
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_path(save_dir)
-    latest_tmp = save_dir / f"{LATEST}.tmp"
-    with open(latest_tmp, "w") as f:
-        f.write(final.name + "\n")
+    _write_atomic(save_dir / LATEST, final.name + "\n")
+    _write_atomic(save_dir / interop.TRACKER, str(_step_of(final.name)))  # as Megatron-LM writes
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` through a fsynced ``.tmp`` file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(latest_tmp, save_dir / LATEST)
-    _fsync_path(save_dir)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
 
 
 def _apply_retention(save_dir: Path, keep_last: int, keep_every: int, newest: int) -> None:
@@ -340,7 +388,11 @@ def _separate_adam_steps(optimizer: Any) -> None:
 
 
 def _model_sharded_state_dict(chunks: list[nn.Module]) -> dict[str, Any]:
-    return {f"model{i}": unwrap_chunk(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    """Every chunk's sharded state dict under Megatron-LM's key (``interop.model_key``)."""
+    n = len(chunks)
+    return {
+        interop.model_key(i, n): unwrap_chunk(c).sharded_state_dict() for i, c in enumerate(chunks)
+    }
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -361,12 +413,22 @@ def save_checkpoint(
     """Save ``iter_<step>`` atomically under ``config.dir`` and apply retention.
 
     ``data_state`` (JSON-like, the same on every rank) is the data position to resume from.
+    ``model_config`` (the config the model was built from) gives Megatron-LM's ``args`` the
+    vocabulary and RoPE settings; when it does not describe the model (``interop.save_problems``)
+    nothing is written and ``CheckpointError`` names each difference.
     Which ranks call: every rank of the world (``dist_checkpointing.save`` is collective).
     """
     from megatron.core.dist_checkpointing import serialization
 
     if config.dir is None:
         raise CheckpointError("CheckpointConfig.dir is None: nowhere to save")
+    facts = interop.model_args(unwrap_chunk(model_chunks[0]))
+    problems = interop.save_problems(facts, model_config)  # the same verdict on every rank
+    if problems:
+        raise CheckpointError(
+            f"not saving step {step} to {config.dir}: the model config does not describe the "
+            "model (the checkpoint's Megatron-LM args would be wrong): " + "; ".join(problems)
+        )
     save_dir = Path(config.dir)
     final = save_dir / iter_dir_name(step)
     tmp = save_dir / f"{final.name}.tmp"
@@ -395,6 +457,9 @@ def save_checkpoint(
             state["optimizer"] = optimizer.sharded_state_dict(dict(state), metadata=meta)
     state["rng_state"] = _rng_object(_rng_state())
     state[COMMON_KEY] = info
+    state["args"] = interop.megatron_lm_args(facts, model_config, layout, step)
+    state["iteration"] = step
+    state["checkpoint_version"] = interop.CHECKPOINT_VERSION
     started = time.time()
     with (
         _allow_child_processes(),
@@ -419,10 +484,15 @@ def save_checkpoint(
 
 
 def read_common(path: str | Path) -> dict[str, Any]:
-    """This project's common metadata of a checkpoint (step, layout, ...). Local."""
-    ckpt = resolve_checkpoint(path)
-    common = torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
-    return common.get(COMMON_KEY, {})
+    """This project's common metadata of a checkpoint (step, layout, ...); empty for one
+    Megatron-LM wrote. Local."""
+    return _common_pt(resolve_checkpoint(path)).get(COMMON_KEY, {})
+
+
+def _common_pt(ckpt: Path) -> dict[str, Any]:
+    """The whole ``common.pt`` (Megatron-LM's ``args``, ``iteration``, ours under
+    ``COMMON_KEY``)."""
+    return torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
 
 
 def load_checkpoint(
@@ -432,18 +502,32 @@ def load_checkpoint(
     *,
     load_optimizer: bool = True,
     load_rng: bool = True,
+    model_config: Any = None,
 ) -> ResumeState:
     """Load model (any layout), optimizer (if given, saved and ``load_optimizer``) and RNG
-    (same layout only) from ``path`` (a run directory or one ``iter_*`` directory).
+    (same layout only) from ``path`` (a run directory or one ``iter_*`` directory). A checkpoint
+    Megatron-LM wrote gives the weights and its iteration (its optimizer and RNG formats are not
+    ours). A checkpoint whose ``args`` do not describe these chunks (vocabulary padding, shape)
+    raises ``CheckpointError`` naming both values and the config key that fixes it;
+    ``model_config`` (the config the chunks were built from) names their padding rule there.
 
     Which ranks call: every rank of the world.
     """
     from megatron.core.dist_checkpointing import serialization
 
     ckpt = resolve_checkpoint(path)
-    info = read_common(ckpt)
+    common = _common_pt(ckpt)
+    info = common.get(COMMON_KEY, {})
+    if common.get("args") is not None:  # the same verdict on every rank
+        facts = interop.model_args(unwrap_chunk(model_chunks[0]))
+        problems = interop.load_problems(
+            common["args"], facts, model_config, info.get("model_config")
+        )
+        if problems:
+            raise CheckpointError(f"{ckpt} does not fit this model: " + "; ".join(problems))
+    ours = COMMON_KEY in common
     has_optimizer = any(k.startswith("optimizer.") for k in _tensor_keys(ckpt))
-    want_optimizer = optimizer is not None and load_optimizer and has_optimizer
+    want_optimizer = ours and optimizer is not None and load_optimizer and has_optimizer
     same_layout = info.get("layout") == _layout()
     want_rng = load_rng and same_layout
     state: dict[str, Any] = _model_sharded_state_dict(model_chunks)
@@ -459,7 +543,7 @@ def load_checkpoint(
         state["rng_state"] = _rng_object(None)
     loaded = serialization.load(state, str(ckpt))
     for i, chunk in enumerate(model_chunks):
-        unwrap_chunk(chunk).load_state_dict(loaded[f"model{i}"])
+        unwrap_chunk(chunk).load_state_dict(loaded[interop.model_key(i, len(model_chunks))])
     if want_optimizer:
         with cpu_redirect.when_applied(), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
@@ -467,9 +551,10 @@ def load_checkpoint(
             fuse_torch_adam(optimizer)  # the saved groups' ``fused`` came back with them
     if want_rng:
         _set_rng_state(loaded["rng_state"])
+    iteration = 0 if ckpt.name == interop.RELEASE else common.get("iteration", 0)
     return ResumeState(
         path=ckpt,
-        step=int(info.get("step", 0)),
+        step=int(info.get("step", iteration)),
         weight_version=int(info.get("weight_version", 0)),
         data_state=dict(info.get("data_state") or {}),
         optimizer_restored=want_optimizer,
@@ -478,9 +563,14 @@ def load_checkpoint(
     )
 
 
-def load_model_weights(model_chunks: list[nn.Module], path: str | Path) -> None:
-    """Model weights only (e.g. an initial checkpoint). Which ranks call: every rank."""
-    load_checkpoint(path, model_chunks, None, load_optimizer=False, load_rng=False)
+def load_model_weights(
+    model_chunks: list[nn.Module], path: str | Path, model_config: Any = None
+) -> None:
+    """Model weights only (e.g. an initial checkpoint, ours or Megatron-LM's). Which ranks call:
+    every rank."""
+    load_checkpoint(
+        path, model_chunks, None, load_optimizer=False, load_rng=False, model_config=model_config
+    )
 
 
 def _tensor_keys(ckpt: Path) -> list[str]:

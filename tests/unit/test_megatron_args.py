@@ -62,6 +62,8 @@ def test_qwen25_7b_recipe_maps_onto_run_config(tmp_path):
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (28, 3584, 18944)
     assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (28, 4, 128)
     assert (m.vocab_size, m.make_vocab_size_divisible_by) == (152064, 128)
+    # Megatron-LM's padding at the recipe's TP (4): its vocabulary and checkpoints round-trip
+    assert (m.vocab_padding, m.vocab_padding_tp, m.padded_vocab_size) == ("megatron-lm", 4, 152064)
     assert m.max_position_embeddings == 32768 and m.rotary_base == 1e6 and m.norm_epsilon == 1e-6
     assert m.add_qkv_bias and not m.qk_layernorm and not m.tie_embeddings
     assert m.params_dtype == "bfloat16" and m.recompute_granularity == "full"
@@ -189,3 +191,10 @@ def test_every_flag_is_documented():
     flags = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")]
     missing = [f for f in flags if f"`{f}" not in doc and f != "--help"]
     assert not missing, f"flags missing from docs/megatron_args.md: {missing}"
+
+
+def test_recipe_can_opt_out_of_megatron_lm_vocab_padding(tmp_path):
+    opt_out = " model.vocab_padding=earl model.vocab_padding_tp=null"
+    args = _parse(QWEN25_7B_RECIPE + EARL + opt_out, load=tmp_path)
+    m = config_from_megatron_args(args, world_size=32).model
+    assert (m.vocab_padding, m.vocab_padding_tp) == ("earl", None)

@@ -29,6 +29,8 @@ RUN_ONLY = {
     "attention_backend",
     "cp_comm_type",
     "sequence_parallel",
+    "vocab_padding",  # Megatron-LM's rule at the recipe's TP (an HF config.json has no TP)
+    "vocab_padding_tp",
 }
 # Fields compared by their effective value: kv_channels None means hidden / heads, and
 # num_query_groups None means one group per head.

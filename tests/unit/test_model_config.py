@@ -79,6 +79,44 @@ def test_vocab_padding_is_layout_independent():
     assert "padded vocab (1001" in str(err.value) and "% tp (2)" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "vocab,divisor,tp,padded",
+    [
+        (128256, 128, 1, 128256),  # Llama-3: a multiple of 128 already
+        (128256, 128, 8, 129024),  # Megatron-LM at TP8: a multiple of 1024
+        (152064, 128, 4, 152064),  # Qwen2.5-7B at TP4: a multiple of 512 already
+        (100, 8, 2, 112),
+        (100, 8, 4, 128),
+    ],
+)
+def test_megatron_lm_vocab_padding_multiplies_by_its_tp(vocab, divisor, tp, padded):
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=divisor,
+        vocab_padding="megatron-lm",
+        vocab_padding_tp=tp,
+    )
+    assert cfg.padded_vocab_size == padded
+    assert cfg.to_dict()["vocab_padding"] == "megatron-lm"
+    earl = ModelConfig(vocab_size=vocab, make_vocab_size_divisible_by=divisor)
+    assert earl.padded_vocab_size == -(-vocab // divisor) * divisor
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"vocab_padding": "megatron-lm"}, "set vocab_padding_tp to that TP (>= 1), got None"),
+        ({"vocab_padding": "megatron-lm", "vocab_padding_tp": 0}, "got 0"),
+        ({"vocab_padding_tp": 8}, "vocab_padding_tp (8) is read by vocab_padding 'megatron-lm'"),
+        ({"vocab_padding": "mlm"}, "unknown VocabPadding 'mlm'; valid: earl, megatron-lm"),
+    ],
+)
+def test_vocab_padding_settings_are_validated(kwargs, fragment):
+    with pytest.raises(ModelConfigError) as err:
+        ModelConfig(**kwargs)
+    assert fragment in str(err.value)
+
+
 def test_parallel_validation_reports_every_problem():
     cfg = ModelConfig(num_layers=3, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96)
     with pytest.raises(ModelConfigError) as err:
