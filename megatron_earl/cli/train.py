@@ -171,20 +171,27 @@ def _report(message: str) -> None:
 
 def _start_watchdog(config: RunConfig, heartbeat):
     """This rank's hang watchdog (``orchestration.watchdog``; None when
-    ``runtime.watchdog_timeout_s`` is null). Every rank calls (agrees on the launch token)."""
+    ``runtime.watchdog_timeout_s`` is null); its board is the job's rendezvous store, so the run
+    directory may be node-local. Every rank calls (agrees on the launch token)."""
     import torch.distributed as dist
 
-    from megatron_earl.orchestration.watchdog import Watchdog, launch_token
+    from megatron_earl.orchestration.watchdog import (
+        StoreBoard,
+        Watchdog,
+        launch_token,
+        rendezvous_store,
+    )
 
-    if config.runtime.watchdog_timeout_s is None:
+    timeout_s = config.runtime.watchdog_timeout_s
+    if timeout_s is None:
         return None
+    store = rendezvous_store(timeout_s=min(max(timeout_s / 5, 1.0), 10.0))
     return Watchdog(
-        config.run_dir / "heartbeat",
+        StoreBoard(store, launch=launch_token()),
         dist.get_rank(),
         dist.get_world_size(),
-        timeout_s=config.runtime.watchdog_timeout_s,
+        timeout_s=timeout_s,
         heartbeat=heartbeat,
-        launch=launch_token(),
         on_stuck=_stop_job,
     ).start()
 

@@ -3,36 +3,41 @@ heartbeat stops (a stopped or frozen process) makes its neighbour stop the job w
 that names it.
 
     heartbeat = Heartbeat()
-    watchdog = Watchdog(run_dir / "heartbeat", rank, world, timeout_s=300, heartbeat=heartbeat,
-                        launch=launch_token(), on_stuck=stop_job).start()
+    board = StoreBoard(rendezvous_store(), launch=launch_token())
+    watchdog = Watchdog(board, rank, world, timeout_s=300, heartbeat=heartbeat,
+                        on_stuck=stop_job).start()
     with heartbeat.activity(Activity.ROLLOUT):      # the main thread, around each phase
         ...
     heartbeat.step = 3
-    watchdog.stop()                                 # writes "done": nothing left to watch
+    watchdog.stop()                                 # posts "done": nothing left to watch
 
-A daemon thread of every rank writes ``<dir>/rank_<r>.json`` (rank, pid, host, activity, step,
-seconds in the activity, a beat counter, the launch token) every ``interval_s`` and at every
-change of activity, and reads the file of the next rank in the ring ((r + 1) mod world). The
-thread runs while the main thread computes or waits in a collective, so a heartbeat stops only
-when the whole process does (SIGSTOP, a frozen host, a C call holding the GIL forever). When the
-watched rank's beat counter has not changed for ``timeout_s`` (measured on the watcher's own
-monotonic clock, so clocks of other hosts do not matter), ``on_stuck(message, peer)`` runs on
-the watcher's thread; the trainer's (``cli.train``) prints the message, kills the stuck process
-when it is on this host and exits, and torchrun then stops the other ranks. Ring watching costs
-one small file read per rank and interval at any scale, and catches any set of stuck ranks
-short of all of them (some healthy rank precedes a stuck one in the ring).
+A daemon thread of every rank posts its record (rank, pid, host, activity, step, seconds in the
+activity, a beat counter) on the board every ``interval_s`` and at every change of activity, and
+reads the record of the next rank in the ring ((r + 1) mod world). The thread runs while the main
+thread computes or waits in a collective, so a heartbeat stops only when the whole process does
+(SIGSTOP, a frozen host, a C call holding the GIL forever). When the watched rank's beat counter
+has not changed for ``timeout_s`` (measured on the watcher's own monotonic clock, so clocks of
+other hosts do not matter), ``on_stuck(message, peer)`` runs on the watcher's thread; the
+trainer's (``cli.train``) prints the message, kills the stuck process when it is on this host
+and exits, and torchrun then stops the other ranks. Ring watching costs one small store read per
+rank and interval at any scale, and catches any set of stuck ranks short of all of them (some
+healthy rank precedes a stuck one in the ring).
+
+The board is the job's rendezvous store (``StoreBoard``: the TCP store torchrun's agent, or rank
+0 under plain srun, serves at ``MASTER_ADDR:MASTER_PORT``; keys under the launch's token, so an
+earlier launch's records are never read), reached through a client of its own with a short
+timeout: nothing on disk, so node-local run directories work. A board that does not answer is
+not a silent peer: after ``timeout_s`` without an answer the watcher stops the job naming the
+store, and kills nobody.
 
 A rank stuck inside a collective with live threads (its peer is the stopped one, or a deadlock)
 is not the watchdog's job: the collective timeout (``runtime.collective_timeout_s``) fails it.
-
-Files: a directory every rank can read (the run directory: shared by all nodes, like the
-checkpoints). A file of another launch (an earlier run in the same directory) is ignored by its
-token. ``launch_token()`` agrees on the token (a broadcast over the host world group).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import socket
@@ -41,7 +46,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -96,29 +100,72 @@ class Peer:
     in_activity_s: float | None = None
 
 
+class BoardUnreachable(Exception):
+    """The board did not answer (its store timed out or refused the connection)."""
+
+
+class StoreBoard:
+    """Heartbeat records in a ``torch.distributed`` store, one key per rank under the launch's
+    token: ``post`` replaces this rank's record, ``read`` returns a rank's (None before its first
+    post) or raises ``BoardUnreachable``. Thread-safe as the store client is (one client, used by
+    the watchdog's thread only)."""
+
+    def __init__(self, store: Any, launch: str) -> None:
+        self.store = dist.PrefixStore(f"earl/watchdog/{launch}/", store)
+        self.where = getattr(store, "host", None) and f"{store.host}:{store.port}"
+        """``host:port`` of a TCP store (for the message when it does not answer)."""
+
+    def post(self, rank: int, record: str) -> None:
+        try:
+            self.store.set(f"rank_{rank}", record)
+        except (RuntimeError, OSError) as err:  # DistStoreError, DistNetworkError, ...
+            raise BoardUnreachable(str(err)) from err
+
+    def read(self, rank: int) -> str | None:
+        key = f"rank_{rank}"
+        try:
+            if not self.store.check([key]):
+                return None
+            return self.store.get(key).decode()
+        except (RuntimeError, OSError) as err:
+            raise BoardUnreachable(str(err)) from err
+
+
+def rendezvous_store(timeout_s: float) -> Any:
+    """A client of its own (``timeout_s`` per operation) to the job's rendezvous store at
+    ``MASTER_ADDR:MASTER_PORT``: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) or
+    the store rank 0 hosts under plain srun (``compat.launch_env``). Local; the environment is
+    the one ``runtime.initialize`` joined the world with."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 class Watchdog:
     """This rank's heartbeat writer and ring watcher (see the module docstring)."""
 
     def __init__(
         self,
-        directory: str | Path,
+        board: StoreBoard,
         rank: int,
         world_size: int,
         *,
         timeout_s: float,
         heartbeat: Heartbeat,
-        launch: str,
         on_stuck: Callable[[str, Peer], None],
         interval_s: float | None = None,
     ) -> None:
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"watchdog timeout_s ({timeout_s!r}) must be a finite number > 0")
-        self.directory = Path(directory)
+        self.board = board
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.heartbeat = heartbeat
-        self.launch = launch
         self.on_stuck = on_stuck
         self.interval_s = interval_s or min(max(timeout_s / 5, 0.1), 10.0)
         self.watched = (rank + 1) % world_size if world_size > 1 else None
@@ -126,13 +173,15 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="earl-watchdog", daemon=True)
         self._seen: tuple[int | None, float] = (None, time.monotonic())
+        self._answered = time.monotonic()
+        """When the board last answered a read."""
         self.peer: Peer | None = None
         """The stuck rank, once ``check`` found one."""
         self._host = socket.gethostname()
 
     def start(self) -> Watchdog:
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._seen = (None, time.monotonic())
+        self._answered = time.monotonic()
         self._beat()
         self._thread.start()
         return self
@@ -146,16 +195,25 @@ class Watchdog:
         self.heartbeat.set(Activity.DONE)
         self._beat()
 
-    def path(self, rank: int) -> Path:
-        return self.directory / f"rank_{rank}.json"
-
     def check(self) -> str | None:
         """Read the watched rank's heartbeat; the error message when it has been silent for
         ``timeout_s`` (None otherwise). Called by the thread; public for tests."""
         if self.watched is None:
             return None
-        record = self._read(self.watched)
         now = time.monotonic()
+        try:
+            record = self._read(self.watched)
+        except BoardUnreachable as err:
+            if now - self._answered <= self.timeout_s:
+                return None
+            self.peer = Peer(self.watched)
+            return (
+                f"watchdog: the heartbeat board ({self.board.where or 'the rendezvous store'}) "
+                f"has not answered for {now - self._answered:.1f} s "
+                f"(runtime.watchdog_timeout_s={self.timeout_s:g}; last error: {err}): the job's "
+                "rendezvous store is down or its host is stopped; stopping the job"
+            )
+        self._answered = now
         if record is not None and record.get("activity") == Activity.DONE:
             self._seen = (None, now)
             return None
@@ -217,22 +275,17 @@ class Watchdog:
             "step": hb.step,
             "in_activity_s": round(time.monotonic() - hb.since, 3),
             "beat": self._beats,
-            "launch": self.launch,
             "wall_time": time.time(),
         }
-        tmp = self.path(self.rank).with_suffix(f".tmp{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path(self.rank))
-        except OSError:  # a full or vanished run directory: the peers will say so
-            pass
+        with contextlib.suppress(BoardUnreachable):  # the watchers name an unreachable board
+            self.board.post(self.rank, json.dumps(record))
 
     def _read(self, rank: int) -> dict[str, Any] | None:
+        text = self.board.read(rank)
         try:
-            record = json.loads(self.path(rank).read_text())
-        except (OSError, ValueError):
+            return json.loads(text) if text is not None else None
+        except ValueError:
             return None
-        return record if record.get("launch") == self.launch else None
 
 
 def launch_token(group: Any = None) -> str:

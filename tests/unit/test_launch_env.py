@@ -59,28 +59,49 @@ WORKER = (
     "import torch, torch.distributed as d; t = torch.ones(1); d.all_reduce(t); "
     "print(d.get_rank(), d.get_world_size(), int(t))"
 )
+WATCHDOG = """
+import os, time, torch.distributed as d
+from megatron_earl.orchestration.watchdog import (
+    Heartbeat, StoreBoard, Watchdog, launch_token, rendezvous_store)
+stuck = []
+board = StoreBoard(rendezvous_store(timeout_s=2.0), launch=launch_token())
+w = Watchdog(board, d.get_rank(), 2, timeout_s=1.0, heartbeat=Heartbeat(),
+             on_stuck=lambda m, p: stuck.append(m)).start()
+time.sleep(2.5)       # longer than the timeout: each rank saw the other's beats, or said so
+d.barrier()
+print(os.getcwd().rsplit("/", 1)[-1], "stuck:", len(stuck))
+w.stop(); d.barrier(); d.destroy_process_group(); os._exit(0)
+"""
+"""Each task's hang watchdog, with a run directory of its own (node-local disks): the heartbeats
+travel through the job's rendezvous store (rank 0 hosts it under plain srun), not files."""
 
 
-def _srun_task(rank: int, port: int, **extra: str) -> subprocess.Popen:
+def _srun_task(rank: int, port: int, cwd=None, **extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
                SLURM_JOB_ID="77", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS="1", **extra)  # fmt: skip
     return subprocess.Popen(
-        [sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", WORKER + "\n" + WATCHDOG], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=cwd,
     )  # fmt: skip
 
 
-def test_two_srun_tasks_without_torchrun_form_one_world():
+def test_two_srun_tasks_without_torchrun_form_one_world_and_watch_each_other(tmp_path):
     port = free_port()
-    tasks = [_srun_task(rank, port) for rank in (0, 1)]
+    dirs = [tmp_path / f"node{rank}" for rank in (0, 1)]  # a run directory per node
+    for d in dirs:
+        d.mkdir()
+    tasks = [_srun_task(rank, port, cwd=dirs[rank]) for rank in (0, 1)]
     outs = []
     for task in tasks:
         out, err = task.communicate(timeout=120)
         assert task.returncode == 0, err[-2000:]
-        outs.append(out.split()[-3:])
-    assert outs == [["0", "2", "2"], ["1", "2", "2"]]
+        outs.append(out.split()[-6:])
+    assert outs == [
+        ["0", "2", "2", "node0", "stuck:", "0"],
+        ["1", "2", "2", "node1", "stuck:", "0"],
+    ]
 
 
 def test_an_srun_task_without_a_master_is_refused_not_run_alone():
