@@ -21,7 +21,8 @@ SCRIPTS = ROOT / "scripts"
 _RECORD = """#!/usr/bin/env bash
 "$FAKE_PYTHON" - "$(basename "$0")" "$@" <<'PY'
 import json, os, sys
-keep = ("SLURM_", "MASTER_", "NNODES", "NPROC_PER_NODE", "OMP_NUM_THREADS", "EARL_", "SGLANG_API")
+keep = ("SLURM_", "MASTER_", "NNODES", "NPROC_PER_NODE", "OMP_NUM_THREADS", "EARL_", "SGLANG_API",
+        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 env = {k: v for k, v in os.environ.items() if k.startswith(keep)}
 with open(os.path.join(os.environ["FAKE_LOG"]), "a") as f:
     f.write(json.dumps({"tool": sys.argv[1], "argv": sys.argv[2:], "env": env}) + "\\n")
@@ -82,7 +83,10 @@ def fake_slurm(tmp_path):
 
     def run(*argv: str, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
         full_env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "OMP_"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "MASTER_", "OMP_", "GLOO_SOCKET", "NCCL_SOCKET"))
+            and k != "SOCKET_IFNAME"
         }
         full_env.update(
             PATH=f"{bin_dir}{os.pathsep}{full_env['PATH']}",
@@ -171,6 +175,27 @@ def test_colocated_multi_node_rendezvous(fake_slurm):
             "configs/demo_cpu.yaml",
             "steps=4",
         ]
+
+
+@pytest.mark.parametrize(
+    ("env", "gloo", "nccl"),
+    [
+        ({"SOCKET_IFNAME": "ib0"}, "ib0", "ib0"),
+        ({"SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib1"}, "ib0", "ib1"),
+        ({}, None, None),
+    ],
+)
+def test_multi_node_socket_interface_reaches_every_nodes_torchrun(fake_slurm, env, gloo, nccl):
+    proc, calls = fake_slurm(
+        "sbatch", "--nodes=2", "scripts/slurm_colocated.sbatch", "configs/demo_cpu.yaml",
+        GPUS_PER_NODE="1", **env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    runs = _calls(calls, "torchrun")
+    assert len(runs) == 2
+    for run in runs:
+        assert run["env"].get("GLOO_SOCKET_IFNAME") == gloo
+        assert run["env"].get("NCCL_SOCKET_IFNAME") == nccl
 
 
 def test_colocated_one_node_sglang_engine(fake_slurm):
