@@ -328,6 +328,7 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.attention_dropout": args.attention_dropout,
         "model.hidden_dropout": args.hidden_dropout,
         "model.params_dtype": dtype,
+        "model.transformer_impl": "local" if args.transformer_impl == "local" else "auto",
         "model.recompute_granularity": args.recompute_granularity,
         "model.recompute_num_layers": args.recompute_num_layers or 1,
         "model.sequence_parallel": args.sequence_parallel,

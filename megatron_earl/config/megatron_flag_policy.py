@@ -93,7 +93,7 @@ NO_EFFECT_FLAGS: dict[str, int | str] = _flags(
     """
     # kernels, fusions, overlap and communication tuning that keep the numerics
     """
-    --use-flash-attn --use-mcore-models --transformer-impl= --attention-backend=
+    --use-flash-attn --use-mcore-models --attention-backend=
     --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
     --no-bias-dropout-fusion --no-rope-fusion --no-gradient-accumulation-fusion
     --no-persist-layer-norm --disable-jit-fuser --cross-entropy-loss-fusion

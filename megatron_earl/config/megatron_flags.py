@@ -56,6 +56,9 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--vocab-size", type=int, default=None)
     add("--make-vocab-size-divisible-by", type=int, default=128)
+    # local: the local spec; transformer_engine (Megatron-LM's default, so also a recipe without
+    # the flag): model.transformer_impl "auto", TE where it is importable on CUDA, else local.
+    add("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"))
     add("--init-method-std", type=float, default=0.02)
     add("--attention-dropout", type=float, default=0.1)
     add("--hidden-dropout", type=float, default=0.1)

@@ -90,6 +90,20 @@ def test_qwen25_7b_recipe_maps_onto_run_config(tmp_path):
     assert load_config(save_config(cfg, tmp_path / "config.yaml")) == cfg
 
 
+@pytest.mark.parametrize(
+    ("flag", "impl"),
+    [
+        ("--transformer-impl local", "local"),
+        ("--transformer-impl transformer_engine", "auto"),  # TE where it can run (CUDA + TE)
+        ("", "auto"),  # Megatron-LM's default is transformer_engine
+    ],
+)
+def test_transformer_impl_is_honoured(tmp_path, flag, impl):
+    recipe = QWEN25_7B_RECIPE.replace("--transformer-impl transformer_engine", flag)
+    cfg = config_from_megatron_args(_parse(recipe + EARL, load=tmp_path), world_size=32)
+    assert cfg.model.transformer_impl == impl
+
+
 def test_add_earl_args_is_an_extra_args_provider():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--num-layers", type=int)  # stands for Megatron-LM's own parser
