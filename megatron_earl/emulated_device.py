@@ -8,49 +8,69 @@ policy is then ``emu:LOCAL_RANK`` with separate host groups, as on GPUs. What it
 
 * **A device.** PyTorch's PrivateUse1 key, renamed ``emu``, with a Python device guard and hooks
   (``device_count()`` = ``MEGATRON_EARL_EMULATED_DEVICES``, default 8, checked against
-  LOCAL_RANK; every process computes on its own ``emu:0``). A tensor on it is an
+  LOCAL_RANK). Rank r computes on ``emu:r`` (``cuda:LOCAL_RANK``). A tensor on it is an
   ``EmuTensor``: a wrapper subclass whose ``device`` is ``emu:N`` and which holds a CPU tensor.
   Every aten op on it unwraps, runs the CPU kernel and re-wraps, so views alias, autograd,
   parameters, optimizers and ``param.data = ...`` work as on CUDA. Factories with ``device="emu"``
-  and ``.to("emu")`` reach a PrivateUse1 fallback that builds the CPU tensor and wraps it.
-* **Mixing fails.** An op that gets a device tensor and a host tensor of one or more dimensions
-  raises ``HostDeviceMixError`` naming the op, the host tensor's shape and dtype, and the first
-  call site in megatron_earl (or megatron.core). As on CUDA, these stay allowed: copies between
-  host and device (``.to``, ``copy_``), a 0-dim host tensor (a CPU scalar) as an operand of a
-  pointwise op or as a fill value (``masked_fill``, ``fill_``), and host index tensors in
-  advanced indexing (``x[idx]``, ``x[idx] = v``); a CPU scalar anywhere else (``torch.stack``,
-  ``embedding``, ``index_select``, ``cat``, a matmul) fails, as on CUDA.
+  and ``.to("emu:N")`` reach a PrivateUse1 fallback that builds the CPU tensor and wraps it.
+* **Mixing fails** (``HostDeviceMixError``, naming the op, the tensor and the first call site in
+  megatron_earl or megatron.core): a host tensor of one or more dimensions beside device tensors;
+  a 0-dim host tensor (a CPU scalar) outside pointwise ops, fill values and indexing
+  (``torch.stack``, ``embedding``, ``index_select``, ``cat``, a matmul); device tensors of two
+  indices. As on CUDA, these stay allowed: copies between host and device or two devices (``.to``,
+  ``copy_``), CPU scalars in pointwise ops and as fill values (``masked_fill``, ``fill_``), and
+  host index tensors in advanced indexing (``x[idx]``, ``x[idx] = v``).
+* **Non-blocking copies are pending.** The host tensor a non-blocking device -> host copy returns
+  (or writes, ``copy_``) is pending (``emulated_copies``) until the device synchronises
+  (``torch.emu.synchronize()``, an ``Event``'s or the stream's ``synchronize()``, or a blocking
+  read: ``.item()``, ``.tolist()``, a blocking copy); using its values before raises
+  ``UnsyncedReadError``. Only the copies not yet synchronised are tracked.
 * **Collectives check their group's role.** Every process runs gloo underneath, but a group is
   a *device* group (the world, and every ``new_group(backend=None)``: NCCL on GPUs) or a *host*
-  group (``new_group(backend="gloo")``). A host tensor on a device group fails (NCCL cannot move
-  host memory), and so does a device tensor on a host group (this project keeps metadata on
-  gloo host groups). The guard wraps the ``torch.distributed`` collectives, checks, then runs them
-  on the CPU tensors the wrappers hold. Object collectives (``all_gather_object`` ...) are allowed
-  on both roles, as on NCCL. A collective that reaches an ``EmuTensor`` without the guard raises.
+  group (``new_group(backend="gloo")``, a ``ProcessGroupGloo`` made directly). A host tensor on a
+  device group fails (NCCL cannot move host memory), and so do a device tensor of another index
+  than the rank's, a reduce op NCCL lacks (BAND, BOR, BXOR), and a device tensor on a host group
+  (this project keeps metadata on gloo host groups). The guard wraps the ``torch.distributed``
+  collectives and the collective methods of ``ProcessGroup`` / ``Backend`` objects, checks, then
+  runs them on the CPU tensors the wrappers hold. Object collectives (``all_gather_object`` ...)
+  are allowed on both roles, as on NCCL. A collective that reaches an ``EmuTensor`` without the
+  guard raises.
 
-What it cannot see (docs/devices.md): asynchrony (every op is synchronous: a missing stream sync
-or a non-blocking copy read too early is invisible), pinned memory (``pin_memory`` needs CUDA, so
-the policy does not pin here), device memory (no OOM, no fragmentation; the selector's budget is
-its own check), NCCL's own rules beyond placement (communicator init order, the first batched p2p
-rule is documented, not enforced), kernels (TE, flash attention, fused ops: the emulated device
-runs the CPU kernels), and ``data_ptr()`` / storage access (an ``EmuTensor`` has no storage:
-code that needs one raises here but would run on CUDA).
+What it cannot see (docs/devices.md): streams beyond one per device and host -> device copies'
+sources changed before they land; pinned memory (``pin_memory`` needs CUDA, so the policy does
+not pin here); device memory (no OOM, no fragmentation; the selector's budget is its own check);
+NCCL's own rules beyond placement and reduce ops (communicator init order; the first batched p2p
+rule is documented, not enforced); kernels (TE, flash attention, fused ops: the emulated device
+runs the CPU kernels); ``data_ptr()`` / storage access (an ``EmuTensor`` has no storage: code that
+needs one raises here but would run on CUDA); and an unindexed ``.to("emu")`` lands on ``emu:0``
+(torch's Python device guard reports index 0 as current), where ``.to("cuda")`` would pick the
+current GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
+
+from megatron_earl.emulated_copies import (
+    SYNC_OPS,
+    Event,
+    Stream,
+    call_site,
+    land,
+    mark_pending,
+    pending_copies,
+)
 
 NAME = "emu"
 COUNT_ENV = "MEGATRON_EARL_EMULATED_DEVICES"
@@ -72,7 +92,8 @@ _STATE = threading.local()
 
 
 class HostDeviceMixError(RuntimeError):
-    """A host tensor met a device tensor where CUDA/NCCL would refuse it."""
+    """A host tensor met a device tensor, or tensors of two device indices met, where CUDA/NCCL
+    would refuse it."""
 
 
 def device_count() -> int:
@@ -83,40 +104,21 @@ def device_count() -> int:
     return int(value)
 
 
-def device(local_rank: int = 0) -> torch.device:
-    """This process's emulated device: ``emu:0`` whatever the local rank (torch's Python device
-    guard knows one device per process, as a rank with ``CUDA_VISIBLE_DEVICES`` set to its own GPU
-    does); ``device_count()`` still bounds the ranks per node (``runtime.initialize``)."""
-    return torch.device(NAME, 0)
+def current_index() -> int:
+    """This process's device index: its LOCAL_RANK (on GPUs ``runtime.initialize`` makes
+    ``cuda:LOCAL_RANK`` current with ``torch.cuda.set_device``)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device(local_rank: int | None = None) -> torch.device:
+    """``emu:local_rank`` (default: this process's, ``current_index()``). Rank r of a node
+    computes on ``emu:r`` as on ``cuda:r``; ``device_count()`` bounds the ranks per node
+    (``runtime.initialize``)."""
+    return torch.device(NAME, current_index() if local_rank is None else local_rank)
 
 
 def is_emulated(tensor: Any) -> bool:
     return isinstance(tensor, EmuTensor)
-
-
-def _machinery() -> frozenset[str]:
-    from megatron_earl.patches import cpu_redirect
-
-    return frozenset({__file__, cpu_redirect.__file__})
-
-
-def call_site() -> str:
-    """Where the current op was called: the innermost frame outside torch and this module, and
-    the innermost megatron_earl frame when that is a different one (e.g. inside megatron.core)."""
-    machinery = _machinery()
-    frames = [
-        f
-        for f in traceback.extract_stack()
-        if f.filename not in machinery and "/torch/" not in f.filename
-    ]
-    if not frames:
-        return "unknown"
-    inner = frames[-1]
-    where = f"{inner.filename}:{inner.lineno} in {inner.name}"
-    ours = [f for f in frames if "megatron_earl" in f.filename]
-    if ours and ours[-1] is not inner:
-        where += f" (from {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name})"
-    return where
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -130,9 +132,11 @@ class EmuTensor(torch.Tensor):
     """A tensor on the emulated device: a wrapper around the CPU tensor that holds its values."""
 
     _inner: torch.Tensor
+    _index: int
+    """The device index (``emu:_index``), kept as an int: the mixing check reads it per op."""
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> EmuTensor:
+    def __new__(cls, inner: torch.Tensor, index: int) -> EmuTensor:
         wrapper = torch.Tensor._make_wrapper_subclass(
             cls,
             inner.size(),
@@ -140,13 +144,14 @@ class EmuTensor(torch.Tensor):
             storage_offset=inner.storage_offset(),
             dtype=inner.dtype,
             layout=inner.layout,
-            device=device(),
+            device=torch.device(NAME, index),
             requires_grad=inner.requires_grad,
             # Sizes and strides are asked of the held tensor, so out= ops that resize it (e.g.
             # arange's empty + arange.out) resize the device tensor too.
             dispatch_sizes_strides_policy="sizes",
         )
         wrapper._inner = inner
+        wrapper._index = index
         return wrapper
 
     @property
@@ -164,6 +169,7 @@ class EmuTensor(torch.Tensor):
             )
         torch.Tensor.data.__set__(self, value)
         self._inner = value._inner
+        self._index = value._index
 
     def new_tensor(self, data: Any, dtype=None, device=None, requires_grad=False) -> torch.Tensor:
         # Built from data in C++ below the fallback (like torch.tensor): host, then copy.
@@ -171,6 +177,7 @@ class EmuTensor(torch.Tensor):
         return host.to(device or self.device).requires_grad_(requires_grad)
 
     def tolist(self) -> Any:  # a device -> host sync on CUDA; allowed
+        land()
         return self._inner.tolist()
 
     def numpy(self, *, force: bool = False) -> Any:
@@ -205,12 +212,6 @@ def _takes_cpu_scalars(func: Any, overload: str) -> bool:
     )
 
 
-def _flat(args: Any, kwargs: Any) -> list[Any]:
-    out: list[Any] = []
-    tree_map(out.append, (args, kwargs))
-    return out
-
-
 def _to_host_device(value: Any) -> Any:
     if isinstance(value, torch.device) and value.type == NAME:
         return torch.device("cpu")
@@ -239,11 +240,13 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             f"{call_site()}; call it through torch.distributed (the guard wraps those functions)"
         )
     hosts: list[torch.Tensor] = []
+    devices: list[EmuTensor] = []
     originals: dict[int, EmuTensor] = {}
 
     def unwrap(value: Any) -> Any:
         if isinstance(value, EmuTensor):
             originals[id(value._inner)] = value
+            devices.append(value)
             return value._inner
         if isinstance(value, torch.Tensor):
             hosts.append(value)
@@ -251,25 +254,25 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
     inner_args = tree_map(unwrap, args)
     inner_kwargs = tree_map(unwrap, kwargs)
-    scalars_ok = _takes_cpu_scalars(func, overload)
-    mixed = [h for h in hosts if h.dim() > 0 or not scalars_ok]
-    if name in _COPY_OPS:
-        mixed = []
-    elif overload in _INDEX_OPS and isinstance(args[0], EmuTensor):
-        # x[idx] / x[idx] = v on a device tensor: host index tensors are moved by CUDA too.
-        index_ids = {id(t) for t in args[1] if isinstance(t, torch.Tensor)}
-        mixed = [h for h in mixed if id(h) not in index_ids]
-    if mixed:
-        raise HostDeviceMixError(
-            f"{overload} got a {_describe(mixed[0])} together with device tensors on "
-            f"{device()}, at {call_site()}. On CUDA this raises 'Expected all tensors to be "
-            "on the same device': move it with runtime.to_device at a documented boundary "
-            "(docs/devices.md) or create it on runtime.device()"
-        )
+    pending = None
+    if name in _COPY_OPS:  # host <-> device and device <-> device copies are allowed
+        pending = _sync_copy(name, args, kwargs, hosts)
+    elif hosts or len(devices) > 1:
+        _check_mixing(func, overload, args, hosts, devices)
+    if name in SYNC_OPS and pending_copies():
+        land()
+    target = kwargs.get("device")
+    index = devices[0]._index if devices else current_index()
+    if target is not None and torch.device(target).type == NAME:
+        index = _index_of(target)
     to_host = name == "aten::_to_copy" and _targets_host(kwargs)
     inner_kwargs = tree_map(_to_host_device, inner_kwargs)
     result = func(*inner_args, **inner_kwargs)
+    if pending is not None:
+        mark_pending(pending)
     if to_host:
+        if kwargs.get("non_blocking"):
+            mark_pending(result)
         return result
     host_ids = {id(h) for h in hosts}
 
@@ -280,7 +283,7 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             return originals[id(value)]
         if id(value) in host_ids:  # copy_ into a host tensor
             return value
-        return EmuTensor(value)
+        return EmuTensor(value, index)
 
     if torch.is_inference_mode_enabled():
         # A wrapper made in inference mode is an inference tensor, which autograd's view
@@ -291,6 +294,55 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return tree_map(wrap, result)
 
 
+def _check_mixing(
+    func: Any, overload: str, args: Any, hosts: list[torch.Tensor], devices: list[EmuTensor]
+) -> None:
+    """Refuse host tensors CUDA refuses beside device tensors, and device tensors of two
+    indices (CUDA's "Expected all tensors to be on the same device")."""
+    scalars_ok = _takes_cpu_scalars(func, overload)
+    mixed = [h for h in hosts if h.dim() > 0 or not scalars_ok]
+    if overload in _INDEX_OPS and isinstance(args[0], EmuTensor):
+        # x[idx] / x[idx] = v on a device tensor: CUDA moves index tensors to x's device.
+        index_ids = {id(t) for t in args[1] if isinstance(t, torch.Tensor)}
+        mixed = [h for h in mixed if id(h) not in index_ids]
+        devices = [d for d in devices if id(d) not in index_ids]
+    if mixed:
+        raise HostDeviceMixError(
+            f"{overload} got a {_describe(mixed[0])} together with device tensors on "
+            f"{devices[0].device}, at {call_site()}. On CUDA this raises 'Expected all tensors "
+            "to be on the same device': move it with runtime.to_device at a documented boundary "
+            "(docs/devices.md) or create it on runtime.device()"
+        )
+    other = next((d for d in devices if d._index != devices[0]._index), None)
+    if other is not None:
+        raise HostDeviceMixError(
+            f"{overload} got tensors on {devices[0].device} and {other.device}, at "
+            f"{call_site()}. On CUDA this raises 'Expected all tensors to be on the same device, "
+            "but found at least two devices': a rank computes on runtime.device() only"
+        )
+
+
+def _sync_copy(
+    name: str, args: Any, kwargs: dict[str, Any], hosts: list[torch.Tensor]
+) -> torch.Tensor | None:
+    """A blocking device -> host copy waits for the stream: earlier non-blocking copies land.
+    Returns the host tensor a non-blocking ``copy_`` leaves pending (``_to_copy``'s result is
+    marked by ``_run``)."""
+    if name == "aten::copy_" and hosts and hosts[0] is args[0] and isinstance(args[1], EmuTensor):
+        if (len(args) > 2 and args[2]) or kwargs.get("non_blocking", False):
+            return args[0]
+    elif not (name == "aten::_to_copy" and _targets_host(kwargs)) or kwargs.get("non_blocking"):
+        return None
+    if pending_copies():
+        land()
+    return None
+
+
+def _index_of(target: Any) -> int:
+    index = torch.device(target).index
+    return current_index() if index is None else index
+
+
 def _targets_host(kwargs: dict[str, Any]) -> bool:
     target = kwargs.get("device")
     return target is not None and torch.device(target).type == "cpu"
@@ -298,12 +350,11 @@ def _targets_host(kwargs: dict[str, Any]) -> bool:
 
 def _factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Ops dispatched to the emulated device without an ``EmuTensor`` argument: factories
-    (``torch.zeros(..., device="emu")``) and the allocation inside a host -> device copy."""
+    (``torch.zeros(..., device="emu:1")``) and the allocation inside a host -> device copy."""
+    target = kwargs.get("device")
+    index = _index_of(target) if target is not None else current_index()
     result = op(*tree_map(_to_host_device, args), **tree_map(_to_host_device, kwargs))
-    return tree_map(
-        lambda v: EmuTensor(v) if isinstance(v, torch.Tensor) else v,
-        result,
-    )
+    return tree_map(lambda v: EmuTensor(v, index) if isinstance(v, torch.Tensor) else v, result)
 
 
 def _host_then_move(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -361,9 +412,20 @@ class _Module:
     def device_count() -> int:
         return device_count()
 
+    Event = Event
+
     @staticmethod
     def current_device() -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return current_index()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Every non-blocking copy has landed (``torch.cuda.synchronize``)."""
+        land()
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Stream:
+        return Stream()
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
@@ -382,62 +444,81 @@ class _Module:
 
 _HOST_GROUPS: set[str] = set()
 _GUARDED = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "_all_gather_base",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "_reduce_scatter_base",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "all_to_all_single",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-)
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_single",
+    "all_gather_coalesced", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter",
+    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)  # fmt: skip
 _OBJECT_COLLECTIVES = (
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-    "barrier",
-    "monitored_barrier",
-)
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "barrier", "monitored_barrier",
+)  # fmt: skip
+_GROUP_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single",
+    "all_gather_single_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "alltoall", "alltoall_base", "all_to_all_single", "broadcast", "send", "recv",
+    "recv_anysource",
+)  # fmt: skip
+"""Collectives of ``ProcessGroup`` and ``Backend`` objects (``group.allreduce([t])``, SGLang's
+weight-update group); the ``torch.distributed`` functions call them inside their own guard."""
+_NCCL_LACKS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
+"""Reduce ops NCCL has not (ProcessGroupNCCL raises "Cannot use ReduceOp.BAND with NCCL")."""
 
 
 def group_role(group: Any) -> str:
-    """``"host"`` for groups made with ``backend="gloo"``, ``"device"`` for the others."""
+    """``"host"`` for groups made with ``backend="gloo"`` and gloo backends used directly
+    (``ProcessGroupGloo(store, ...)``), ``"device"`` for the others."""
     if group is None or group is dist.GroupMember.WORLD:
         return "device"
+    if isinstance(group, dist.ProcessGroupGloo):
+        return "host"
     return (
         "host" if dist.distributed_c10d._get_process_group_name(group) in _HOST_GROUPS else "device"
     )
 
 
-def _check_placement(fn_name: str, group: Any, tensors: list[torch.Tensor]) -> None:
-    role = group_role(group)
+def _check_placement(where: str, role: str, tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         on_device = isinstance(tensor, EmuTensor)
         if role == "device" and not on_device:
             raise HostDeviceMixError(
-                f"torch.distributed.{fn_name} got a {_describe(tensor)} on a device group "
+                f"{where} got a {_describe(tensor)} on a device group "
                 f"(NCCL on GPUs cannot move host memory), at {call_site()}: send metadata over "
                 "parallel.groups.host_group(...) or move data to runtime.device()"
             )
+        if role == "device" and tensor._index != current_index():
+            raise HostDeviceMixError(
+                f"{where} got a device tensor of shape {tuple(tensor.shape)} on {tensor.device}, "
+                f"but this rank's device group communicates on {device()} (an NCCL "
+                f"communicator moves its own device's memory), at {call_site()}"
+            )
         if role == "host" and on_device:
             raise HostDeviceMixError(
-                f"torch.distributed.{fn_name} got a device tensor of shape {tuple(tensor.shape)} "
+                f"{where} got a device tensor of shape {tuple(tensor.shape)} "
                 f"on a host (gloo) group, at {call_site()}: device data goes over device groups"
             )
+
+
+def _check_reduce_op(where: str, role: str, op: Any) -> None:
+    # op == o, not o == op: a RedOpType compares False with a ReduceOp (an options' reduceOp)
+    lacking = [o for o in _NCCL_LACKS if op is not None and op == o]
+    if role == "device" and lacking:
+        raise ValueError(
+            f"Cannot use ReduceOp.{lacking[0].name} with NCCL ({where} on a device group, at "
+            f"{call_site()}): reduce with SUM/MAX/MIN, or over a host group"
+        )
+
+
+def _reduce_op(values: list[Any]) -> Any:
+    """The reduce op among a ``ProcessGroup`` method's arguments (an op or an options object)."""
+    for value in values:
+        if isinstance(value, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+            return value
+        if hasattr(value, "reduceOp"):
+            return value.reduceOp
+    return None
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -460,8 +541,19 @@ def _inner(value: Any) -> Any:
     return value
 
 
+def _inside(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``original`` run on checked arguments: the collectives it calls pass unchecked."""
+    previous = getattr(_STATE, "inside", False)
+    _STATE.inside = True
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _STATE.inside = previous
+
+
 def _guard(fn_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
+    where = f"torch.distributed.{fn_name}"
 
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -471,38 +563,60 @@ def _guard(fn_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if fn_name == "batch_isend_irecv":
             ops = bound.arguments["p2p_op_list"]
             for op in ops:
-                _check_placement(fn_name, op.group, [op.tensor])
+                _check_placement(where, group_role(op.group), [op.tensor])
             for op in ops:
                 op.tensor = _inner(op.tensor)
         else:
             tensors = [t for v in bound.arguments.values() for t in _tensors(v)]
-            _check_placement(fn_name, bound.arguments.get("group"), tensors)
+            role = group_role(bound.arguments.get("group"))
+            _check_placement(where, role, tensors)
+            _check_reduce_op(where, role, bound.arguments.get("op"))
             for key, value in bound.arguments.items():
                 bound.arguments[key] = _inner(value)
-        _STATE.inside = True
-        try:
-            return original(*bound.args, **bound.kwargs)
-        finally:
-            _STATE.inside = False
+        return _inside(original, *bound.args, **bound.kwargs)
 
     return guarded
 
 
-def _passthrough(original: Callable[..., Any]) -> Callable[..., Any]:
+def _guard_method(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_STATE, "inside", False)
-        _STATE.inside = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _STATE.inside = previous
+    def guarded(group: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_STATE, "inside", False):
+            return original(group, *args, **kwargs)
+        where = f"{type(group).__name__}.{method}"
+        role = group_role(group)
+        values = [*args, *kwargs.values()]
+        _check_placement(where, role, _tensors(values))
+        _check_reduce_op(where, role, _reduce_op(values))
+        inner_kwargs = {k: _inner(v) for k, v in kwargs.items()}
+        return _inside(original, group, *_inner(args), **inner_kwargs)
 
-    return call
+    return guarded
+
+
+def _coalescing(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.distributed._coalescing_manager`` (Megatron's DDP grad sync): the collectives in
+    its body are checked (and unwrapped) one by one; on exit it runs them as one coalesced
+    ``group.allreduce_coalesced(...)`` on those tensors, which passes unchecked."""
+
+    @contextlib.contextmanager
+    @functools.wraps(original)
+    def manager(*args: Any, **kwargs: Any) -> Any:
+        inner = original(*args, **kwargs)
+        value = inner.__enter__()
+        try:
+            yield value
+        except BaseException:
+            if not inner.__exit__(*sys.exc_info()):
+                raise
+        else:
+            _inside(inner.__exit__, None, None, None)
+
+    return manager
 
 
 def _passthrough_named(fn_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    return _passthrough(original)
+    return functools.wraps(original)(functools.partial(_inside, original))
 
 
 def _rebind_captured(replaced: dict[int, Callable[..., Any]]) -> None:
@@ -562,7 +676,18 @@ def install() -> None:
             replaced[id(getattr(dist, fn_name, original))] = wrapped
             setattr(c10d, fn_name, wrapped)
             setattr(dist, fn_name, wrapped)
+        coalescing = _coalescing(c10d._coalescing_manager)
+        replaced[id(c10d._coalescing_manager)] = coalescing
+        c10d._coalescing_manager = dist._coalescing_manager = coalescing
         _rebind_captured(replaced)
+        for cls in (dist.ProcessGroup, torch._C._distributed_c10d.Backend):
+            for method in _GROUP_METHODS:
+                if method in cls.__dict__:
+                    setattr(cls, method, _guard_method(method, cls.__dict__[method]))
+        # The autograd engine runs device backward passes on one thread per device index of the
+        # device guard, and torch's Python guard knows one index: run them on the calling
+        # thread, as for CPU tensors, so that emu:1 ... emu:7 can differentiate.
+        torch._C._set_multithreading_enabled(False)
         tagging = _tagging_new_group(c10d.new_group)
         c10d.new_group = tagging
         dist.new_group = tagging

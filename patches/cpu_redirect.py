@@ -150,6 +150,14 @@ class _CudaToCpuMode(TorchFunctionMode):
 _REDIRECT_DEPTH = threading.local()
 
 
+def _synchronize(*args: Any, **kwargs: Any) -> None:
+    """``torch.cuda.synchronize`` on the target: nothing on the CPU; on the emulated device its
+    pending non-blocking device -> host copies land (Megatron's checkpoint preload copies
+    non-blocking, then synchronises)."""
+    if _TARGET[0].type != "cpu":
+        torch.get_device_module(_TARGET[0].type).synchronize()
+
+
 @contextlib.contextmanager
 def cuda_to_cpu() -> Iterator[None]:
     """Run the body with CUDA device requests mapped to CPU (re-entrant, per thread)."""
@@ -166,7 +174,7 @@ def cuda_to_cpu() -> Iterator[None]:
     }
     target = "cpu" if _TARGET[0].type == "cpu" else _TARGET[0]
     torch.cuda.current_device = lambda: target  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.synchronize = _synchronize  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
     _REDIRECT_DEPTH.value = 1
     try:

@@ -17,5 +17,7 @@ def to_host(value: Any) -> Any:
 
 
 def on_emulated_device(tensors) -> bool:
-    """Whether every tensor lives on the emulated device."""
-    return all(t.device.type == "emu" for t in tensors)
+    """Whether every tensor lives on this rank's emulated device (``emu:LOCAL_RANK``)."""
+    from megatron_earl import runtime
+
+    return all(t.device == runtime.device() for t in tensors)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_earl.testing.distributed import DistributedTestError, run_distributed
+from megatron_earl.testing.distributed import DistributedTestError, free_port, run_distributed
 from tests.emulation.common import EMULATED
 
 
@@ -88,9 +88,12 @@ def _collective_roles() -> dict[str, str]:
 
     from megatron_earl import runtime
     from megatron_earl.parallel.groups import host_group
+    from megatron_earl.rollout.weights.group import broadcast_bucket, join_weight_update_group
 
     dev = runtime.device()
-    peer = 1 - dist.get_rank()
+    rank = dist.get_rank()
+    peer = 1 - rank
+    world = dist.group.WORLD
 
     def p2p():
         recv = torch.empty(2, device=dev)
@@ -105,7 +108,7 @@ def _collective_roles() -> dict[str, str]:
     def device_all_reduce():
         t = torch.ones(2, device=dev)
         dist.all_reduce(t)
-        assert t.device.type == "emu" and t.tolist() == [2.0, 2.0]
+        assert t.device == dev and t.tolist() == [2.0, 2.0]
 
     def host_all_reduce():
         t = torch.ones(2)
@@ -117,7 +120,30 @@ def _collective_roles() -> dict[str, str]:
         dist.all_gather_object(box, {"rank": dist.get_rank()})
         assert [b["rank"] for b in box] == [0, 1]
 
-    return {
+    def method_on_device_group():  # what dist.all_reduce does, called on the group itself
+        t = torch.ones(2, device=dev)
+        world.allreduce([t]).wait()
+        assert t.device == dev and t.tolist() == [2.0, 2.0]
+
+    def broadcast_options():
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return opts
+
+    def reduce_options(op):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return opts
+
+    def weight_update_group():  # the SGLang weight-update group (a gloo group of its own)
+        box = [free_port() if rank == 0 else None]
+        dist.broadcast_object_list(box, group=host_group())
+        return join_weight_update_group("127.0.0.1", box[0], rank, 2, "wug", "gloo", 60)
+
+    group = weight_update_group()
+    ints = torch.tensor([6, 3], device=dev)
+    other = f"emu:{peer}"
+    out = {
         "device_on_device_group": _outcome(device_all_reduce),
         "host_on_host_group": _outcome(host_all_reduce),
         "host_on_device_group": _outcome(lambda: dist.all_reduce(torch.ones(2))),
@@ -129,12 +155,48 @@ def _collective_roles() -> dict[str, str]:
         "host_p2p": _outcome(
             lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), peer)])
         ),
+        # Collectives called on the ProcessGroup object, as SGLang and weights/group.py do
+        "method_device_on_device_group": _outcome(method_on_device_group),
+        "method_host_on_device_group": _outcome(
+            lambda: world.broadcast([torch.ones(2)], broadcast_options()).wait()
+        ),
+        "method_device_on_host_group": _outcome(
+            lambda: host_group().allreduce([torch.ones(2, device=dev)]).wait()
+        ),
+        "weight_group_host": _outcome(lambda: broadcast_bucket(group, [("w", torch.ones(2))])),
+        "weight_group_device": _outcome(
+            lambda: broadcast_bucket(group, [("w", torch.ones(2, device=dev))])
+        ),
+        # Reduce ops NCCL has not: refused on device groups, allowed on host (gloo) groups
+        "band_device": _outcome(lambda: dist.all_reduce(ints, op=dist.ReduceOp.BAND)),
+        "bor_method_device": _outcome(
+            lambda: world.allreduce([ints], reduce_options(dist.ReduceOp.BOR)).wait()
+        ),
+        "bxor_reduce_scatter_device": _outcome(
+            lambda: dist.reduce_scatter_tensor(
+                torch.zeros(1, dtype=ints.dtype, device=dev), ints, op=dist.ReduceOp.BXOR
+            )
+        ),
+        "band_host": _outcome(
+            lambda: dist.all_reduce(ints.cpu(), op=dist.ReduceOp.BAND, group=host_group())
+        ),
+        "max_device": _outcome(lambda: dist.all_reduce(ints.clone(), op=dist.ReduceOp.MAX)),
+        # The peer's device index: refused in a collective as NCCL refuses it
+        "other_index_on_device_group": _outcome(
+            lambda: dist.all_reduce(torch.ones(2, device=other))
+        ),
     }
+    group.shutdown()
+    return out
 
 
-def test_collectives_check_the_group_role():
-    results = run_distributed(_collective_roles, 2, timeout_s=120, env=EMULATED)
-    for out in results:
+@pytest.fixture(scope="module")
+def collective_outcomes() -> list[dict[str, str]]:
+    return run_distributed(_collective_roles, 2, timeout_s=120, env=EMULATED)
+
+
+def test_collectives_check_the_group_role(collective_outcomes):
+    for out in collective_outcomes:
         for ok in ("device_on_device_group", "host_on_host_group", "objects", "p2p"):
             assert out[ok] == "ok", (ok, out[ok])
         assert "all_reduce got a host tensor of shape (2,)" in out["host_on_device_group"]
@@ -142,6 +204,150 @@ def test_collectives_check_the_group_role():
         assert "test_emulated_device.py" in out["host_on_device_group"]
         assert "device tensor of shape (2,) on a host (gloo) group" in out["device_on_host_group"]
         assert "batch_isend_irecv got a host tensor" in out["host_p2p"]
+
+
+def test_collectives_on_process_group_objects_are_guarded(collective_outcomes):
+    """``group.allreduce([t])`` / ``group.broadcast(...)`` (SGLang's weight-update group,
+    ``rollout/weights/group.py``) follow the rules of the ``torch.distributed`` functions."""
+    for out in collective_outcomes:
+        assert out["method_device_on_device_group"] == "ok", out["method_device_on_device_group"]
+        assert out["weight_group_host"] == "ok", out["weight_group_host"]
+        host_on_device = out["method_host_on_device_group"]
+        expected = "HostDeviceMixError: ProcessGroup.broadcast got a host tensor of shape (2,)"
+        assert host_on_device.startswith(expected), host_on_device
+        assert "on a device group (NCCL" in host_on_device
+        assert "test_emulated_device.py" in host_on_device
+        device_on_host = out["method_device_on_host_group"]
+        expected = "HostDeviceMixError: ProcessGroup.allreduce got a device tensor of shape (2,)"
+        assert device_on_host.startswith(expected), device_on_host
+        assert "on a host (gloo) group" in device_on_host
+        weight_group = out["weight_group_device"]  # the trainer's side of the gloo group
+        expected = "HostDeviceMixError: ProcessGroupGloo.broadcast got a device tensor"
+        assert weight_group.startswith(expected), weight_group
+        assert "on a host (gloo) group" in weight_group and "weights/group.py" in weight_group
+
+
+def test_reduce_ops_nccl_lacks_are_refused_on_device_groups(collective_outcomes):
+    for out in collective_outcomes:
+        refused = {"band_device": "BAND", "bor_method_device": "BOR",
+                   "bxor_reduce_scatter_device": "BXOR"}  # fmt: skip
+        for key, op in refused.items():
+            assert out[key].startswith(f"ValueError: Cannot use ReduceOp.{op} with NCCL"), out[key]
+            assert "test_emulated_device.py" in out[key]
+        assert out["band_host"] == "ok" and out["max_device"] == "ok"
+
+
+def _device_indices() -> dict[str, str]:
+    import torch.distributed as dist
+
+    from megatron_earl import runtime
+
+    dev = runtime.device()
+    theirs = torch.ones(3, device=f"emu:{1 - dist.get_rank()}")  # the peer rank's device
+    x = torch.ones(3, device=dev)
+    lin = torch.nn.Linear(3, 2).to(dev)
+
+    def backward():
+        lin(x.view(1, 3)).sum().backward()
+        assert lin.weight.grad.device == dev
+
+    return {
+        "device": str(dev),
+        "current": str(torch.emu.current_device()),
+        "unindexed_factory": str(torch.ones(1, device="emu").device),
+        "theirs": str(theirs.device),
+        "mixed": _outcome(lambda: x + theirs),
+        "mixed_scalar": _outcome(lambda: x * theirs.sum()),
+        "mixed_module": _outcome(lambda: lin(theirs.view(1, 3))),
+        "moved_first": _outcome(lambda: x + theirs.to(dev)),
+        "copy_across": _outcome(lambda: x.clone().copy_(theirs)),
+        "backward": _outcome(backward),
+    }
+
+
+def test_each_rank_has_its_own_device_index(collective_outcomes):
+    """Rank r computes on ``emu:r`` (``cuda:LOCAL_RANK`` on GPUs): a tensor of another index in
+    an op fails as on CUDA; moving it first, or copying across, is allowed."""
+    results = run_distributed(_device_indices, 2, timeout_s=120, env=EMULATED)
+    for rank, out in enumerate(results):
+        mine, theirs = f"emu:{rank}", f"emu:{1 - rank}"
+        assert out["device"] == mine and out["current"] == str(rank), out
+        assert out["unindexed_factory"] == mine, out
+        assert out["theirs"] == theirs
+        ops = {"mixed": "aten::add.Tensor", "mixed_scalar": "aten::mul.Tensor",
+               "mixed_module": "aten::addmm"}  # fmt: skip
+        for key, op in ops.items():
+            expected = f"HostDeviceMixError: {op} got tensors on {mine} and {theirs}"
+            assert out[key].startswith(expected), out[key]
+            assert "Expected all tensors to be on the same device" in out[key]
+            assert "test_emulated_device.py" in out[key]
+        for ok in ("moved_first", "copy_across", "backward"):
+            assert out[ok] == "ok", (ok, out[ok])
+    for rank, out in enumerate(collective_outcomes):  # NCCL: a communicator's own device only
+        wrong = out["other_index_on_device_group"]
+        expected = "HostDeviceMixError: torch.distributed.all_reduce got a device tensor of shape"
+        assert wrong.startswith(f"{expected} (2,) on emu:{1 - rank}"), wrong
+        assert f"communicates on emu:{rank}" in wrong
+
+
+def _pending_copies() -> dict[str, str]:
+    from megatron_earl import runtime
+
+    dev = runtime.device()
+    x = torch.arange(4.0, device=dev)
+    out = {}
+    early = x.to("cpu", non_blocking=True)
+    out["metadata_before_sync"] = f"{tuple(early.shape)} {early.dtype} {early.device}"
+    out["read_before_sync"] = _outcome(lambda: early.sum())
+    out["tolist_before_sync"] = _outcome(lambda: early.tolist())
+    torch.emu.synchronize()
+    out["after_sync"] = _outcome(lambda: early.tolist())
+    out["type_after_sync"] = type(early).__name__
+    out["values_after_sync"] = str(early.tolist())
+
+    buf = torch.zeros(4)  # a staging buffer written by a non-blocking copy
+    buf.copy_(x, non_blocking=True)
+    out["buffer_before_event"] = _outcome(lambda: buf + 1)
+    event = torch.emu.Event()
+    event.record()
+    event.synchronize()
+    out["buffer_after_event"] = str(buf.tolist())
+
+    event = torch.emu.Event()
+    event.record()  # before the copy: waiting on it does not cover the copy
+    late = x.to("cpu", non_blocking=True)
+    event.synchronize()
+    out["event_before_copy"] = _outcome(lambda: late.sum())
+    torch.emu.current_stream().synchronize()
+    out["after_stream_sync"] = _outcome(lambda: late.sum())
+
+    implicit = x.to("cpu", non_blocking=True)
+    x.sum().item()  # a blocking device -> host read waits for the stream, as .item() on CUDA
+    out["after_item"] = _outcome(lambda: implicit.sum())
+    out["blocking_copy"] = _outcome(lambda: x.cpu().sum())
+    out["to_host"] = _outcome(lambda: runtime.to_host(x).sum())
+    return out
+
+
+def test_non_blocking_copy_read_before_a_sync_fails():
+    (out,) = run_distributed(_pending_copies, 1, timeout_s=120, env=EMULATED)
+    assert out["metadata_before_sync"] == "(4,) torch.float32 cpu"  # metadata is no read
+    unsynced = (
+        "read_before_sync",
+        "tolist_before_sync",
+        "buffer_before_event",
+        "event_before_copy",
+    )
+    for key in unsynced:
+        assert out[key].startswith("UnsyncedReadError: a host tensor of shape (4,) "), out[key]
+        assert "non-blocking device -> host copy" in out[key]
+        assert "test_emulated_device.py" in out[key]
+    assert "read by sum()" in out["read_before_sync"]
+    assert "read by tolist()" in out["tolist_before_sync"]
+    for key in ("after_sync", "after_stream_sync", "after_item", "blocking_copy", "to_host"):
+        assert out[key] == "ok", (key, out[key])
+    assert out["type_after_sync"] == "Tensor"  # a plain host tensor again
+    assert out["values_after_sync"] == out["buffer_after_event"] == "[0.0, 1.0, 2.0, 3.0]"
 
 
 def _never_reached() -> None:
