@@ -30,7 +30,8 @@ phase's busy time (wall minus run-queue wait, min over ranks) refreshes the thro
 Candidates: experience, every layout of the world the model admits with dp <= samples per step;
 train, dp <= samples per mini-batch; rollout, tp/dp only (the embedded engine needs pp = cp = 1),
 dp <= prompts per step. The rollout phase counts the embedded engine's KV cache as the engine
-allocates it, whole when it is built (``engine_kv``: rows x ``rollout.max_context``).
+allocates it, whole when it is built (``engine_kv``: rows x ``rollout.max_context``, the rows
+its memory budget holds).
 
 Which ranks call: every rank of the world, with the same lengths (decisions are deterministic).
 """
@@ -98,13 +99,22 @@ def cpu_measured(
     return phase != Phase.ROLLOUT and predicted_bytes >= measure_above * budget_bytes
 
 
-def engine_kv(config: RunConfig) -> ReservedKV:
+def engine_kv(config: RunConfig, device_bytes: float | None = None) -> ReservedKV:
     """The KV cache an embedded engine replica allocates when it is built, whatever the batch
-    (``orchestration.engines.embedded.engine_config``): ``rollout.max_concurrency`` rows (at most
-    ``MAX_ENGINE_ROWS``) of ``rollout.max_context`` tokens. The rollout phase is selected only
-    with the embedded engine (``engines.checks``). Pure."""
+    (``orchestration.engines.embedded.engine_config``): rows of ``rollout.max_context`` tokens,
+    ``rollout.max_concurrency`` of them at most ``MAX_ENGINE_ROWS``, fewer when its budget holds
+    fewer: ``rollout.embedded.kv_cache_mb``, or ``kv_memory_fraction`` x ``device_bytes`` less
+    the layout's state (``ReservedKV.rows_for``); no budget on the CPU. The rollout phase is
+    selected only with the embedded engine (``engines.checks``). Pure."""
     rollout = config.rollout
-    return ReservedKV(min(rollout.max_concurrency, MAX_ENGINE_ROWS), rollout.max_context)
+    settings = rollout.embedded
+    kv = ReservedKV(min(rollout.max_concurrency, MAX_ENGINE_ROWS), rollout.max_context)
+    if settings.kv_cache_mb is not None:
+        return dataclasses.replace(kv, budget_bytes=settings.kv_cache_mb * MiB)
+    if device_bytes is not None:
+        share = settings.kv_memory_fraction * device_bytes
+        return dataclasses.replace(kv, static_share_bytes=share)
+    return kv
 
 
 def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str, Selector]:
@@ -121,8 +131,10 @@ def build_selectors(config: RunConfig, world_size: int, cuda: bool) -> dict[str,
     )
     # experience/train see the batch's own lengths (the rollout produced them): no
     # extrapolation; the rollout phase plans from the previous step's lengths, one step ahead,
-    # with the engine's whole KV cache
-    rollout = dataclasses.replace(decide, reserved_kv=engine_kv(config))
+    # with the engine's whole KV cache (on GPU sized from the budget, which stands for the
+    # device's memory)
+    kv = engine_kv(config, decide.budget_bytes if cuda else None)
+    rollout = dataclasses.replace(decide, reserved_kv=kv)
     return {
         phase: Selector(
             config.model,
@@ -211,6 +223,7 @@ def _start_engine_problem(config: RunConfig, selector: Selector) -> str | None:
         return selector.memory.peak(Phase.ROLLOUT, layout, work, train_layout=train)
 
     need = peak(start, kv.context)
+    rows = round(need.kv_cache / selector.memory.kv_row_bytes(start, kv.context))
     if need.total <= limit:
         return None
     fits, too_long = 0, kv.context  # bisection: the peak grows with the context
@@ -232,7 +245,7 @@ def _start_engine_problem(config: RunConfig, selector: Selector) -> str | None:
         f"({config.selector.budget_mb:g} MiB; {per_rank(limit)} with the safety margin "
         f"{config.selector.safety_margin:.0%}): the embedded engine of layouts.rollout {start} "
         "is built at start-up, before any layout decision, and allocates its KV cache whole, "
-        f"{kv.rows} rows (rollout.max_concurrency, at most {MAX_ENGINE_ROWS}) x {kv.context} "
+        f"{rows} rows (rollout.max_concurrency, at most {MAX_ENGINE_ROWS}) x {kv.context} "
         f"tokens = {per_rank(need.kv_cache)}; with the weights, the train state and one "
         f"sequence of that length it needs {per_rank(need.total)}. Fits: {largest}"
         + "".join(f"; {h} holds {kv.context}" for h in holders)

@@ -26,7 +26,8 @@ Terms (bytes on the most loaded rank: the first or last pipeline stage):
 * KV cache (rollout): layers/pp x 2 x kv heads/tp x head dim x tokens x bytes, tokens being the
   concurrent sequences x the longest (a paged pool), or, for an engine that allocates its cache
   whole when it is built (``ReservedKV``: the embedded engine's row cache), its rows x its
-  context limit whatever the batch;
+  context limit whatever the batch, the rows being those its memory budget holds next to the
+  weights and train state (``rollout.embedded.kv_memory_fraction`` / ``kv_cache_mb``);
 * overhead: a fixed per-rank amount (framework, communicator buffers).
 
 In the RL loop the trainable master copy (weights, gradients, optimizer state) lives in the train
@@ -50,6 +51,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from megatron_earl.config.embedded import kv_cache_rows
 from megatron_earl.config.model import ModelConfig, sequence_parallel_size
 from megatron_earl.config.vocab import PHASES, Phase
 from megatron_earl.parallel.layout import ParallelLayout
@@ -72,15 +74,29 @@ class ReservedKV:
     ``rollout/embedded/kv_cache.py``; its RoPE tables span ``context`` too)."""
 
     rows: int
-    """Requests the engine decodes at once (the embedded engine: ``rollout.max_concurrency``, at
-    most ``config.embedded.MAX_ENGINE_ROWS``)."""
+    """Requests the engine decodes at once at most (the embedded engine: ``rollout.
+    max_concurrency``, at most ``config.embedded.MAX_ENGINE_ROWS``); fewer when a budget below
+    holds fewer rows (``config.embedded.kv_cache_rows``, the engine's own sizing)."""
     context: int
     """Tokens per row: the engine's context limit (``rollout.max_context``; a compiled engine
     adds one spare position, less than 1 / context of the cache, not counted)."""
+    budget_bytes: float | None = None
+    """An explicit KV-cache budget per rank (``rollout.embedded.kv_cache_mb``)."""
+    static_share_bytes: float | None = None
+    """``kv_memory_fraction`` x the device's memory: the cache takes this less the rank's state
+    (weights, train state) in the phase's layout. None (and no ``budget_bytes``): ``rows``."""
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.context < 1:
             raise ValueError(f"rows ({self.rows}) and context ({self.context}) must be >= 1")
+
+    def rows_for(self, row_bytes: float, static_bytes: float) -> int:
+        """Rows the engine allocates next to ``static_bytes`` of state, at least one (an engine
+        that holds none cannot start: ``megatron-earl plan`` and ``check`` refuse it)."""
+        budget = self.budget_bytes
+        if budget is None and self.static_share_bytes is not None:
+            budget = self.static_share_bytes - static_bytes
+        return max(1, kv_cache_rows(self.rows, row_bytes, budget))
 
 
 @dataclass(frozen=True)
@@ -493,17 +509,26 @@ class MemoryModel:
             tables += 2 * s * m.head_dim * self.param_bytes
         return tables
 
-    def kv_cache(self, layout: ParallelLayout, work: PhaseWorkload) -> float:
-        """KV-cache bytes per rank of a rollout engine replica: its reserved rows x context
-        (``work.reserved_kv``: allocated whole, whatever the lengths), else the concurrent
-        sequences x the longest."""
+    def kv_row_bytes(self, layout: ParallelLayout, tokens: int) -> float:
+        """KV-cache bytes per rank of ``tokens`` positions of one sequence (every layer of the
+        stage, keys and values, the rank's KV heads and share of the sequence)."""
         m = self.model
         kv_heads = max(1.0, m.query_groups / layout.tp)
-        tokens = work.concurrent_sequences * work.max_seq_len
-        if work.reserved_kv is not None:
-            tokens = work.reserved_kv.rows * work.reserved_kv.context
         per_token = 2 * kv_heads * m.head_dim * self.param_bytes
         return m.num_layers / layout.pp * per_token * tokens / layout.cp
+
+    def kv_cache(
+        self, layout: ParallelLayout, work: PhaseWorkload, static_bytes: float = 0.0
+    ) -> float:
+        """KV-cache bytes per rank of a rollout engine replica: its reserved rows x context
+        (``work.reserved_kv``: allocated whole, whatever the lengths; the rows its budget holds
+        next to ``static_bytes`` of weights and train state), else the concurrent sequences x
+        the longest."""
+        reserved = work.reserved_kv
+        if reserved is None:
+            return self.kv_row_bytes(layout, work.concurrent_sequences * work.max_seq_len)
+        row = self.kv_row_bytes(layout, reserved.context)
+        return reserved.rows_for(row, static_bytes) * row
 
     # ------------------------------------------------------------------ total
 
@@ -554,7 +579,11 @@ class MemoryModel:
             optimizer=optim,
             activations=activations,
             logprob_buffers=buffers,
-            kv_cache=self.kv_cache(layout, work) if phase == Phase.ROLLOUT else 0.0,
+            kv_cache=(
+                self.kv_cache(layout, work, weights + grads + optim)
+                if phase == Phase.ROLLOUT
+                else 0.0
+            ),
             overhead=s.overhead_bytes,
             rotary_tables=self.rotary_tables(phase, work),
         )

@@ -1,10 +1,18 @@
-"""``megatron-earl plan``: a dry run of the selector with no GPUs.
+"""``megatron-earl plan``: a dry run of the selector, or of a run config's memory, with no GPUs.
 
+    megatron-earl plan configs/qwen2.5-7b_grpo.yaml --gpu h100-80gb [key=value ...] [--json]
     megatron-earl plan --model qwen2.5-72b --gpus 32 --gpu-memory 80 --context 4k,8k,16k,32k,64k
     python -m megatron_earl.selector.plan_cli --model configs/qwen2.5-7b_grpo.yaml --gpus 128 \
         --gpu-memory 80 --context 4k,64k --phase train --json
 
-Prints, per context length and phase, the layout the selector would choose (memory model with the
+With a run config: each phase's predicted peak memory per GPU in the config's layouts, by term
+(weights, train state, the embedded engine's KV cache, activations ...), and the headroom, on
+``--gpu`` (a preset of ``footprint.GPU_PRESETS``; default: the GPU the config names on its
+``# gpu: NAME`` line) or ``--gpu-memory`` GiB (``selector.footprint``). A config that does not
+fit is refused (exit 1) naming the term and what would fix it.
+
+With ``--model``:
+prints, per context length and phase, the layout the selector would choose (memory model with the
 analytic GPU defaults, roofline throughput: nothing measured), its predicted memory per GPU and
 tokens/s, how many of the candidate layouts would run out of memory, and for each layout chosen
 at some context the contexts at which that layout, kept static, would OOM.
@@ -23,10 +31,19 @@ from pathlib import Path
 
 import yaml
 
+from megatron_earl.config.loader import load_config
 from megatron_earl.config.model import ModelConfig
+from megatron_earl.config.run import ConfigError
 from megatron_earl.config.vocab import PHASES
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.selector.decide import NoFeasibleLayout, Selector, SelectorConfig
+from megatron_earl.selector.footprint import (
+    GPU_PRESETS,
+    declared_gpu,
+    footprint,
+    format_footprint,
+    gpu_preset,
+)
 from megatron_earl.selector.memory import GiB, MemoryModel, MemorySettings
 from megatron_earl.selector.throughput import HardwareSpec, Roofline, ThroughputTable
 
@@ -186,11 +203,31 @@ def format_plan(result: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def plan_config(path: str, overrides: list[str], gpu: str | None, gpu_memory: float | None):
+    """(the config's ``Footprint``, the GPU's name) for ``megatron-earl plan CONFIG``; raises
+    ``ValueError`` for an unknown GPU or a config that names none, ``ConfigError`` for a bad
+    config."""
+    config = load_config(path, overrides)
+    if gpu_memory is not None:
+        return footprint(config, gpu_memory * GiB), f"{gpu_memory:g} GiB"
+    name = gpu or declared_gpu(path)
+    if name is None:
+        raise ValueError(
+            f"{path} names no GPU (a '# gpu: NAME' line); pass --gpu "
+            f"({', '.join(GPU_PRESETS)}) or --gpu-memory GiB"
+        )
+    preset = gpu_preset(name)
+    return footprint(config, preset.bytes), preset.name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-earl plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="known name or YAML/JSON ModelConfig")
-    parser.add_argument("--gpus", type=int, required=True, help="world size")
-    parser.add_argument("--gpu-memory", type=float, required=True, help="GB per GPU (GiB)")
+    parser.add_argument("config", nargs="?", help="run config YAML: its memory per GPU")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    parser.add_argument("--gpu", help=f"GPU preset: {', '.join(GPU_PRESETS)}")
+    parser.add_argument("--model", help="known name or YAML/JSON ModelConfig")
+    parser.add_argument("--gpus", type=int, help="world size (with --model)")
+    parser.add_argument("--gpu-memory", type=float, help="GiB per GPU (instead of --gpu)")
     parser.add_argument("--context", default="4k,8k,16k,32k,64k", help="e.g. 4k,8k,16k")
     parser.add_argument("--phase", default=",".join(PHASES), help="comma list of " + str(PHASES))
     parser.add_argument("--batch", type=int, default=64, help="sequences per step")
@@ -200,19 +237,42 @@ def main(argv: list[str] | None = None) -> int:
         "--recompute", default="model", choices=["model", "none", "selective", "full"]
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow the options
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        parser.error(f"--gpu-memory ({args.gpu_memory:g}) must be > 0 GiB")
+    if args.gpu is not None and args.gpu.lower() not in GPU_PRESETS:
+        parser.error(f"--gpu: unknown GPU {args.gpu!r}; valid: {', '.join(GPU_PRESETS)}")
+    if args.config is not None:
+        if args.model is not None:
+            parser.error("give a run config or --model, not both")
+        try:
+            fp, gpu = plan_config(args.config, args.overrides, args.gpu, args.gpu_memory)
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        except ValueError as err:
+            parser.error(str(err))
+        print(
+            json.dumps(fp.as_dict(), indent=1)
+            if args.json
+            else format_footprint(fp, args.config, gpu)
+        )
+        return 1 if fp.problems else 0
+    if args.model is None or args.gpus is None:
+        parser.error("give a run config, or --model and --gpus")
+    memory_gb = args.gpu_memory if args.gpu is None else GPU_PRESETS[args.gpu.lower()].memory_gib
+    if memory_gb is None:
+        parser.error("--model needs --gpu or --gpu-memory")
     phases = [p.strip() for p in args.phase.split(",") if p.strip()]
     bad = [p for p in phases if p not in PHASES]
-    if bad or args.gpus < 1 or args.gpu_memory <= 0 or args.batch < 1:
-        parser.error(
-            f"phases {bad} not in {PHASES}" if bad else "--gpus, --gpu-memory, --batch must be > 0"
-        )
+    if bad or args.gpus < 1 or args.batch < 1:
+        parser.error(f"phases {bad} not in {PHASES}" if bad else "--gpus, --batch must be > 0")
     model = load_model(args.model)
     recompute = None if args.recompute == "none" else args.recompute
     result = plan(
         model,
         args.gpus,
-        args.gpu_memory,
+        memory_gb,
         parse_context(args.context),
         phases,
         batch=args.batch,

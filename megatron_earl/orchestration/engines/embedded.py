@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_earl import runtime
 from megatron_earl.config.embedded import COMPILE_SWITCHES, MAX_ENGINE_ROWS
 from megatron_earl.config.run import RunConfig
 from megatron_earl.config.vocab import EngineKind, Phase
@@ -43,13 +45,29 @@ from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig, RolloutBatch
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig, run_engine
+from megatron_earl.selector.footprint import kv_sizing
 from megatron_earl.tokenizer.base import ChatTokenizer
 
 
-def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineConfig:
+def device_memory_bytes() -> int | None:
+    """This rank's compute device's memory (CUDA), or None where there is no figure (the CPU,
+    the emulated device)."""
+    device = runtime.policy().device
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def engine_config(
+    config: RunConfig, layout: ParallelLayout, device_bytes: float | None = None
+) -> EmbeddedEngineConfig:
     """The engine settings of ``layout``'s engine: KV rows for ``rollout.max_concurrency`` (at
-    most ``MAX_ENGINE_ROWS``), ``rollout.max_context`` per row (the whole cache is allocated
-    when the engine is built: the selector counts it, ``orchestration.selection``),
+    most ``MAX_ENGINE_ROWS``), fewer when its memory budget holds fewer
+    (``selector.footprint.kv_sizing``: ``rollout.embedded.kv_cache_mb``, or
+    ``kv_memory_fraction`` x ``device_bytes`` less the weights and train state the memory model
+    predicts; no budget without a memory figure), ``rollout.max_context`` per row (the whole
+    cache is allocated when the engine is built: the selector counts it,
+    ``orchestration.selection``),
     ``rollout.embedded``'s threads, and the compiled decode and prefill steps when asked for and
     ``layout`` has tp = 1 (else eager). Steps run in the engine's worker thread
     (``EmbeddedEngineConfig.step_thread``): the agent loops' env and reward timeouts keep running
@@ -57,6 +75,7 @@ def engine_config(config: RunConfig, layout: ParallelLayout) -> EmbeddedEngineCo
     rollout = config.rollout
     return EmbeddedEngineConfig(
         max_batch_size=min(rollout.max_concurrency, MAX_ENGINE_ROWS),
+        kv_cache_bytes=kv_sizing(config, device_bytes, layout).budget_bytes,
         max_seq_len=rollout.max_context,
         seed=config.seed,
         decode_threads=rollout.embedded.decode_threads,
@@ -86,7 +105,7 @@ class EmbeddedBackend(RolloutBackend):
         use_layout(layout)
         if layout not in self.engines:
             self.policy.ensure(layout)
-            settings = engine_config(self.config, layout)
+            settings = engine_config(self.config, layout, device_memory_bytes())
             asked = self.config.rollout.embedded
             for name in COMPILE_SWITCHES:
                 if getattr(asked, name) and not getattr(settings, name) and dist.get_rank() == 0:

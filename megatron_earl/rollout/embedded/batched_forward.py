@@ -58,10 +58,13 @@ from megatron.core.transformer.identity_op import IdentityOp
 from torch import nn
 
 from megatron_earl import runtime
+from megatron_earl.config.embedded import kv_cache_rows
 from megatron_earl.models.rotary import cos_signed_sin
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.rollout.embedded.kv_cache import RowCache
 from megatron_earl.rollout.embedded.step import Batch, StepIndex, StepTensors
+
+MIB = 1 << 20
 
 PREFILL_COMPILE_MAX_SCORES = 1 << 22
 """Largest attention score tensor (sequences x query heads x the longest new tokens x the
@@ -174,6 +177,10 @@ class BatchedForward:
     The layer parameters are referenced, not copied: weights written into the chunk in place
     (a reshard, ``load_full_state_dict``) are what the next step computes with.
 
+    The row cache holds ``max_batch_size`` rows of ``max_seq_len`` tokens, or fewer when
+    ``kv_cache_bytes`` (the cache's memory budget on this rank) holds fewer whole rows
+    (``config.embedded.kv_cache_rows``); a budget that holds no row is refused.
+
     ``compile_decode``: decode steps run ``torch.compile`` of ``_decode`` (inductor: fused C++
     kernels for the norms, RoPE, cache writes, the attention (``_attend_decode_fused``) and
     SwiGLU; the projections stay library calls),
@@ -194,6 +201,7 @@ class BatchedForward:
         max_seq_len: int,
         compile_decode: bool = False,
         compile_prefill: bool = False,
+        kv_cache_bytes: float | None = None,
     ) -> None:
         gpt = unwrap_chunk(model)
         check_supported(gpt)
@@ -213,12 +221,25 @@ class BatchedForward:
         compiled = compile_decode or compile_prefill
         # Compiled: one spare key position, so that no step's key length is the cache's whole
         # length (a slice of the whole dimension would specialise the dynamic graph to it).
+        length = max_seq_len + 1 if compiled else max_seq_len
+        row = RowCache.row_bytes(
+            len(self.layers), self.num_groups, self.head_dim, length, weight.dtype
+        )
+        rows = kv_cache_rows(max_batch_size, row, kv_cache_bytes)
+        if rows < 1:
+            raise ValueError(
+                f"the KV-cache budget ({kv_cache_bytes / MIB:.4g} MiB on this rank) holds no row "
+                f"of max_seq_len={max_seq_len} tokens ({row / MIB:.4g} MiB a row: "
+                f"{len(self.layers)} layers x K/V x {self.num_groups} groups x {length} positions "
+                f"x head dim {self.head_dim} x {weight.element_size()} B); give it at least "
+                f"{row / MIB:.4g} MiB, a shorter context, or more tp (fewer groups per rank)"
+            )
         self.cache = RowCache(
             len(self.layers),
             self.num_groups,
             self.head_dim,
-            max_batch_size,
-            max_seq_len + 1 if compiled else max_seq_len,
+            rows,
+            length,
             dtype=weight.dtype,
             device=weight.device,
         )

@@ -85,7 +85,14 @@ class EmbeddedEngineConfig:
     """Capacity and sampling stream of the embedded engine."""
 
     max_batch_size: int = 8
-    """Requests decoded together at most (KV-cache rows; more requests wait, none is refused)."""
+    """Requests decoded together at most (KV-cache rows; more requests wait, none is refused);
+    fewer when ``kv_cache_bytes`` holds fewer rows."""
+    kv_cache_bytes: float | None = None
+    """Memory budget of the KV cache on this rank: the engine allocates the whole rows of
+    ``max_seq_len`` tokens it holds, at most ``max_batch_size`` (``config.embedded.
+    kv_cache_rows``; an engine that holds no row is refused with the budget and a row's bytes).
+    None: ``max_batch_size`` rows. The RL loop derives it from the device memory
+    (``rollout.embedded.kv_memory_fraction``) or ``rollout.embedded.kv_cache_mb``."""
     max_seq_len: int = 1024
     """Context limit: prompt + generated tokens of one request (KV-cache length)."""
     max_prefills_per_step: int = 64
@@ -234,6 +241,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
             self.model,
             self.config.max_batch_size,
             self.config.max_seq_len,
+            kv_cache_bytes=self.config.kv_cache_bytes,
             compile_decode=self.config.compile_decode,
             compile_prefill=self.config.compile_prefill,
         )
@@ -247,7 +255,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self.is_scheduler = parallel_state.get_tensor_model_parallel_rank() == 0
         # Scheduler state (TP rank 0 only).
         self._waiting: deque[EngineRequest] = deque()
-        self._table: RowTable[EngineRequest] = RowTable(self.config.max_batch_size)
+        self._table: RowTable[EngineRequest] = RowTable(self.num_rows)
         """Running requests by cache row, their cached lengths, parked sessions."""
         self._paused = False
         self._released: set[MemoryTag] = set()
@@ -282,8 +290,14 @@ class EmbeddedEngine(StepResults, EngineMemory):
         return len(self._waiting) + len(self._table.items)
 
     @property
+    def num_rows(self) -> int:
+        """KV-cache rows: requests decoded at once at most (``max_batch_size``, or fewer when
+        ``kv_cache_bytes`` holds fewer); the rest wait."""
+        return self._forward.cache.max_batch_size
+
+    @property
     def num_running(self) -> int:
-        """Requests holding a KV-cache row (at most ``max_batch_size``; the rest wait)."""
+        """Requests holding a KV-cache row (at most ``num_rows``; the rest wait)."""
         return len(self._table.items)
 
     async def generate(
@@ -365,7 +379,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
         async with self._step_lock:
             if mode == "retract":
                 self._waiting.extendleft(reversed(self._table.items))
-                self._table = RowTable(self.config.max_batch_size)
+                self._table = RowTable(self.num_rows)
             await self._settle_aborts()
 
     async def resume(self) -> None:

@@ -3,8 +3,10 @@
 Per attention layer two buffers ``[max_batch_size, ng, max_seq_len, hn]`` (legend: ng = query
 groups on this TP rank, hn = head dim), allocated on the weights' device (the compute device:
 every step reads them) and bounded for the engine's lifetime: ``max_batch_size`` requests of up
-to ``max_seq_len`` tokens (dropped and allocated again, empty, by SGLang's memory release and
-resume for colocation: ``RowCache.release`` / ``allocate``). Row ``r`` holds its request's keys
+to ``max_seq_len`` tokens, as many rows as a memory budget holds (``config.embedded.
+kv_cache_rows``, sized by ``BatchedForward``; requests beyond them wait for a row). Dropped and
+allocated again, empty, by SGLang's memory release and resume for colocation
+(``RowCache.release`` / ``allocate``). Row ``r`` holds its request's keys
 and values at their true positions ``[0, length_r)``; keys are stored *after* RoPE, so a decode
 step rotates only the new token's key (Megatron's static inference context caches un-rotated
 keys and rotates the whole cache on every step). Rows of running requests are always the
@@ -60,6 +62,14 @@ class RowCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.allocate()
+
+    @staticmethod
+    def row_bytes(
+        num_layers: int, num_groups: int, head_dim: int, length: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of one row of ``length`` positions over every layer (keys and values)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * num_groups * length * head_dim * element
 
     def allocate(self) -> None:
         """(Re)create the buffers, zeroed (at start-up and when a released cache is resumed)."""
