@@ -5,8 +5,11 @@
 
 instead of ``python -m torch.distributed.run ...``. Before torchrun starts the workers, this
 process validates the run for the N ranks (``cli.train.checked_config``: every start-up check,
-the same ones every rank repeats); a config that cannot run is printed as ``config error: ...``
-and the command exits with code 2, no worker started.
+the same ones every rank repeats) and, on a node with a GPU, models every phase's memory on it
+(``selector.footprint``, what ``megatron-earl plan`` prints); a config that cannot run or does
+not fit is printed as ``config error: ...`` and the command exits with code 2, no worker started.
+The GPU is read with ``nvidia-smi``: a CUDA context in this process would hold memory on GPU 0
+for the whole run.
 
 Why here and not in ``megatron-earl train`` itself: the checks read the machine (CUDA, Transformer
 Engine, the selector's memory model) through ``torch``, which torchrun imports anyway; the
@@ -15,10 +18,14 @@ launcher then never imports ``torch`` (one import of it fewer per run, about a s
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 
 from megatron_earl.cli.train import checked_config
-from megatron_earl.config.run import ConfigError
+from megatron_earl.config.run import ConfigError, RunConfig
+from megatron_earl.selector.footprint import footprint
+from megatron_earl.selector.memory import GiB
 
 USAGE = (
     "usage: python -m megatron_earl.cli.checked_torchrun [torchrun options] "
@@ -40,13 +47,46 @@ def split_torchrun_argv(argv: list[str]) -> tuple[int, list[str]]:
     return int(values[0]), argv[i + 2 :]
 
 
+def local_gpu() -> tuple[str, float] | None:
+    """(name, bytes) of this node's first GPU as ``nvidia-smi`` reports it; None without
+    ``nvidia-smi`` or a GPU (then the memory is not modelled here; every rank's engine still sizes
+    its KV cache from its device)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        name, mib = out.splitlines()[0].rsplit(",", 1)
+        return name.strip(), float(mib) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def memory_problem(config: RunConfig, gpu: tuple[str, float] | None) -> str | None:
+    """Why ``config`` does not fit ``gpu`` (name, bytes): every phase's modelled peak, the
+    embedded engine's KV cache; None when it fits or there is no GPU. Pure."""
+    if gpu is None:
+        return None
+    problems = footprint(config, gpu[1]).problems
+    if not problems:
+        return None
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"does not fit {gpu[0]} ({gpu[1] / GiB:.1f} GiB):\n{lines}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     nproc, module_argv = split_torchrun_argv(argv)
     try:
-        checked_config(module_argv, nproc)
+        config = checked_config(module_argv, nproc)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    problem = memory_problem(config, local_gpu())
+    if problem is not None:
+        print(f"config error: {problem}", file=sys.stderr)
         return 2
     from torch.distributed.run import main as torchrun
 

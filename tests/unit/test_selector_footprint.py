@@ -245,3 +245,22 @@ def test_check_runs_the_same_model(capsys):
     with pytest.raises(SystemExit):
         check([*args, "--gpu", "tpu-v5"])
     assert "valid: a100-40gb" in capsys.readouterr().err
+
+
+def test_train_refuses_a_config_that_does_not_fit_the_nodes_gpu(monkeypatch, capsys):
+    """``megatron-earl train``'s pre-flight (``cli.checked_torchrun``, in torchrun's process)
+    models the memory on the node's GPU (``nvidia-smi``; faked here with an 80 GiB one) and
+    refuses before any worker starts; without a GPU it does not model it."""
+    from megatron_earl.cli import checked_torchrun
+
+    started = []
+    monkeypatch.setattr("torch.distributed.run.main", lambda argv: started.append(argv))
+    argv = ["--standalone", "--nproc_per_node=8", "-m", "megatron_earl.cli.train", "--config",
+            str(QWEN), "tokenizer=demo", "rollout.embedded.kv_cache_mb=57344"]  # fmt: skip
+    monkeypatch.setattr(checked_torchrun, "local_gpu", lambda: ("NVIDIA H100 80GB HBM3", H100))
+    assert checked_torchrun.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "config error: does not fit NVIDIA H100 80GB HBM3 (80.0 GiB)" in err
+    assert "the largest term is kv_cache" in err and not started
+    monkeypatch.setattr(checked_torchrun, "local_gpu", lambda: None)
+    assert checked_torchrun.main(argv) == 0 and len(started) == 1
