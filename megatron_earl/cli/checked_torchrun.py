@@ -9,7 +9,9 @@ the same ones every rank repeats) and, on a node with a GPU, models every phase'
 (``selector.footprint``, what ``megatron-earl plan`` prints); a config that cannot run or does
 not fit is printed as ``config error: ...`` and the command exits with code 2, no worker started.
 The GPU is read with ``nvidia-smi``: a CUDA context in this process would hold memory on GPU 0
-for the whole run.
+for the whole run. With ``rollout.engine: sglang`` the engines are checked here too
+(``rollout.sglang.startup``: they answer, and serve what the run expects), so a dead or mismatched
+engine also stops the run before any worker starts.
 
 Why here and not in ``megatron-earl train`` itself: the checks read the machine (CUDA, Transformer
 Engine, the selector's memory model) through ``torch``, which torchrun imports anyway; the
@@ -18,12 +20,16 @@ launcher then never imports ``torch`` (one import of it fewer per run, about a s
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
 
 from megatron_earl.cli.train import checked_config
 from megatron_earl.config.run import ConfigError, RunConfig
+from megatron_earl.config.vocab import EngineKind
+from megatron_earl.rollout.engine import EngineError
+from megatron_earl.rollout.sglang.startup import engines_at_start
 from megatron_earl.selector.footprint import footprint
 from megatron_earl.selector.memory import GiB
 
@@ -88,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"config error: {problem}", file=sys.stderr)
         return 2
+    if config.rollout.engine == EngineKind.SGLANG:
+        try:
+            asyncio.run(engines_at_start(config)).raise_problems()
+        except EngineError as err:
+            print(f"engine error: {err}", file=sys.stderr)
+            return 2
     from torch.distributed.run import main as torchrun
 
     torchrun(argv)

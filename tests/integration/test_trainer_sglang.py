@@ -222,7 +222,7 @@ def test_trainer_pushes_weights_and_rolls_out_on_sglang_engines(
     assert run["versions"] == [1, 1]
 
 
-def test_unreachable_engine_stops_the_run_at_start_naming_it(servers, tmp_path):
+def test_unreachable_engine_stops_the_run_before_any_worker_starts_naming_it(servers, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     result = subprocess.run(
         [
@@ -246,9 +246,12 @@ def test_unreachable_engine_stops_the_run_at_start_naming_it(servers, tmp_path):
         timeout=300,
         env={**os.environ, "SGLANG_API_KEY": KEY},
     )
-    assert result.returncode != 0
-    assert f"SGLang engines not reachable at start-up (GET /health): ['{dead}']" in result.stderr
-    assert not (tmp_path / "dead" / "metrics.jsonl").exists()
+    assert result.returncode == 2
+    # the pre-flight in torchrun's process (cli.checked_torchrun), before any worker started
+    needle = f"engine error: SGLang engines not reachable at start-up (GET /health): ['{dead}']"
+    assert needle in result.stderr
+    assert "device:" not in result.stdout  # no rank printed its device
+    assert not (tmp_path / "dead").exists()
 
 
 def _train(servers, tmp_path, name: str, *overrides: str, steps: int = 3) -> list[dict]:

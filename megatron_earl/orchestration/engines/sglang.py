@@ -56,10 +56,9 @@ from megatron_earl.redistribute.weight_exec import reshard_weights
 from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
 from megatron_earl.rollout.agent.trajectory import Trajectory
-from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
-from megatron_earl.rollout.sglang.identity import check_engines, read_identity
 from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
+from megatron_earl.rollout.sglang.startup import engines_at_start
 from megatron_earl.rollout.weights.relay.publisher import wait_for_engines
 from megatron_earl.rollout.weights.sync import hf_named_tensors
 from megatron_earl.rollout.weights.transports import WeightTransport, build_transport
@@ -121,33 +120,10 @@ class SGLangBackend(RolloutBackend):
 
     async def _check_reachable(self) -> None:
         """Every engine (and the router) answers ``/health`` now, or the run stops naming the
-        ones that do not -- before any weight is gathered or pushed. Every rank checks."""
-        sglang = self.config.rollout.sglang
-        urls = [*self.urls, *([sglang.router_url] if sglang.router_url else [])]
-        config = ClientConfig(api_key=sglang.api_key(), connect_timeout_s=5.0, max_retries=2)
-        clients = [SGLangClient(url, config) for url in urls]
-        try:
-            healthy = await asyncio.gather(*(c.health(retries=2) for c in clients))
-        finally:
-            await asyncio.gather(*(c.close() for c in clients))
-        down = [url for url, ok in zip(urls, healthy) if not ok]
-        if down:
-            raise EngineError(
-                f"SGLang engines not reachable at start-up (GET /health): {down}; check "
-                "rollout.engine_urls / rollout.sglang.router_url and that the servers are up"
-            )
-        await self._check_engines(config)
-
-    async def _check_engines(self, config: ClientConfig) -> None:
-        """Read every engine's identity (``rollout.sglang.identity``) and refuse, naming the
-        first difference, an engine the run cannot use as configured; the engines' TP size
-        becomes ``rollout.sglang.engine_tp`` when it is unset. Every rank checks."""
-        clients = [SGLangClient(url, config) for url in self.urls]
-        try:
-            identities = await asyncio.gather(*(read_identity(c) for c in clients))
-        finally:
-            await asyncio.gather(*(c.close() for c in clients))
-        check = check_engines(identities, self.config.rollout.sglang, self.config.model)
+        ones that do not; every engine's identity is checked (``rollout.sglang.startup``), and
+        the engines' TP size becomes ``rollout.sglang.engine_tp`` when it is unset -- before any
+        weight is gathered or pushed. Every rank checks."""
+        check = await engines_at_start(self.config)
         for warning in check.warnings:
             if dist.get_rank() == 0:
                 log.warning("%s", warning)
