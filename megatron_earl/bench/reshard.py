@@ -1,16 +1,37 @@
-"""Benchmark: layout switch and weight resharding between two layouts on N local processes.
+"""Benchmark: layout switch and weight resharding between two layouts on N local processes, and
+the same reshards side by side with megatron-core's own resharder.
 
     python scripts/bench_reshard.py --nproc 2 --src tp2 --dst pp2 [--layers 8 --hidden 512 ...]
     python scripts/bench_reshard.py --json          # one JSON line instead of the table
+    megatron-earl bench reshard --against megatron-core --nproc 4 [--pairs A:B,... --rounds 9]
 
 For a GPT model of the stated size (printed: parameters, bytes) every rank builds the model in the
 source layout A, switches to the destination layout B (``use_layout``; first switch timed) and
-builds it there. Then, for A -> B and for B -> A: the plan (``gather_plan``: metadata all-gather +
-planning; first and cached), and the reshard (``execute_plan``; bytes sent and received per rank,
-max and mean) alternating with the baseline: a plain all-gather of every rank's source parameters
-to every rank (what a reshard without a plan does: every rank receives the whole source layout,
-then slices), so both see the same background load. Last, B -> A -> B again (cached switches).
-Times are the slowest rank's, best of ``--repeats``.
+builds it there. Then, for A -> B and for B -> A: the plan (``gather_plan``: metadata
+all-gather + planning the first time; cached: the cache's all-reduce check), and the reshard
+(``execute_plan``; bytes sent and received per rank, max and mean) alternating with the
+baseline: a plain all-gather of every rank's source parameters to every rank (what a reshard
+without a plan does: every rank receives the whole source layout, then slices), so both see the
+same background load. Last, B -> A -> B again (cached switches). Times are the slowest rank's,
+best of ``--repeats``.
+
+``--against megatron-core``: for every pair A:B (default: six directed pairs per world size,
+``DEFAULT_PAIRS``) both libraries reshard the *same* models in the *same* processes:
+megatron-core 0.16.1's ``megatron.core.resharding.swap_model_weights`` with its gloo copy service,
+and ours (``reshard_weights``). Every layout's model is built once and loaded with the same
+deterministic reference weights; before every call the destination is poisoned with NaN, after it
+the destination must equal its directly loaded weights bitwise (so the two libraries' results are
+bitwise equal too). Per round and pair each library makes a *first call* (its plan cache emptied:
+ours ``PLAN_CACHE.clear()``, megatron-core's plan attribute dropped from the target model) and a
+*repeated call* (plan cached); the libraries alternate which goes first from round to round, and
+every figure is the median over ``--rounds`` of the slowest rank. Every cost is inside the timed
+calls: megatron-core's metadata extraction, all-gathers, planning on rank 0, broadcast, slicing
+copies and write-backs; our cache check, metadata all-gather and planning (first call), packing and
+unpacking. Our first call also adds ``shard_pieces`` of both models (timed when the models are
+built: pieces are taken once per model, while its layout is current), the counterpart of
+megatron-core's per-call parameter metadata. One untimed warm-up call per library and pair
+comes first (megatron-core's copy service creates its gloo group there). VPP layouts are refused:
+megatron-core reshards one model chunk.
 
 Runs through ``megatron_earl.testing.distributed.run_distributed`` (gloo on CPU; on a machine with
 one GPU per process it would use NCCL). Model building is not timed.
@@ -21,7 +42,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -49,6 +72,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument(
+        "--against",
+        choices=["megatron-core"],
+        help="compare with megatron-core's resharder on --pairs (first and repeated calls)",
+    )
+    p.add_argument("--pairs", help="with --against: A:B,... (default: DEFAULT_PAIRS[nproc])")
+    p.add_argument("--rounds", type=int, default=9, help="with --against: interleaved rounds")
     return p.parse_args(argv)
 
 
@@ -94,6 +124,7 @@ def _body(model: ModelConfig, src: ParallelLayout, dst: ParallelLayout, bucket: 
     from megatron_earl.models.gpt import build_model
     from megatron_earl.parallel.state import use_layout
     from megatron_earl.redistribute.geometry import shard_pieces
+    from megatron_earl.redistribute.plan_cache import PLAN_CACHE
     from megatron_earl.redistribute.weight_exec import execute_plan, gather_plan
 
     out: dict[str, Any] = {}
@@ -102,6 +133,7 @@ def _body(model: ModelConfig, src: ParallelLayout, dst: ParallelLayout, bucket: 
     pieces_a = shard_pieces(build_model(model, vpp=src.vpp))
     out["switch_first_s"], _ = _timed(lambda: use_layout(dst))
     pieces_b = shard_pieces(build_model(model, vpp=dst.vpp))
+    PLAN_CACHE.clear()
     for name, s, d in (("there", pieces_a, pieces_b), ("back", pieces_b, pieces_a)):
         out[f"{name}_plan_s"], plan = _timed(lambda s=s, d=d: gather_plan(s, d, bucket))
         out[f"{name}_plan_cached_s"], _ = _timed(lambda s=s, d=d: gather_plan(s, d, bucket))
@@ -124,11 +156,8 @@ def _body(model: ModelConfig, src: ParallelLayout, dst: ParallelLayout, bucket: 
     return out
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark on ``args.nproc`` processes; the setting and the figures."""
-    from megatron_earl.testing.distributed import run_distributed
-
-    model = ModelConfig(
+def _model(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
         ffn_hidden_size=args.ffn,
@@ -139,6 +168,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tie_embeddings=args.tie,
         params_dtype=args.dtype,
     )
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark on ``args.nproc`` processes; the setting and the figures."""
+    from megatron_earl.testing.distributed import run_distributed
+
+    model = _model(args)
     src, dst = ParallelLayout.parse(args.src), ParallelLayout.parse(args.dst)
     for layout in (src, dst):
         layout.validate(args.nproc, model)
@@ -203,8 +239,211 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+DEFAULT_PAIRS = {
+    2: "dp2:tp2,tp2:dp2,tp2:pp2,pp2:tp2,cp2:pp2,pp2:cp2",
+    4: "tp2pp2:cp2dp2,cp2dp2:tp2pp2,tp2cp2:pp2dp2,pp2dp2:tp2cp2,dp4:tp2pp2,tp2pp2:dp4",
+}
+"""``--against`` pairs per world size when ``--pairs`` is not given (directed: A:B is A -> B)."""
+
+
+def _reference(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The reference global tensor of a key: random, the same on every rank."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+
+
+def _against_body(
+    model: ModelConfig, pairs: list[tuple[ParallelLayout, ParallelLayout]], bucket: int, rounds: int
+) -> dict[str, Any]:
+    """Every rank: both libraries on every pair; per pair the timings of every round (this
+    rank's, between barriers) and the bitwise mismatches seen."""
+    from megatron.core.resharding import get_or_create_service, swap_model_weights
+
+    from megatron_earl import runtime
+    from megatron_earl.models.gpt import build_model
+    from megatron_earl.parallel.state import use_layout
+    from megatron_earl.patches.cpu_redirect import when_applied
+    from megatron_earl.redistribute.geometry import load_full_state_dict, shard_pieces
+    from megatron_earl.redistribute.plan_cache import PLAN_CACHE
+    from megatron_earl.redistribute.weight_exec import reshard_weights
+
+    built: dict[ParallelLayout, tuple] = {}
+    for layout in dict.fromkeys(layout for pair in pairs for layout in pair):
+        use_layout(layout)
+        runtime.seed(1)
+        chunks = build_model(model, vpp=layout.vpp)
+        pieces_s, pieces = _timed(lambda chunks=chunks: shard_pieces(chunks))
+        load_full_state_dict(chunks, {p.key: _reference(p.key, p.global_shape) for p in pieces})
+        built[layout] = (chunks, pieces, [p.local.clone() for p in pieces], pieces_s)
+    # The gloo copy service asks for a CUDA stream when made; on the CPU there is none, and its
+    # run() skips waiting for the stream when it is None.
+    with when_applied():
+        service = get_or_create_service("gloo")
+    if not torch.cuda.is_available():
+        service._copy_stream = None
+
+    def call(lib: str, first: bool, src, dst) -> tuple[float, float]:
+        """(seconds, our plan seconds) of one reshard src -> dst; poisons and checks dst."""
+        with torch.no_grad():
+            for p in dst[1]:
+                p.local.fill_(float("nan"))
+        if lib == "ours":
+            if first:
+                PLAN_CACHE.clear()
+            seconds, stats = _timed(lambda: reshard_weights(src[1], dst[1], bucket_bytes=bucket))
+            assert stats.plan_cached != first, (lib, first, stats)
+            plan_s = stats.plan_s
+        else:
+            if first:
+                dst[0][0].__dict__.pop("_cached_reshard_plan", None)
+            seconds, _ = _timed(lambda: swap_model_weights(src[0], dst[0], service))
+            plan_s = 0.0
+        bad = [
+            p.param_name
+            for p, w in zip(dst[1], dst[2], strict=True)
+            if not torch.equal(p.local.view(torch.uint8), w.view(torch.uint8))
+        ]
+        if bad:
+            mismatches.append(f"{lib} {'first' if first else 'repeated'}: {bad[:3]}")
+        return seconds, plan_s
+
+    out: dict[str, Any] = {"pieces_s": {str(k): v[3] for k, v in built.items()}, "pairs": {}}
+    for a, b in pairs:
+        mismatches: list[str] = []
+        src, dst = built[a], built[b]
+        for lib in ("megatron-core", "ours"):  # warm-up, untimed
+            call(lib, True, src, dst)
+        times: dict[str, list[float]] = {}
+        for r in range(rounds):
+            order = ("megatron-core", "ours") if r % 2 == 0 else ("ours", "megatron-core")
+            for lib in order:
+                for first in (True, False):
+                    seconds, plan_s = call(lib, first, src, dst)
+                    kind = "first" if first else "repeated"
+                    times.setdefault(f"{lib}_{kind}_s", []).append(seconds)
+                    if lib == "ours":
+                        times.setdefault(f"ours_{kind}_plan_s", []).append(plan_s)
+        out["pairs"][f"{a}:{b}"] = {"times": times, "mismatches": mismatches}
+    return out
+
+
+def measure_against(args: argparse.Namespace) -> dict[str, Any]:
+    """``--against megatron-core`` on ``args.nproc`` processes: the setting and, per pair,
+    medians over rounds of the slowest rank."""
+    from megatron_earl.testing.distributed import run_distributed
+
+    model = _model(args)
+    text = args.pairs or DEFAULT_PAIRS.get(args.nproc)
+    if not text:
+        raise SystemExit(
+            f"--pairs is needed for --nproc {args.nproc} "
+            f"(defaults exist for {sorted(DEFAULT_PAIRS)})"
+        )
+    pairs, labels = [], []
+    for item in text.split(","):
+        names = item.split(":")
+        if len(names) != 2:
+            raise SystemExit(f"--pairs item {item!r} is not A:B (e.g. tp2:pp2)")
+        pair = tuple(ParallelLayout.parse(n) for n in names)
+        labels.append(item)
+        for layout in pair:
+            layout.validate(args.nproc, model)
+            if layout.vpp:
+                raise SystemExit(
+                    f"{layout}: megatron-core's resharder takes one model chunk (no vpp)"
+                )
+        pairs.append(pair)
+    bucket = int(args.bucket_mb * (1 << 20))
+    load_before = os.getloadavg()
+    ranks = run_distributed(
+        _against_body,
+        args.nproc,
+        args=(model, pairs, bucket, args.rounds),
+        timeout_s=args.timeout,
+    )
+    num_params = model.num_parameters()
+    res: dict[str, Any] = {
+        "against": args.against,
+        "nproc": args.nproc,
+        "params": num_params,
+        "param_bytes": num_params * model.torch_dtype.itemsize,
+        "model": {
+            k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "groups", "vocab")
+        },
+        "dtype": args.dtype,
+        "tie": args.tie,
+        "bucket_bytes": bucket,
+        "rounds": args.rounds,
+        "backend": runtime.policy().device_backend,
+        "threads_per_rank": max(1, (os.cpu_count() or 1) // args.nproc),
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "pairs": {},
+    }
+    pieces_s = {k: max(r["pieces_s"][k] for r in ranks) for k in ranks[0]["pieces_s"]}
+    for (a, b), label, name in zip(pairs, labels, ranks[0]["pairs"], strict=True):
+        # Per round the slowest rank, then the median over rounds.
+        per_round = {
+            key: [max(vals) for vals in zip(*(r["pairs"][name]["times"][key] for r in ranks))]
+            for key in ranks[0]["pairs"][name]["times"]
+        }
+        row = {key: statistics.median(vals) for key, vals in per_round.items()}
+        row["ours_pieces_s"] = pieces_s[str(a)] + pieces_s[str(b)]
+        row["ours_first_total_s"] = row["ours_first_s"] + row["ours_pieces_s"]
+        row["ratio_first"] = row["megatron-core_first_s"] / row["ours_first_total_s"]
+        row["ratio_repeated"] = row["megatron-core_repeated_s"] / row["ours_repeated_s"]
+        row["mismatches"] = sorted({m for r in ranks for m in r["pairs"][name]["mismatches"]})
+        res["pairs"][label.replace(":", " -> ")] = row
+    return res
+
+
+def report_against(r: dict[str, Any]) -> str:
+    ms = 1e3
+    m = r["model"]
+    lines = [
+        f"setting: {r['nproc']} processes ({r['backend']}, {r['threads_per_rank']} threads/rank, "
+        f"{r['cpu_count']} cores), bucket {_mb(r['bucket_bytes'])}, medians of {r['rounds']} "
+        "interleaved rounds of the slowest rank",
+        f"model:   {r['params'] / 1e6:.2f} M params, {_mb(r['param_bytes'])} ({r['dtype']}"
+        f"{', tied' if r['tie'] else ''}): {m['layers']} layers, hidden {m['hidden']}, ffn "
+        f"{m['ffn']}, {m['heads']} heads / {m['groups']} groups, vocab {m['vocab']}",
+        "load:    average (1, 5, 15 min) "
+        + " -> ".join(
+            "(" + ", ".join(f"{x:.1f}" for x in la) + ")"
+            for la in (r["loadavg_before"], r["loadavg_after"])
+        )
+        + " before -> after",
+        "against: megatron-core (megatron.core.resharding.swap_model_weights, gloo copy service)",
+        "",
+        f"{'pair':<18}{'first call: mcore':>18}{'ours':>10}{'ratio':>7}"
+        f"{'repeated: mcore':>18}{'ours':>10}{'(check)':>10}{'ratio':>7}  bitwise",
+    ]
+    for name, row in r["pairs"].items():
+        lines.append(
+            f"{name:<18}{row['megatron-core_first_s'] * ms:>15.1f} ms"
+            f"{row['ours_first_total_s'] * ms:>7.1f} ms{row['ratio_first']:>7.2f}"
+            f"{row['megatron-core_repeated_s'] * ms:>15.1f} ms"
+            f"{row['ours_repeated_s'] * ms:>7.1f} ms{row['ours_repeated_plan_s'] * ms:>7.2f} ms"
+            f"{row['ratio_repeated']:>7.2f}  "
+            + ("equal" if not row["mismatches"] else "DIFFERS: " + "; ".join(row["mismatches"]))
+        )
+    lines += [
+        "",
+        "ratio = megatron-core / ours. ours first = shard_pieces of both models + cache check + "
+        "metadata all-gather + plan + transfers; (check) = our repeated call's plan lookup "
+        "(one all-reduce of a digest). bitwise: both libraries' results against the directly "
+        "loaded weights, every call.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry (``megatron-earl bench reshard``): print the report; exit status 0."""
     args = _parse(argv)
-    result = measure(args)
-    print(json.dumps(result) if args.json else report(result), flush=True)
-    return result
+    if args.against:
+        result = measure_against(args)
+        print(json.dumps(result) if args.json else report_against(result), flush=True)
+    else:
+        result = measure(args)
+        print(json.dumps(result) if args.json else report(result), flush=True)
+    return 0

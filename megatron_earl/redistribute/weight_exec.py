@@ -6,18 +6,19 @@
     stats = reshard_weights(pieces_b, pieces_a, bucket_bytes=64 << 20)   # and back
 
 The plan (``weight_plan.plan_weights``) is computed on every rank from piece metadata that is
-all-gathered once; ``execute_plan`` then runs the local copies and, round by round, packs each
-outgoing message into one byte buffer per peer, exchanges all messages of the round with one
-``batch_isend_irecv`` (``dispatch.execute.exchange_p2p``) and unpacks into the destination
-parameters. A message that is a single contiguous box on one side skips the buffer on that side
-(sent from / received into the parameter). Per round a rank allocates at most its send and
-receive buffers of that round (<= ``bucket_bytes``), so no rank ever materialises more of the model
-than the destination layout gives it. The traffic uses the default (world) group, so it does not
-depend on either layout's process groups.
+all-gathered once, and cached (``plan_cache``): a repeated reshard of unchanged inputs costs one
+all-reduce of a digest before its transfers. ``execute_plan`` then runs the local copies and,
+round by round, packs each outgoing message into one byte buffer per peer, exchanges all
+messages of the round with one ``batch_isend_irecv`` (``dispatch.execute.exchange_p2p``) and
+unpacks into the destination parameters. A message that is a single contiguous box on one side
+skips the buffer on that side (sent from / received into the parameter). Per round a rank
+allocates at most its send and receive buffers of that round (<= ``bucket_bytes``), so no rank
+ever materialises more of the model than the destination layout gives it. The traffic uses the
+default (world) group, so it does not depend on either layout's process groups.
 
-Groups and devices: the metadata all-gather runs on the host twin of ``group``
-(``parallel.groups.host_group``, gloo); the messages go over ``group`` itself (a device group:
-NCCL on GPUs) in buffers on the compute device (``runtime.device()``), after
+Groups and devices: the cache's all-reduce and the metadata all-gather run on the host twin of
+``group`` (``parallel.groups.host_group``, gloo); the messages go over ``group`` itself (a device
+group: NCCL on GPUs) in buffers on the compute device (``runtime.device()``), after
 ``parallel.groups.prepare_p2p``. Pieces on another device than the compute device -- rank 0's
 whole host tensors for a push to remote SGLang engines (``orchestration.engines.sglang``) -- are
 never sent from or received into directly: they are staged through device buffers (a documented
@@ -27,7 +28,6 @@ host/device boundary; at most ``bucket_bytes`` of device memory per round).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -38,14 +38,10 @@ import torch.distributed as dist
 
 from megatron_earl import runtime
 from megatron_earl.dispatch.execute import exchange_p2p
-from megatron_earl.parallel.groups import host_group, prepare_p2p
+from megatron_earl.parallel.groups import prepare_p2p
 from megatron_earl.redistribute.geometry import ShardPiece, region_shape, region_slices
-from megatron_earl.redistribute.weight_plan import (
-    PieceMeta,
-    WeightPlan,
-    WeightTransfer,
-    plan_weights,
-)
+from megatron_earl.redistribute.plan_cache import PLAN_CACHE, PlanCache, gather_and_plan
+from megatron_earl.redistribute.weight_plan import WeightPlan, WeightTransfer
 
 
 @dataclass(frozen=True)
@@ -63,14 +59,12 @@ class ReshardStats:
     peak_buffer_bytes: int
     """Largest send + receive buffer bytes this rank held at once (<= the plan's bucket_bytes)."""
     plan_s: float
-    """Seconds spent all-gathering metadata and planning (0 when a plan was given)."""
+    """Seconds spent getting the plan: the cache's check, or all-gathering metadata and
+    planning (0 when a plan was given)."""
     exec_s: float
     """Seconds spent copying and communicating."""
-
-
-def piece_metas(pieces: Sequence[ShardPiece]) -> list[PieceMeta]:
-    """Planner metadata of local pieces (local, no communication)."""
-    return [PieceMeta(p.key, p.global_shape, p.region, p.local.element_size()) for p in pieces]
+    plan_cached: bool = False
+    """True when the plan came from the cache (no metadata all-gather, no planning)."""
 
 
 def gather_plan(
@@ -78,24 +72,18 @@ def gather_plan(
     dst_pieces: Sequence[ShardPiece],
     bucket_bytes: int,
     group: dist.ProcessGroup | None = None,
+    cache: PlanCache | None = PLAN_CACHE,
 ) -> WeightPlan:
-    """All-gather every rank's piece metadata once and plan the reshard (cached per metadata).
+    """The plan of a reshard: ``cache``'s when every rank's inputs are those it was made from
+    (one all-reduce of a digest), else all-gathered metadata planned afresh (``plan_cache``).
 
     Collective: every rank of ``group`` (default: world) calls it, with its own pieces (possibly
-    none); the all-gather runs on ``group``'s host twin. The returned plan is identical on every
-    rank.
+    none); its collectives run on ``group``'s host twin. The returned plan is identical on every
+    rank. ``cache=None``: no cache is read or written (all-gather and plan).
     """
-    gathered: list = [None] * dist.get_world_size(group)
-    mine = (tuple(piece_metas(src_pieces)), tuple(piece_metas(dst_pieces)))
-    dist.all_gather_object(gathered, mine, group=host_group(group))
-    return _cached_plan(tuple(g[0] for g in gathered), tuple(g[1] for g in gathered), bucket_bytes)
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_plan(src: tuple, dst: tuple, bucket_bytes: int) -> WeightPlan:
-    """Plans are pure functions of the metadata: switching back and forth between the same
-    layouts plans once per direction (every rank caches the same plans)."""
-    return plan_weights(src, dst, bucket_bytes)
+    if cache is None:
+        return gather_and_plan(src_pieces, dst_pieces, bucket_bytes, group)[0]
+    return cache.plan(src_pieces, dst_pieces, bucket_bytes, group)[0]
 
 
 @torch.no_grad()
@@ -186,18 +174,24 @@ def reshard_weights(
     *,
     bucket_bytes: int = 64 << 20,
     group: dist.ProcessGroup | None = None,
+    cache: PlanCache | None = PLAN_CACHE,
 ) -> ReshardStats:
     """Copy every destination piece's region out of the source pieces: plan, then execute.
 
     Collective: every rank of ``group`` (default: world) calls it. ``src_pieces`` must have been
     taken (``geometry.shard_pieces``) while the source layout was current, ``dst_pieces`` while
-    the destination layout was; the parallel state may be anything when this is called.
+    the destination layout was; the parallel state may be anything when this is called. The plan
+    comes from ``cache`` when no rank's inputs changed since it was made (``plan_cache``: a
+    repeated reshard costs one small all-reduce and the transfers); ``cache=None`` plans afresh.
     """
     start = time.perf_counter()
-    plan = gather_plan(src_pieces, dst_pieces, bucket_bytes, group)
+    if cache is None:
+        plan, cached = gather_and_plan(src_pieces, dst_pieces, bucket_bytes, group)[0], False
+    else:
+        plan, cached = cache.plan(src_pieces, dst_pieces, bucket_bytes, group)
     plan_s = time.perf_counter() - start
     stats = execute_plan(plan, src_pieces, dst_pieces, group)
-    return dataclasses.replace(stats, plan_s=plan_s)
+    return dataclasses.replace(stats, plan_s=plan_s, plan_cached=cached)
 
 
 def _buffer(ts: list[WeightTransfer], device: torch.device) -> torch.Tensor:
