@@ -31,8 +31,10 @@ def test_readme_has_main_job_and_test_commands():
     commands = _readme_commands()
     assert any("megatron-earl" in c for c in commands), commands
     assert any("pytest" in c for c in commands), commands
-    for command in commands:
-        assert "torch==2.13.0" in command, f"install path must pin torch: {command}"
+    for command in commands:  # an unpinned torch resolves to another build than the one tested
+        assert re.search(r"torch==\d+\.\d+\.\d+", command), f"unpinned torch: {command}"
+        if "megatron-earl" in command or "pytest" in command:  # the CPU demo and the test tier
+            assert "torch==2.13.0" in command, command
 
 
 def test_ci_runs_the_readme_test_command():
