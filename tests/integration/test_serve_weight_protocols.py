@@ -357,8 +357,8 @@ def test_disk_updates_read_no_file_outside_the_directory(env):
 
 
 def test_bad_group_init_and_versions_get_400_and_keep_a_working_group(env):
-    """A bad init (port, world size, rank offset) or a non-integral ``weight_version`` is a 400
-    before anything changes: a group of the same name keeps working."""
+    """A bad init (port, world size, rank offset, NCCL on a CPU server) or a non-integral
+    ``weight_version`` is a 400 before anything changes: a group of the same name keeps working."""
     settings = SGLangConfig(weight_update="distributed", bucket_bytes=64 << 10, group_timeout_s=30)
     transport = build_transport(settings, MODEL, env["tmp"])
 
@@ -376,6 +376,8 @@ def test_bad_group_init_and_versions_get_400_and_keep_a_working_group(env):
             ({"master_port": -1}, "master_port -1 must be in [1, 65535]"),
             ({"master_port": 29500, "world_size": 1 << 40}, "world_size"),
             ({"master_port": 29500, "rank_offset": 0}, "rank_offset 0"),
+            # a server computing on the CPU cannot join NCCL (one on CUDA can)
+            ({"master_port": 29500, "backend": "nccl"}, "computes on cpu and joins with gloo"),
         ]:
             status, text = asyncio.run(post("/init_weights_update_group", base | change))
             assert status == 400 and needle in text, (change, status, text)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from megatron_earl import runtime
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.rollout.serve.weights import check_named, expected_hf_tensors, read_weights
 
@@ -283,7 +284,7 @@ def server_args_json(args: Any, served: ServedModel) -> dict[str, Any]:
         "dtype": served.model_config.params_dtype,
         "skip_tokenizer_init": served.codec is None,
         "is_embedding": False,
-        "device": "cpu",
+        "device": runtime.policy().device.type,  # cuda on a GPU machine, as SGLang says
         "incremental_streaming_output": False,
         "disaggregation_mode": "null",
     }

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from megatron_earl import runtime
 from megatron_earl.rollout.serve.auth import error_response
 from megatron_earl.rollout.serve.generate_api import BadRequest, parse_weight_version
 from megatron_earl.rollout.serve.tp import TPGroup
@@ -407,10 +408,11 @@ class WeightEndpoints:
             raise BadRequest(f"init_weights_update_group needs {missing}")
         name = body.get("group_name", "weight_update_group")
         backend = body.get("backend", "nccl")
-        if backend != "gloo":
+        on_cuda = runtime.policy().device.type == "cuda"
+        if backend not in (("gloo", "nccl") if on_cuda else ("gloo",)):
             raise BadRequest(
-                f"backend {backend!r}: megatron-earl serve runs on CPU and joins with 'gloo' "
-                "(SGLang on GPUs uses 'nccl')"
+                f"backend {backend!r}: this server computes on {runtime.policy().device.type} "
+                f"and joins with {'gloo or nccl' if on_cuda else 'gloo'} (NCCL needs CUDA)"
             )
         ints = {k: body[k] for k in ("master_port", "rank_offset", "world_size")}
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints.values()):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,15 @@ def join_weight_update_group(
     if timed_out:
         raise TimeoutError(f"{where}: not every rank joined within {timeout_s:g} s ({message})")
     raise RuntimeError(f"{where}: cannot join: {message}")
+
+
+def group_device(group: Any) -> torch.device:
+    """Where ``group`` moves tensors: this process's current CUDA device for an NCCL group
+    (NCCL cannot read host memory), the host for gloo."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None and isinstance(group, nccl):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 GROUP_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -176,9 +186,11 @@ def receive_bucket(
     dtypes: Sequence[torch.dtype],
     shapes: Sequence[Sequence[int]],
     load_format: str | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> list[NamedTensor]:
-    """Receive one bucket on an engine rank (inverse of ``broadcast_bucket``)."""
+    """Receive one bucket on an engine rank (inverse of ``broadcast_bucket``), into ``device``:
+    by default the group's (``group_device``)."""
+    device = group_device(group) if device is None else device
     if load_format == FLATTENED:
         sizes = flattened_sizes(names, dtypes, shapes)
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
