@@ -6,14 +6,17 @@
 #   NGPUS=2 scripts/gpu_smoke.sh steps=5       # extra key=value overrides go to the demo
 #
 # Environment: NGPUS (default: the GPUs nvidia-smi lists), PYTHON (default python), EXTRAS (pip
-# extras, default "te,dev"), EARL_SKIP_INSTALL=1 skips the pip install, DEMO_STEPS (RL steps of
-# the demo, default 3), OUTPUT_DIR (default runs). Nothing in this project has run on a real GPU
-# yet (README "On GPUs"): this script is how a GPU user checks the claims.
+# extras, default "te,dev"), TORCH (the torch installed first, default 2.14.1: SGLang 0.5.23's pin;
+# Transformer Engine's torch part compiles against the installed torch, so the extras install
+# without build isolation; docs/install.md), EARL_SKIP_INSTALL=1 skips the pip install,
+# DEMO_STEPS (RL steps of the demo, default 3), OUTPUT_DIR (default runs). Nothing in this project
+# has run on a real GPU yet (README "On GPUs"): this script is how a GPU user checks the claims.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python}
 EXTRAS=${EXTRAS:-te,dev}
+TORCH=${TORCH:-2.14.1}
 DEMO_STEPS=${DEMO_STEPS:-3}
 OUTPUT_DIR=${OUTPUT_DIR:-runs}
 
@@ -30,7 +33,8 @@ fi
 nvidia-smi
 
 if [[ "${EARL_SKIP_INSTALL:-0}" != 1 ]]; then
-    "$PYTHON" -m pip install -e ".[$EXTRAS]"
+    "$PYTHON" -m pip install "torch==$TORCH" packaging wheel
+    "$PYTHON" -m pip install --no-build-isolation -e ".[$EXTRAS]"
 fi
 "$PYTHON" - "$NGPUS" <<'PY'
 import sys

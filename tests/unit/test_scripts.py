@@ -429,8 +429,9 @@ def test_gpu_smoke_installs_runs_the_gpu_tier_and_the_demo(tmp_path):
     proc, calls = _gpu_smoke(tmp_path, "train.lr=1e-4", FAKE_GPUS="2")
     assert proc.returncode == 0, proc.stderr
     assert "gpu_smoke.sh: OK on 2 GPU(s)" in proc.stdout
-    install, cuda_check, pytest_call, demo = calls
-    assert install == ["-m", "pip", "install", "-e", ".[te,dev]"]
+    torch_install, install, cuda_check, pytest_call, demo = calls
+    assert torch_install == ["-m", "pip", "install", "torch==2.14.1", "packaging", "wheel"]
+    assert install == ["-m", "pip", "install", "--no-build-isolation", "-e", ".[te,dev]"]
     assert cuda_check == ["-", "2"]
     assert pytest_call == ["-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu"]
     assert demo[:7] == ["-m", "megatron_earl.cli.main", "train", "--nproc", "2", "--config",
