@@ -25,6 +25,9 @@ policy is then ``emu:LOCAL_RANK`` with separate host groups, as on GPUs. What it
   (``torch.emu.synchronize()``, an ``Event``'s or the stream's ``synchronize()``, or a blocking
   read: ``.item()``, ``.tolist()``, a blocking copy); using its values before raises
   ``UnsyncedReadError``. Only the copies not yet synchronised are tracked.
+* **Host syncs are counted** while a ``host_syncs()`` block is open (``emulated_syncs``): every
+  read of device values by the host (``.item()``, ``.tolist()``, ``torch.equal``, blocking
+  device -> host copies, ``nonzero``-like ops), by kind and call site.
 * **Collectives check their group's role.** Every process runs gloo underneath, but a group is
   a *device* group (the world, and every ``new_group(backend=None)``: NCCL on GPUs) or a *host*
   group (``new_group(backend="gloo")``, a ``ProcessGroupGloo`` made directly). A host tensor on a
@@ -71,6 +74,9 @@ from megatron_earl.emulated_copies import (
     mark_pending,
     pending_copies,
 )
+from megatron_earl.emulated_syncs import OP_KINDS, HostSyncs, SyncKind, counting, host_syncs, record
+
+__all__ = ["HostSyncs", "SyncKind", "host_syncs"]  # the sync counter (emulated_syncs)
 
 NAME = "emu"
 COUNT_ENV = "MEGATRON_EARL_EMULATED_DEVICES"
@@ -177,6 +183,8 @@ class EmuTensor(torch.Tensor):
         return host.to(device or self.device).requires_grad_(requires_grad)
 
     def tolist(self) -> Any:  # a device -> host sync on CUDA; allowed
+        if counting():
+            record(SyncKind.TOLIST)
         land()
         return self._inner.tolist()
 
@@ -234,6 +242,8 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if name in _METADATA_OPS:
         return _METADATA_OPS[name](args[0]._inner)
     overload = f"{name}.{func._overloadname}" if func._overloadname != "default" else name
+    if counting():
+        _count_sync(name, func, args, kwargs)
     if name.startswith(("c10d::", "_c10d_functional::")):
         raise HostDeviceMixError(
             f"collective {overload} reached the emulated device outside the collective guard at "
@@ -292,6 +302,33 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         with torch.inference_mode(False):
             return tree_map(wrap, result)
     return tree_map(wrap, result)
+
+
+def _count_sync(name: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """Report the op to an open ``host_syncs()`` block if it makes the host wait on CUDA
+    (``emulated_syncs``); ``args`` hold at least one device tensor."""
+    kind = OP_KINDS.get(name)
+    if name == "aten::_to_copy" and _targets_host(kwargs) and not kwargs.get("non_blocking"):
+        kind = SyncKind.TO_HOST
+    elif name == "aten::copy_" and not ((len(args) > 2 and args[2]) or kwargs.get("non_blocking")):
+        dst, src = args[0], args[1]
+        if isinstance(src, EmuTensor) and not isinstance(dst, EmuTensor):
+            kind = SyncKind.TO_HOST
+        elif not isinstance(src, EmuTensor) and isinstance(src, torch.Tensor) and src.dim() > 0:
+            kind = SyncKind.TO_DEVICE  # a 0-dim host source is a CPU scalar, not a copy
+    elif name in ("aten::index", "aten::index_put_", "aten::_index_put_impl_"):
+        masks = [
+            t for t in args[1]
+            if isinstance(t, EmuTensor) and t.dtype in (torch.bool, torch.uint8)
+        ]  # fmt: skip
+        # x[mask] = scalar runs as masked_fill_ on CUDA (canDispatchToMaskedFill): no sync
+        fill = name != "aten::index" and len(args[1]) == 1 and args[2].numel() == 1
+        kind = SyncKind.NONZERO if masks and not fill else None
+    elif name == "aten::repeat_interleave" and func._overloadname == "Tensor":
+        output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
+        kind = SyncKind.REPEAT_INTERLEAVE if output_size is None else None
+    if kind is not None:
+        record(kind)
 
 
 def _check_mixing(
@@ -370,6 +407,9 @@ def _host_then_move(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(data, *args, **kwargs)
         if isinstance(data, EmuTensor) and target is None:
             return original(data, *args, **kwargs)
+        if counting() and not isinstance(data, EmuTensor):  # .item() of each device element
+            for _ in range(_num_emulated(data)):
+                record(SyncKind.ITEM)
         kwargs["device"] = "cpu"
         requires_grad = kwargs.pop("requires_grad", False)
         host = original(_inner(data), *args, **kwargs)
@@ -383,6 +423,12 @@ def _holds_emulated(data: Any) -> bool:
     if isinstance(data, EmuTensor):
         return True
     return isinstance(data, (list, tuple)) and any(_holds_emulated(x) for x in data)
+
+
+def _num_emulated(data: Any) -> int:
+    if isinstance(data, EmuTensor):
+        return 1
+    return sum(_num_emulated(x) for x in data) if isinstance(data, (list, tuple)) else 0
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -421,6 +467,8 @@ class _Module:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """Every non-blocking copy has landed (``torch.cuda.synchronize``)."""
+        if counting():
+            record(SyncKind.SYNCHRONIZE)
         land()
 
     @staticmethod

@@ -13,6 +13,7 @@
     megatron-earl bench relay [--engines 2,4,8]     # trainer stall per publish: relays vs direct
     megatron-earl bench faults                      # async run with relays under injected faults
     megatron-earl bench repack [--plot F.png]       # paced: repack vs drain vs none, utilisation
+    megatron-earl bench host-syncs [--sites 5]      # device->host syncs per step kind (emulated)
     megatron-earl serve --port 30000 ...            # embedded engine behind SGLang's HTTP API
     megatron-earl relay --port 31000 [--upstream URL] [--engines URL,...]   # weight relay
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
@@ -65,6 +66,7 @@ _MODULES = {
     ("bench", "relay"): "megatron_earl.bench.relay",
     ("bench", "faults"): "megatron_earl.bench.fault_suite",
     ("bench", "repack"): "megatron_earl.bench.repack",
+    ("bench", "host-syncs"): "megatron_earl.bench.host_syncs",
 }
 _TORCHRUN = {
     "smoke": "megatron_earl.cli.smoke",

@@ -10,7 +10,9 @@ Shapes (Megatron's conventions; legend: s = sequence, b = batch, t = packed toke
 np = query heads per TP rank, ng = query groups per TP rank, hn = head dim):
 - sbhd: query [s, b, np, hn], key/value [s, b, ng, hn] -> [s, b, np * hn]
 - thd (packed, ``packed_seq_params.qkv_format == "thd"``): query [t, np, hn] -> [t, np * hn];
-  sequence boundaries from ``cu_seqlens_q`` (padded variants preferred when given); a
+  sequence boundaries from ``cu_seqlens_q`` (padded variants preferred when given; their host
+  ints and the attention plan made once per micro-batch with ``HostPackedSeqParams``,
+  ``models.packed_attention``: no device read per layer); a
   prefix-tree row (``tree_attention.TreePackedSeqParams``, ``training.prefix_tree``) instead
   follows its precomputed plan: batches of rows gathered and attended under their masks, each
   branch over its shared prefix then itself.
@@ -18,7 +20,6 @@ np = query heads per TP rank, ng = query groups per TP rank, hn = head dim):
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -32,11 +33,20 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from megatron_earl.models import tree_attention
-from megatron_earl.models.tree_attention import TreeAttention, padding_groups
+from megatron_earl.models.packed_attention import (
+    HostPackedSeqParams,
+    PaddedGroup,
+    plan_packed_attention,
+)
+from megatron_earl.models.tree_attention import TreeAttention
 
 
 def packed_bounds(params: PackedSeqParams, who: str) -> list[int]:
-    """Sequence boundaries of a packed (thd) self-attention batch (padded ones when given)."""
+    """Sequence boundaries of a packed (thd) self-attention batch (padded ones when given): the
+    host ints of ``HostPackedSeqParams`` (``training.microbatch``), else read from the device
+    (Megatron's own ``PackedSeqParams``: two syncs on a GPU, in every layer)."""
+    if isinstance(params, HostPackedSeqParams):
+        return list(params.bounds)
     cu_q = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
     cu_kv = (
         params.cu_seqlens_kv if params.cu_seqlens_kv_padded is None else params.cu_seqlens_kv_padded
@@ -146,25 +156,24 @@ class SDPAttention(MegatronModule):
     ) -> Tensor:
         if tree_attention.is_tree(params):
             return self._forward_tree(query, key, value, params.prefix_tree)
-        bounds = packed_bounds(params, type(self).__name__)
-        segments = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        if isinstance(params, HostPackedSeqParams):  # made once per micro-batch
+            plan = params.attention_plan()
+        else:
+            plan = plan_packed_attention(packed_bounds(params, type(self).__name__)).to_device()
         out = torch.zeros_like(query)
-        for group in padding_groups([b - a for a, b in segments]):
-            spans = [segments[i] for i in group]
-            if len(spans) == 1:  # [t, h, d] -> [1, h, t, d]
-                a, b = spans[0]
+        for part in plan.parts:
+            if not isinstance(part, PaddedGroup):  # [t, h, d] -> [1, h, t, d]
+                a, b = part
                 q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
                 out[a:b] = self._attend(q, k, v, None).squeeze(0).transpose(0, 1)
                 continue
             # Right-padded [k, h, width, d]: causal attention never lets a real query see the
             # padding after it; the padded queries' outputs are dropped.
-            width = max(b - a for a, b in spans)
-            seq = torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(spans)])
-            local = torch.cat([torch.arange(b - a) for a, b in spans])
-            tokens = torch.cat([torch.arange(a, b) for a, b in spans])
-            seq, local, tokens = (t.to(query.device) for t in (seq, local, tokens))
+            seq, local, tokens = part.seq, part.local, part.tokens
             q, k, v = (
-                x.new_zeros(len(spans), width, *x.shape[1:]).index_put((seq, local), x[tokens])
+                x.new_zeros(len(part.spans), part.width, *x.shape[1:]).index_put(
+                    (seq, local), x[tokens]
+                )
                 for x in (query, key, value)
             )
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))

@@ -30,27 +30,39 @@ from megatron_earl.models.impl import (
     transformer_impl_problems,
 )
 from megatron_earl.models.norms import HeadRMSNorm, HiddenRMSNorm
+from megatron_earl.models.packed_attention import HostPackedSeqParams
 from megatron_earl.models.tree_attention import is_tree
 from megatron_earl.parallel.ddp import unwrap_chunk
-from megatron_earl.patches import cpu_redirect
+from megatron_earl.patches import cpu_redirect, rope_tables
 
 
 class GPTModel(MegatronGPTModel):
-    """Megatron-Core's GPTModel, with RoPE at per-token positions for a prefix-tree micro-batch.
+    """Megatron-Core's GPTModel, with RoPE at per-token positions for packed micro-batches.
 
     A tree row (``training.prefix_tree``) is one ``thd`` sequence whose tokens sit at positions
     of their own samples (a branch continues its prefix). ``_preprocess`` builds Megatron's
     rotary table as usual and, for a tree row (``tree_attention.is_tree``), hands the attention
     one row per token, indexed by its ``token_positions``; Megatron's thd RoPE maps a table of
     one row per packed token to the tokens one to one (``rope_utils._apply_rotary_pos_emb_thd``,
-    "exact mapping", megatron-core 0.16). Every other input runs Megatron's code unchanged."""
+    "exact mapping", megatron-core 0.16). A packed micro-batch of whole samples
+    (``packed_attention.HostPackedSeqParams``) gets the same: the table indexed by its tokens'
+    ``position_ids`` (their positions in their samples, CP-split with the tokens), which
+    ``patches/rope_tables.py`` applies as Megatron's per-sequence mapping would, at any cp,
+    without reading ``cu_seqlens`` back from the device in every layer. Every other input runs
+    Megatron's code unchanged."""
 
     def _preprocess(self, *args, **kwargs):
         out = super()._preprocess(*args, **kwargs)
         params = kwargs.get("packed_seq_params")
-        if not is_tree(params) or out[1] is None:
+        if out[1] is None:
             return out
-        return (out[0], out[1][params.token_positions], *out[2:])
+        if is_tree(params):
+            return (out[0], out[1][params.token_positions], *out[2:])
+        if isinstance(params, HostPackedSeqParams) and rope_tables.computes_per_token(self.config):
+            # position_ids: the positions of this rank's tokens in their samples
+            table = out[1][kwargs["position_ids"].reshape(-1)]
+            return (out[0], rope_tables.per_token_table(table), *out[2:])
+        return out
 
 
 def tree_ready(chunks: Sequence[nn.Module]) -> bool:

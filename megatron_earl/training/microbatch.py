@@ -22,7 +22,9 @@ model's form with ``thd_micro_batch`` (views when cp = 1), or as a prefix tree
 (``training.prefix_tree``, gathered), never unpacking it into samples.
 
 ``thd_micro_batch`` makes packed per-token fields (samples back to back) one row ``[1, t]`` with
-``PackedSeqParams(qkv_format="thd")``; with cp > 1 every sample is padded to a multiple of
+``HostPackedSeqParams(qkv_format="thd")`` (Megatron's ``PackedSeqParams`` with the boundaries as
+host ints as well, so that neither the layers nor these helpers read them back from the device:
+``models.packed_attention``); with cp > 1 every sample is padded to a multiple of
 ``2 * cp`` (``parallel.cp.cp_padded_length``; padding has ``loss_mask`` 0) and
 ``split_micro_batch`` keeps this CP rank's chunks (``parallel.cp.split_batch_for_cp``). Under
 sequence parallelism (``sp`` = tp) the last sample is padded further so each CP rank's share
@@ -47,6 +49,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_earl import runtime
 from megatron_earl.dispatch.plan import balance_micro_batches
+from megatron_earl.models.packed_attention import HostPackedSeqParams, host_bounds
 from megatron_earl.models.tree_attention import is_tree
 from megatron_earl.parallel.cp import (
     cp_padded_length,
@@ -179,7 +182,7 @@ def thd_micro_batch(
     out["seq_ids"] = runtime.to_device(seq_ids).unsqueeze(0)
     out["position_ids"] = runtime.to_device(position_ids).unsqueeze(0)
     cu, cu_real = runtime.to_device(cu), runtime.to_device(cu_real)
-    out["packed_seq_params"] = PackedSeqParams(
+    out["packed_seq_params"] = HostPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_real,
         cu_seqlens_kv=cu_real,
@@ -187,6 +190,8 @@ def thd_micro_batch(
         cu_seqlens_kv_padded=cu,
         max_seqlen_q=max(padded),
         max_seqlen_kv=max(padded),
+        bounds=(0, *itertools.accumulate(padded)),
+        lengths=tuple(lengths),
     )
     # sample_index stays on the host: it is read by Python (scatter of results by sample).
     index = range(len(lengths)) if sample_index is None else sample_index
@@ -213,9 +218,7 @@ def split_micro_batch(micro_batch: dict[str, object], cp: int, cp_rank: int) -> 
         return dict(micro_batch)
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
-    return split_batch_for_cp(
-        micro_batch, cp, cp_rank, cu_seqlens_padded=params.cu_seqlens_q_padded
-    )
+    return split_batch_for_cp(micro_batch, cp, cp_rank, cu_seqlens_padded=host_bounds(params)[0])
 
 
 def build_micro_batches(
@@ -234,7 +237,7 @@ def num_sample_tokens(micro_batch: Mapping[str, object]) -> int:
     assert isinstance(params, PackedSeqParams)
     if is_tree(params):
         return sum(params.sample_lengths)
-    return int(params.cu_seqlens_q[-1])
+    return sum(host_bounds(params)[1])
 
 
 def num_shared_tokens(micro_batch: Mapping[str, object]) -> int:
@@ -251,7 +254,8 @@ def real_tokens(values: torch.Tensor, micro_batch: Mapping[str, object]) -> torc
     assert isinstance(params, PackedSeqParams)
     if is_tree(params):  # a tree row (training.prefix_tree)
         return values.reshape(-1)[params.unshared_index]
-    if torch.equal(params.cu_seqlens_q, params.cu_seqlens_q_padded):
+    padded, lengths = host_bounds(params)
+    if [b - a for a, b in itertools.pairwise(padded)] == lengths:
         return values.reshape(-1)
     return torch.cat(unpack_per_sample(values, micro_batch))
 
@@ -265,8 +269,7 @@ def unpack_per_sample(
     assert isinstance(params, PackedSeqParams)
     if is_tree(params):  # a tree row: gathered per sample
         return list(torch.split(real_tokens(values, micro_batch), list(params.sample_lengths)))
-    starts = params.cu_seqlens_q_padded.tolist()
-    lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
+    starts, lengths = host_bounds(params)
     row = values.reshape(-1)
     return [row[a : a + n] for a, n in zip(starts[:-1], lengths, strict=True)]
 
@@ -278,4 +281,4 @@ def merge_cp(shards: Sequence[torch.Tensor], micro_batch: Mapping[str, object]) 
         return shards[0]
     params = micro_batch["packed_seq_params"]
     assert isinstance(params, PackedSeqParams)
-    return merge_cp_shards(list(shards), cu_seqlens_padded=params.cu_seqlens_q_padded)
+    return merge_cp_shards(list(shards), cu_seqlens_padded=host_bounds(params)[0])

@@ -185,7 +185,9 @@ def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
     correction = config.loss.off_policy_correction
     if correction != "none" and "rollout_logprobs" not in names:
         raise ValueError(f"off_policy_correction={correction!r} needs a rollout_logprobs field")
-    flags = [runtime.to_host(nonfinite_slots(mb)) for mb in whole]  # read by Python
+    # read by Python; every micro-batch's flags in one transfer (one sync on a GPU)
+    slots = [len(mb["sample_index"]) for mb in whole]
+    flags = runtime.to_host(torch.cat([nonfinite_slots(mb) for mb in whole])).split(slots)
     bad = sorted(int(i) for mb, f in zip(whole, flags) for i in mb["sample_index"][f])
     if bad and config.on_nonfinite == "raise":
         raise ValueError(
@@ -304,6 +306,7 @@ def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     Which ranks call: every rank of the world (two all-reduces of host metrics on the host world
     group; only TP rank 0 of the last stage contributes, so TP replicas are not double counted)."""
     contributes = bool(per_mb) and parallel_state.get_tensor_model_parallel_rank() == 0
+    per_mb = _host_metrics(per_mb) if contributes else []
     summed = ADDITIVE + SAMPLE_COUNTS
     sums = torch.zeros(len(summed) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device="cpu")
     extremes = torch.full((2 * len(EXTREMES),), float("-inf"), dtype=torch.float64, device="cpu")
@@ -327,6 +330,17 @@ def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     for i, (hi, lo) in enumerate(EXTREMES):
         out[hi] = float(extremes[2 * i]) if finite else 1.0
         out[lo] = -float(extremes[2 * i + 1]) if finite else 1.0
+    return out
+
+
+def _host_metrics(per_mb: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Every micro-batch's (0-dim, device) metrics as Python floats, read back in one device ->
+    host transfer for the step (one sync on a GPU, not one per metric and micro-batch). Local."""
+    keys = [(i, k) for i, m in enumerate(per_mb) for k in m]
+    values = runtime.to_host(torch.stack([per_mb[i][k].double() for i, k in keys])).tolist()
+    out: list[dict[str, float]] = [{} for _ in per_mb]
+    for (i, k), v in zip(keys, values, strict=True):
+        out[i][k] = v
     return out
 
 
@@ -388,15 +402,21 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
 
     # Global normaliser and counts from the whole (pre-CP-split) micro-batches, summed over DP
     # (host metadata: the host twin of the DP group).
+    # The device values of every micro-batch are read back in one transfer (one sync on a GPU).
     counts = torch.zeros(6, dtype=torch.float64, device="cpu")
+    local = []  # per micro-batch: its normaliser share, its samples without trainable tokens
     for mb in whole:
         ids = mb["seq_ids"]
-        counts[0] += float(local_normaliser(mb["loss_mask"], config.loss.aggregation, ids))
         per_sample = torch.zeros(len(mb["sample_index"]), device=ids.device).index_add(
             0, ids.reshape(-1), (mb["loss_mask"] != 0).float().reshape(-1)
         )
-        counts[1] += len(per_sample)
-        counts[2] += float((per_sample == 0).sum())
+        share = local_normaliser(mb["loss_mask"], config.loss.aggregation, ids)
+        local += [share, (per_sample == 0).sum().float()]
+    local = runtime.to_host(torch.stack(local)).tolist() if local else []
+    for i, mb in enumerate(whole):
+        counts[0] += local[2 * i]
+        counts[1] += len(mb["sample_index"])
+        counts[2] += local[2 * i + 1]
         counts[4] += num_sample_tokens(mb)
         counts[5] += num_shared_tokens(mb)
     counts[3] = num_bad

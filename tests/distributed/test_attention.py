@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.models.attention import padding_groups
+from megatron_earl.models.tree_attention import padding_groups
 from megatron_earl.testing.distributed import run_distributed
 from tests.tolerances import fp32_tol, gpt_terms
 

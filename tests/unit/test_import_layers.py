@@ -167,9 +167,9 @@ def test_cycle_finder_counts_function_imports_and_skips_type_checking(tmp_path):
 
 LAYERS = (
     ("config", "compat", "tokenizer"),
-    ("device_policy", "emulated_device", "emulated_copies", "parallel", "runtime", "patches",
-     "models", "dispatch", "redistribute", "training", "convert", "selector", "envs", "tools",
-     "rewards", "testing"),
+    ("device_policy", "emulated_device", "emulated_copies", "emulated_syncs", "parallel",
+     "runtime", "patches", "models", "dispatch", "redistribute", "training", "convert",
+     "selector", "envs", "tools", "rewards", "testing"),
     ("rollout",),
     ("orchestration",),
     ("cli", "bench"),
