@@ -38,6 +38,7 @@ import torch
 
 from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig, sequence_parallel_size
+from megatron_earl.config.vocab import Phase
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
 
@@ -213,8 +214,8 @@ def measure_setting(
         for n in MICRO_BATCHES
     ]
     out = {
-        "train": _split(*train, *MICRO_BATCHES),
-        "experience": _split(*logprobs, *MICRO_BATCHES),
+        Phase.TRAIN: _split(*train, *MICRO_BATCHES),
+        Phase.EXPERIENCE: _split(*logprobs, *MICRO_BATCHES),
     }
     if layout.cp == 1 and decode:
         out["decode"] = _decode(chunks, model, seed)
@@ -338,7 +339,7 @@ def report(result: dict[str, Any], sites: int = 0) -> str:
         "per micro-batch / decode step by kind",
     ]
     for row in result["rows"]:
-        for kind in ("train", "experience", "decode"):
+        for kind in (Phase.TRAIN, Phase.EXPERIENCE, "decode"):
             part = row.get(kind)
             if not part:
                 continue
