@@ -41,6 +41,8 @@ PATCHES: tuple[str, ...] = (
     "checkpoint_writers_die_with_rank",
     "output_layer_passthrough",
     "rope_tables",
+    "moe_router_without_te",
+    "moe_host_splits",
 )
 """Every patch module, in the order ``apply_all`` applies them."""
 

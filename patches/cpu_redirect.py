@@ -4,7 +4,10 @@ without CUDA only).
 What: every function in ``_REDIRECTED`` is wrapped so that it runs inside ``cuda_to_cpu()``: a
   ``TorchFunctionMode`` that rewrites CUDA device arguments to CPU, turns ``pin_memory`` off, makes
   ``Tensor.cuda()`` a no-op and ``Tensor.type()`` report ``torch.cuda.*`` types, plus temporary
-  stand-ins for ``torch.cuda.current_device`` / ``synchronize`` / ``empty_cache``. The redirect is
+  stand-ins for ``torch.cuda.current_device`` / ``synchronize`` / ``empty_cache`` and for CUDA
+  streams (``Stream``, ``current_stream``, ``stream``: one in-order stream, whose events
+  synchronise like ``synchronize``; the MoE all-to-all token dispatcher copies its split sizes to
+  the host on a side stream). The redirect is
   active *only* while a wrapped function runs (or a call site enters ``cuda_to_cpu()`` itself, as
   checkpointing does around the distributed optimizer's state (de)sharding); nothing outside
   those calls changes. Inside a redirected pipeline schedule, each micro-batch's
@@ -21,7 +24,9 @@ Why: megatron-core hard-codes CUDA in a handful of places (``device="cuda"``,
   *real* megatron-core.
 Versions: megatron-core>=0.16.0,<0.17.0 (each wrapped function was observed to fail on a CPU-only
   torch build with megatron-core 0.16.1).
-Test: tests/unit/test_patches.py (test_redirect_is_scoped_to_wrapped_functions,
+Test: tests/distributed/test_moe.py (test_ep2_logits_equal_ep1: the router, the all-to-all
+  dispatcher and the all-to-all-v outside a schedule), tests/unit/test_patches.py
+  (test_redirect_is_scoped_to_wrapped_functions,
   test_schedule_steps_run_without_the_redirect); every
   distributed test runs through it (e.g. tests/distributed/test_model_parallel.py)
 """
@@ -63,6 +68,9 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
     ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"),
     ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_last_dim"),
     ("megatron.core.tensor_parallel.mappings", "all_to_all"),
+    # The all-to-all-v output (device=torch.cuda.current_device()): the MoE token dispatcher
+    # imported ``all_to_all`` by name before the patch, and the backward calls the Function itself.
+    ("megatron.core.tensor_parallel.mappings", "_AllToAll.forward"),
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
     (
         "megatron.core.pipeline_parallel.schedules",
@@ -85,6 +93,14 @@ _REDIRECTED: tuple[tuple[str, str], ...] = (
     (
         "megatron.core.models.common.language_module.language_module",
         "LanguageModule.setup_embeddings_and_output_layer",
+    ),
+    # Mixture of experts: the router moves a host weight to torch.cuda.current_device(); the
+    # all-to-all dispatcher makes a CUDA side stream and copies its split sizes to the host on it.
+    ("megatron.core.transformer.moe.router", "Router.gating"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__"),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
     ),
 )
 
@@ -158,6 +174,31 @@ def _synchronize(*args: Any, **kwargs: Any) -> None:
         torch.get_device_module(_TARGET[0].type).synchronize()
 
 
+class _InOrderStream:
+    """Stand-in for a CUDA stream on a device whose work runs in program order (the CPU, the
+    emulated device): waiting is free; an event synchronises like ``torch.cuda.synchronize``."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _InOrderEvent:
+        return _InOrderEvent()
+
+    def synchronize(self) -> None:
+        _synchronize()
+
+
+class _InOrderEvent:
+    def synchronize(self) -> None:
+        _synchronize()
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+_STREAM = _InOrderStream()
+
+
 @contextlib.contextmanager
 def cuda_to_cpu() -> Iterator[None]:
     """Run the body with CUDA device requests mapped to CPU (re-entrant, per thread)."""
@@ -169,13 +210,18 @@ def cuda_to_cpu() -> Iterator[None]:
         finally:
             _REDIRECT_DEPTH.value = depth
         return
-    saved = {
-        name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "empty_cache")
-    }
     target = "cpu" if _TARGET[0].type == "cpu" else _TARGET[0]
-    torch.cuda.current_device = lambda: target  # type: ignore[assignment]
-    torch.cuda.synchronize = _synchronize  # type: ignore[assignment]
-    torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    stand_ins = {
+        "current_device": lambda: target,
+        "synchronize": _synchronize,
+        "empty_cache": lambda: None,
+        "Stream": lambda *args, **kwargs: _STREAM,
+        "current_stream": lambda device=None: _STREAM,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+    }
+    saved = {name: getattr(torch.cuda, name) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        setattr(torch.cuda, name, stand_in)
     _REDIRECT_DEPTH.value = 1
     try:
         with _CudaToCpuMode():
@@ -240,9 +286,12 @@ def apply() -> bool:
     with _LOCK:
         for target in TARGETS:
             original = target.get()
-            if not getattr(original, "__megatron_earl_redirected__", False):
+            static = isinstance(original, staticmethod)  # an autograd Function's forward
+            fn = original.__func__ if static else original
+            if not getattr(fn, "__megatron_earl_redirected__", False):
                 exempt = (target.module, target.path) in _EXEMPTED
-                target.set(_exempted(original) if exempt else _redirected(original))
+                wrapped = _exempted(fn) if exempt else _redirected(fn)
+                target.set(staticmethod(wrapped) if static else wrapped)
         _APPLIED = True
     return True
 

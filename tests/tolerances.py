@@ -67,13 +67,19 @@ def gpt_terms(model: ModelConfig, seq_len: int, grad_tokens: int = 0) -> int:
     """Accumulation length of a GPT forward for one token attending to ``seq_len`` tokens: per
     layer the two norms (hidden each, and head_dim each for q/k norms), qkv (hidden), the scores
     (head_dim), the softmax and P·V (seq_len each), the output projection (heads·head_dim), fc1
-    (hidden) and fc2 (ffn); then the final norm and the output layer (hidden each) and the
+    (hidden) and fc2 (ffn) -- for a mixture of experts the router (hidden), its softmax (the
+    experts), an expert's fc1 (hidden) and fc2 (its ffn), the top-k combine and a shared expert's
+    fc2; then the final norm and the output layer (hidden each) and the
     log-softmax and entropy (the padded vocabulary each). With ``grad_tokens`` > 0: a weight's
     gradient summed over that many tokens (the forward, the backward's mirror chain, the sum)."""
     h, d = model.hidden_size, model.head_dim
     norms = 2 * h + (2 * d if model.qk_layernorm else 0)
     attention = h + d + 2 * seq_len + model.num_attention_heads * d
-    layer = norms + attention + h + model.ffn_hidden_size
+    mlp = h + model.ffn_hidden_size
+    if model.is_moe:
+        mlp = h + model.num_experts + h + model.expert_ffn_hidden_size + model.moe_router_topk
+        mlp += model.moe_shared_expert_intermediate_size or 0
+    layer = norms + attention + mlp
     forward = model.num_layers * layer + 2 * h + 2 * model.padded_vocab_size
     return forward if grad_tokens == 0 else 2 * forward + grad_tokens
 

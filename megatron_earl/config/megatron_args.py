@@ -279,6 +279,8 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         )
     rope_tree, rope_problems = _rope_tree(args)
     problems += rope_problems
+    moe_tree, moe_problems = _moe_tree(args)
+    problems += moe_problems
     for flag in ("num_layers", "hidden_size", "num_attention_heads"):
         if getattr(args, flag) is None:
             problems.append(f"--{flag.replace('_', '-')} is required")
@@ -300,6 +302,8 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
     dp = world_size // (tp * cp * pp)
     layout = f"tp{tp}cp{cp}pp{pp}" + (f"vpp{vpp}" if vpp else "") + f"dp{dp}"
+    ep, etp = getattr(args, "expert_model_parallel_size", 1), args.expert_tensor_parallel_size
+    layout += (f"ep{ep}" if ep != 1 else "") + (f"etp{etp}" if etp not in (None, tp) else "")
     ffn = args.ffn_hidden_size
     if ffn is None:  # Megatron-LM's default for SwiGLU
         ffn = int((4 * args.hidden_size * 2 / 3) / 64) * 64
@@ -320,6 +324,7 @@ def _megatron_tree(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
         "model.max_position_embeddings": args.max_position_embeddings or args.seq_length,
         "model.rotary_base": float(args.rotary_base),
         **rope_tree,
+        **moe_tree,
         "model.norm_epsilon": args.layernorm_epsilon,
         "model.add_qkv_bias": args.add_qkv_bias,
         "model.qk_layernorm": args.qk_layernorm,
@@ -468,6 +473,42 @@ def _rope_tree(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
             ),
         }, []
     return {"model.rope_type": "default"}, []
+
+
+def _moe_tree(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """``model.num_experts`` / ``model.moe_*`` keys from Megatron-LM's MoE flags (none without
+    ``--num-experts``: a dense model keeps every MoE field unset), and the problems. Megatron-LM
+    combines several load-balancing types with one coefficient each; one is supported here."""
+    if not args.num_experts:
+        given = [f for f in _given_flags(args) if f.startswith("--moe-")]
+        if given:
+            return {}, [f"{', '.join(given)} given without --num-experts (a dense model)"]
+        return {}, []
+    balancing, coeff = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    balancing = [balancing] if isinstance(balancing, str) else list(balancing)
+    coeff = [coeff] if isinstance(coeff, float | int) else list(coeff)
+    if len(balancing) != 1 or len(coeff) != 1:
+        return {}, [
+            f"--moe-router-load-balancing-type {' '.join(balancing)} with --moe-aux-loss-coeff "
+            f"{' '.join(map(str, coeff))}: one load-balancing type and one coefficient are "
+            "supported here"
+        ]
+    return {
+        "model.num_experts": args.num_experts,
+        "model.moe_router_topk": args.moe_router_topk,
+        "model.moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+        "model.moe_shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size,
+        "model.moe_router_score_function": args.moe_router_score_function,
+        "model.moe_router_load_balancing_type": balancing[0],
+        "model.moe_aux_loss_coeff": float(coeff[0]),
+        "model.moe_z_loss_coeff": args.moe_z_loss_coeff,
+        "model.moe_expert_capacity_factor": args.moe_expert_capacity_factor,
+        "model.moe_token_drop_policy": args.moe_token_drop_policy,
+        "model.moe_router_enable_expert_bias": args.moe_router_enable_expert_bias,
+        "model.moe_router_bias_update_rate": args.moe_router_bias_update_rate,
+        "model.moe_grouped_gemm": args.moe_grouped_gemm,
+        "model.moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+    }, []
 
 
 def _dest(flag: str) -> str:

@@ -156,29 +156,33 @@ NO_EFFECT_FLAGS: dict[str, int | str] = _flags(
 """Accepted, no effect here (flag -> number of values); listed at start-up when given."""
 
 _REFUSED_BY_REASON: dict[str, str] = {
-    "only dense SwiGLU decoder models (Llama/Qwen family) are built here; mixture-of-experts, "
+    "this mixture-of-experts option is not supported here (the mapped MoE flags: --num-experts, "
+    "--moe-router-topk, --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size, "
+    "--moe-router-score-function, --moe-router-load-balancing-type, --moe-aux-loss-coeff, "
+    "--moe-z-loss-coeff, --moe-expert-capacity-factor, --moe-token-drop-policy, "
+    "--moe-router-enable-expert-bias, --moe-router-bias-update-rate, --moe-grouped-gemm, "
+    "--moe-token-dispatcher-type allgather|alltoall, --expert-model-parallel-size, "
+    "--expert-tensor-parallel-size; megatron_earl/docs/moe.md)": """
+    --moe-extended-tp --overlap-moe-expert-parallel-comm --ep-overlap-early-attn-memory-release
+    --moe-shared-expert-gate --moe-shared-expert-overlap --moe-enable-routing-replay
+    --moe-router-padding-for-quantization --moe-router-padding-for-fp8 --moe-router-num-groups=
+    --moe-router-group-topk= --moe-router-pre-softmax --moe-router-topk-scaling-factor=
+    --moe-router-dtype= --moe-router-force-load-balancing --moe-use-legacy-grouped-gemm
+    --moe-input-jitter-eps= --moe-enable-deepep --moe-flex-dispatcher-backend=
+    --moe-per-layer-logging --moe-pad-expert-input-to-capacity --moe-layer-recompute
+    --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size=
+    --moe-deepep-num-sms= --moe-hybridep-num-sms= --moe-layer-freq= --moe-use-upcycling
+    --moe-upcycling-granularity= --moe-pad-experts-for-cuda-graph-inference
+    """,
+    "only SwiGLU decoder models (Llama/Qwen family, dense or mixture-of-experts) are built here; "
     "MLA, multi-token prediction, Mamba/hybrid, linear or sparse attention variants, "
     "encoder-decoder, BERT/ICT/vision models are not": """
-    --expert-model-parallel-size= --expert-tensor-parallel-size= --moe-extended-tp
-    --overlap-moe-expert-parallel-comm --ep-overlap-early-attn-memory-release --mtp-standalone
+    --mtp-standalone
     --mtp-num-layers= --mtp-loss-scaling-factor= --multi-latent-attention
     --experimental-attention-variant= --dsa-indexer-n-heads= --dsa-indexer-head-dim=
     --dsa-indexer-topk= --dsa-indexer-loss-coeff= --dsa-indexer-use-sparse-loss
     --linear-conv-kernel-dim= --linear-key-head-dim= --linear-value-head-dim=
     --linear-num-key-heads= --linear-num-value-heads= --linear-attention-freq=
-    --moe-shared-expert-intermediate-size= --moe-shared-expert-gate --moe-shared-expert-overlap
-    --moe-ffn-hidden-size= --moe-router-topk= --moe-enable-routing-replay
-    --moe-router-padding-for-quantization --moe-router-padding-for-fp8 --moe-router-num-groups=
-    --moe-router-group-topk= --moe-router-pre-softmax --moe-router-topk-scaling-factor=
-    --moe-router-score-function= --moe-router-dtype= --moe-router-enable-expert-bias
-    --moe-router-bias-update-rate= --moe-router-force-load-balancing --moe-grouped-gemm
-    --moe-use-legacy-grouped-gemm --moe-z-loss-coeff= --moe-input-jitter-eps=
-    --moe-token-dispatcher-type= --moe-enable-deepep --moe-flex-dispatcher-backend=
-    --moe-per-layer-logging --moe-expert-capacity-factor= --moe-pad-expert-input-to-capacity
-    --moe-token-drop-policy= --moe-layer-recompute --moe-permute-fusion --moe-router-fusion
-    --moe-apply-probs-on-input --moe-latent-size= --moe-deepep-num-sms= --moe-hybridep-num-sms=
-    --num-experts= --moe-layer-freq= --moe-use-upcycling --moe-router-load-balancing-type=+
-    --moe-aux-loss-coeff=+ --moe-upcycling-granularity= --moe-pad-experts-for-cuda-graph-inference
     --q-lora-rank= --kv-lora-rank= --qk-head-dim= --qk-pos-emb-head-dim= --v-head-dim=
     --cache-mla-latents --is-hybrid-model --mamba-state-dim= --mamba-head-dim= --mamba-num-groups=
     --mamba-num-heads= --disable-mamba-mem-eff-path --mlp-chunks-for-prefill=

@@ -68,11 +68,31 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     add("--recompute-num-layers", type=int, default=None)
     add("--recompute-method", default=None, choices=("uniform", "block"))
 
+    moe = parser.add_argument_group("mixture of experts (Megatron-LM)")
+    add = moe.add_argument
+    add("--num-experts", type=int, default=None)
+    add("--moe-router-topk", type=int, default=2)
+    add("--moe-ffn-hidden-size", type=int, default=None)
+    add("--moe-shared-expert-intermediate-size", type=int, default=None)
+    add("--moe-router-score-function", default="softmax", choices=("softmax", "sigmoid"))
+    add("--moe-router-load-balancing-type", nargs="+", default="aux_loss")
+    add("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    add("--moe-z-loss-coeff", type=float, default=None)
+    add("--moe-expert-capacity-factor", type=float, default=None)
+    add("--moe-token-drop-policy", default="probs", choices=("probs", "position"))
+    add("--moe-router-enable-expert-bias", action="store_true")
+    add("--moe-router-bias-update-rate", type=float, default=1e-3)
+    # Transformer Engine's grouped GEMM for the experts; the local spec (CPU) ignores it.
+    add("--moe-grouped-gemm", action="store_true")
+    add("--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall"))
+
     parallel = parser.add_argument_group("distributed (Megatron-LM)")
     add = parallel.add_argument
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-parallel-size", type=int, default=1)
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--expert-tensor-parallel-size", type=int, default=None)
     add("--sequence-parallel", action="store_true")
     add("--virtual-pipeline-model-parallel-size", type=int, default=None)
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)

@@ -52,6 +52,33 @@ ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
     ),
 }
 """The scaling fields each ``rope_type`` reads; any other one set is a conflict."""
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+"""Router score functions (megatron-core's ``moe_router_score_function``)."""
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+"""Router load balancing (megatron-core's ``moe_router_load_balancing_type``): the Switch /
+GShard auxiliary loss per micro-batch, per sequence (DeepSeek-V2/V3), over the global batch;
+Sinkhorn (S-BASE); none (e.g. with the aux-loss-free expert bias)."""
+MOE_DROP_POLICIES = ("probs", "position")
+"""Which tokens an expert over its capacity drops: lowest router probability, or last position."""
+MOE_DISPATCHERS = ("alltoall", "allgather")
+"""Token dispatchers: all-to-all(-v) among the expert-parallel ranks (any token counts), or an
+all-gather over the ep x etp ranks (equal token counts on them: see ``validate_for_parallel``)."""
+_MOE_DEFAULTS = {
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_score_function": "softmax",
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_expert_capacity_factor": None,
+    "moe_token_drop_policy": "probs",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 1e-3,
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_grouped_gemm": True,
+}
+"""The MoE fields and their defaults; a dense model (no ``num_experts``) must leave them so."""
 _ROPE_DEFAULTS = {
     "llama3": {  # Llama 3.1's values, Megatron-Core's defaults for --use-rope-scaling
         "rope_original_max_position_embeddings": 8192,
@@ -150,6 +177,44 @@ class ModelConfig:
     cp_comm_type: str | None = None
     """Transformer Engine's context-parallel communication when cp > 1: "p2p", "all_gather", "a2a"
     or "a2a+p2p"; None = "p2p". Needs Transformer Engine (the local CP attention all-gathers)."""
+    num_experts: int | None = None
+    """Routed experts of every layer's MLP (a mixture of experts, megatron-core's ``MoELayer``);
+    None or 0: a dense SwiGLU MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (1 <= topk <= num_experts)."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of each routed expert's SwiGLU MLP; None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total width of the shared experts every token also passes through (Qwen2-MoE, DeepSeek);
+    None: no shared expert."""
+    moe_router_score_function: str = "softmax"
+    """Router scores: "softmax" or "sigmoid" (DeepSeek-V3; needed by the expert bias)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """Load balancing: "aux_loss" (per micro-batch), "seq_aux_loss" (per sequence),
+    "global_aux_loss" (global batch), "sinkhorn" or "none"."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss in the training loss (>= 0; 1e-2 is a common start)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss (>= 0; None: no z-loss; 1e-3 is a common start)."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes, as a factor of its even share (> 0); tokens beyond are dropped by
+    moe_token_drop_policy. None: no capacity, no token is dropped."""
+    moe_token_drop_policy: str = "probs"
+    """With a capacity: drop the tokens of lowest router probability ("probs") or the last ones
+    ("position")."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k
+    choice, moved after every optimizer step towards balanced load; needs sigmoid scores."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert bias update (> 0)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """How tokens reach their experts: "alltoall" (any token counts per rank) or "allgather"
+    (equal token counts on the ep x etp ranks; packed micro-batches differ between data-parallel
+    ranks, so only when those ranks sit inside one tensor-parallel group)."""
+    moe_grouped_gemm: bool = True
+    """Run a rank's experts as one grouped GEMM (Transformer Engine's ``TEGroupedMLP``) where the
+    Transformer Engine spec is used; the local spec (CPU) always runs megatron-core's
+    ``SequentialMLP`` (one GEMM per expert), whatever this says."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -207,6 +272,75 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ModelConfigError(f"{name} ({getattr(self, name)}) must be in [0, 1)")
         self._check_rope()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """MoE values valid (every problem at once); on a dense model, no MoE field set."""
+        if self.num_experts is not None and (not _is_int(self.num_experts) or self.num_experts < 0):
+            raise ModelConfigError(
+                f"num_experts ({self.num_experts}) must be None, 0 (a dense model) or >= 1"
+            )
+        if not self.is_moe:
+            stray = {k: getattr(self, k) for k, v in _MOE_DEFAULTS.items() if getattr(self, k) != v}
+            if stray:
+                raise ModelConfigError(
+                    f"{', '.join(f'{k}={v!r}' for k, v in stray.items())} set on a dense model "
+                    f"(num_experts={self.num_experts}): set num_experts, or leave them unset"
+                )
+            return
+        problems = []
+        n, k = self.num_experts, self.moe_router_topk
+        if not _is_int(k) or not 1 <= k <= n:
+            problems.append(f"moe_router_topk ({k}) must be in [1, num_experts ({n})]")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                problems.append(f"{name} ({value}) must be None or >= 1")
+        choices = (
+            ("moe_router_score_function", MOE_SCORE_FUNCTIONS),
+            ("moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES),
+            ("moe_token_drop_policy", MOE_DROP_POLICIES),
+            ("moe_token_dispatcher_type", MOE_DISPATCHERS),
+        )
+        for name, valid in choices:
+            if getattr(self, name) not in valid:
+                problems.append(
+                    f"{name} {getattr(self, name)!r} is not one of {', '.join(map(repr, valid))}"
+                )
+        if not self.moe_aux_loss_coeff >= 0:
+            problems.append(f"moe_aux_loss_coeff ({self.moe_aux_loss_coeff}) must be >= 0")
+        if self.moe_z_loss_coeff is not None and not self.moe_z_loss_coeff >= 0:
+            problems.append(f"moe_z_loss_coeff ({self.moe_z_loss_coeff}) must be None or >= 0")
+        if not self.moe_router_bias_update_rate > 0:
+            problems.append(
+                f"moe_router_bias_update_rate ({self.moe_router_bias_update_rate}) must be > 0"
+            )
+        capacity = self.moe_expert_capacity_factor
+        if capacity is not None and not capacity > 0:
+            problems.append(f"moe_expert_capacity_factor ({capacity}) must be None or > 0")
+        if capacity is not None and self.moe_router_load_balancing_type == "sinkhorn":
+            problems.append(
+                f"moe_expert_capacity_factor ({capacity}) does not work with "
+                "moe_router_load_balancing_type 'sinkhorn' (megatron-core: aux_loss, "
+                "seq_aux_loss, global_aux_loss or none)"
+            )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            problems.append(
+                "moe_router_enable_expert_bias needs moe_router_score_function 'sigmoid' (got "
+                f"{self.moe_router_score_function!r})"
+            )
+        if (
+            k == 1
+            and self.moe_router_score_function == "softmax"
+            and (self.moe_router_load_balancing_type != "sinkhorn")
+        ):
+            problems.append(
+                "moe_router_topk 1 with softmax scores has a zero router gradient (softmax over "
+                "one expert) unless the softmax comes before the top-k, which is not supported "
+                "here: use moe_router_topk >= 2 or moe_router_score_function 'sigmoid'"
+            )
+        if problems:
+            raise ModelConfigError(f"MoE settings (num_experts={n}): " + "; ".join(problems))
 
     def _check_vocab_padding(self) -> None:
         try:
@@ -279,6 +413,16 @@ class ModelConfig:
             )
 
     @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts (``num_experts`` >= 1)."""
+        return bool(self.num_experts)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Width of one routed expert's MLP (``moe_ffn_hidden_size``, else ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
@@ -305,15 +449,27 @@ class ModelConfig:
         attn = h * qkv_out + self.num_attention_heads * d * h
         attn += qkv_out if self.add_qkv_bias else 0
         attn += 2 * d if self.qk_layernorm else 0
-        layer = attn + 2 * h * f + f * h + 2 * h
+        mlp = 3 * h * f
+        if self.is_moe:  # router, routed experts, shared experts
+            shared = self.moe_shared_expert_intermediate_size or 0
+            mlp = h * self.num_experts + self.num_experts * 3 * h * self.expert_ffn_hidden_size
+            mlp += 3 * h * shared
+        layer = attn + mlp + 2 * h
         emb = self.padded_vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + emb + h
 
     def validate_for_parallel(
-        self, tp: int, pp: int = 1, cp: int = 1, vpp: int | None = None
+        self,
+        tp: int,
+        pp: int = 1,
+        cp: int = 1,
+        vpp: int | None = None,
+        ep: int = 1,
+        etp: int | None = None,
     ) -> None:
-        """Raise ``ModelConfigError`` if this model cannot be split with the given sizes."""
-        problems = []
+        """Raise ``ModelConfigError`` if this model cannot be split with the given sizes
+        (``etp``: expert tensor parallelism, None = tp, as megatron-core)."""
+        problems = self._expert_problems(tp, cp, ep, etp)
         if self.num_attention_heads % tp:
             problems.append(f"num_attention_heads ({self.num_attention_heads}) % tp ({tp}) != 0")
         if self.query_groups % tp:
@@ -332,6 +488,44 @@ class ModelConfig:
         if problems:
             raise ModelConfigError("model does not fit the parallel layout: " + "; ".join(problems))
 
+    def _expert_problems(self, tp: int, cp: int, ep: int, etp: int | None) -> list[str]:
+        """Expert-parallel divisibility (experts by ep, expert FFN by etp, shared FFN by tp) and
+        megatron-core's MoE rules that depend on the sizes."""
+        etp = None if etp == tp else etp
+        if not self.is_moe:
+            given = [f"ep ({ep}) > 1"] if ep > 1 else []
+            given += [f"etp ({etp}) set"] if etp is not None else []
+            if given:
+                return [
+                    f"{' and '.join(given)} but the model is dense (num_experts="
+                    f"{self.num_experts}): expert parallelism needs experts; use ep 1 and no etp, "
+                    "or set num_experts"
+                ]
+            return []
+        problems = []
+        etp = etp or tp
+        if self.num_experts % ep:
+            problems.append(f"num_experts ({self.num_experts}) % ep ({ep}) != 0")
+        if self.expert_ffn_hidden_size % etp:
+            problems.append(
+                f"moe_ffn_hidden_size ({self.expert_ffn_hidden_size}) % etp ({etp}) != 0"
+            )
+        shared = self.moe_shared_expert_intermediate_size
+        if shared and shared % tp:
+            problems.append(f"moe_shared_expert_intermediate_size ({shared}) % tp ({tp}) != 0")
+        if tp > 1 and not self.sequence_parallel:
+            problems.append(
+                f"tp ({tp}) > 1 with experts needs sequence_parallel: true (megatron-core's "
+                "MoELayer refuses to train tensor-parallel without it)"
+            )
+        if self.moe_token_dispatcher_type == "allgather" and (tp * cp) % (ep * etp):
+            problems.append(
+                f"moe_token_dispatcher_type 'allgather' gathers over the ep x etp ({ep} x {etp}) "
+                f"ranks, which here span data-parallel ranks (tp x cp = {tp * cp}), whose packed "
+                "micro-batches hold different token counts: use 'alltoall'"
+            )
+        return problems
+
     def vocab_multiple_text(self) -> str:
         """What the vocabulary is padded to a multiple of, in words (for messages)."""
         text = f"make_vocab_size_divisible_by {self.make_vocab_size_divisible_by}"
@@ -346,6 +540,10 @@ class ModelConfig:
             "transformer_impl": self.transformer_impl.value,
             "vocab_padding": self.vocab_padding.value,
         }
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
@@ -368,17 +566,22 @@ def build_transformer_config(
     pp: int = 1,
     cp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
     use_cpu_initialization: bool | None = None,
     batch_p2p_comm: bool | None = None,
+    grouped_gemm: bool = False,
 ) -> TransformerConfig:
     """The one function that builds Megatron's ``TransformerConfig`` for this project.
 
     ``use_cpu_initialization`` and ``batch_p2p_comm`` default to what this machine has (CUDA or
-    not); ``models.gpt.build_model`` passes the device policy's answers."""
+    not); ``models.gpt.build_model`` passes the device policy's answers, and ``grouped_gemm``:
+    whether the experts are Transformer Engine's grouped GEMM (the TE spec with
+    ``model.moe_grouped_gemm``)."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
-    model.validate_for_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
+    model.validate_for_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=ep, etp=etp)
     on_cpu = not torch.cuda.is_available()
     dtype = model.torch_dtype
     config = TransformerConfig(
@@ -424,6 +627,7 @@ def build_transformer_config(
         # correct on every backend.
         batch_p2p_comm=not on_cpu if batch_p2p_comm is None else batch_p2p_comm,
         deallocate_pipeline_outputs=True,
+        **_moe_kwargs(model, ep=ep, etp=etp or tp, grouped_gemm=grouped_gemm),
     )
     if model.rope_type == "yarn":
         # GPTModel, YarnRotaryEmbedding and Attention (its mscale) read these attributes, which
@@ -441,3 +645,28 @@ def build_transformer_config(
         for name, value in yarn.items():
             setattr(config, name, value)
     return config
+
+
+def _moe_kwargs(model: ModelConfig, *, ep: int, etp: int, grouped_gemm: bool) -> dict[str, Any]:
+    """``TransformerConfig`` arguments of the mixture of experts (none for a dense model, whose
+    config stays what it was before MoE existed here)."""
+    if not model.is_moe:
+        return {}
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.expert_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": model.moe_router_score_function,
+        "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": model.moe_aux_loss_coeff,
+        "moe_z_loss_coeff": model.moe_z_loss_coeff,
+        "moe_expert_capacity_factor": model.moe_expert_capacity_factor,
+        "moe_token_drop_policy": model.moe_token_drop_policy,
+        "moe_router_enable_expert_bias": model.moe_router_enable_expert_bias,
+        "moe_router_bias_update_rate": model.moe_router_bias_update_rate,
+        "moe_token_dispatcher_type": model.moe_token_dispatcher_type,
+        "moe_grouped_gemm": grouped_gemm,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
+    }

@@ -44,8 +44,9 @@ from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase
 DEMO_TOKENIZER_VOCAB_SIZE = 320
 """Vocabulary of the built-in demo tokenizer (``tokenizer.demo``; a unit test keeps them equal):
 the default ``model.vocab_size``."""
-LAYOUT_AXES = ("tp", "cp", "pp", "dp", "vpp", "ep")
-"""Axes a layout string may name; missing ones are 1 (vpp: None)."""
+LAYOUT_AXES = ("etp", "vpp", "tp", "cp", "pp", "dp", "ep")
+"""Axes a layout string may name; missing ones are 1 (vpp and etp: None). Longer names first, so
+"etp2" never reads as "tp2"."""
 DIST_OPT_FORMATS = ("fully_reshardable", "dp_reshardable")
 """Distributed-optimizer checkpoint formats (``checkpoint.dist_opt_format``)."""
 
@@ -93,14 +94,16 @@ def _vocabulary(cls: type, value: Any, problems: list[str], what: str) -> Any:
 
 def layout_sizes(text: str) -> dict[str, int | None]:
     """The axis sizes a layout string names: "tp2cp1pp1dp1" (any order, missing axes = 1, vpp
-    None) or "tp=2,dp=2". Only the syntax is checked here; ``ParallelLayout`` checks the values.
-    Raises ``ConfigError`` on a string that is not a layout."""
+    and etp None) or "tp=2,dp=2"; expert parallelism as "tp1cp1pp1dp2ep2" (ep folds into the
+    tp x cp x dp ranks, it does not multiply the world size; etp = expert tensor parallelism).
+    Only the syntax is checked here; ``ParallelLayout`` checks the values. Raises ``ConfigError``
+    on a string that is not a layout."""
     axis = "|".join(LAYOUT_AXES)
     found = re.findall(rf"({axis})\s*=?\s*(\d+)", text.lower())
     rest = re.sub(rf"({axis})\s*=?\s*\d+|[\s,x]", "", text.lower())
     if not found or rest:
         raise ConfigError(f"cannot parse layout {text!r}; expected e.g. 'tp2pp1cp1dp2'")
-    sizes: dict[str, int | None] = {a: 1 for a in LAYOUT_AXES} | {"vpp": None}
+    sizes: dict[str, int | None] = {a: 1 for a in LAYOUT_AXES} | {"vpp": None, "etp": None}
     return sizes | {k: int(v) for k, v in found}
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron checkpoint conversion (Llama 2/3, Qwen2/2.5, Qwen3).
+"""Hugging Face <-> Megatron checkpoint conversion (Llama 2/3, Qwen2/2.5, Qwen3; Qwen3-MoE and
+Mixtral).
 
     megatron-earl convert hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp 2 --pp 2]
     megatron-earl convert mcore-to-hf --ckpt MCORE_DIR --out HF_OUT [--hf-config HF_DIR]

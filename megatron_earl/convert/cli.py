@@ -1,7 +1,7 @@
 """``megatron-earl convert``: HF <-> Megatron checkpoint conversion from the command line.
 
     megatron-earl convert hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp 2 --pp 2 --vpp 2]
-        [--make-vocab-size-divisible-by 128] [--dtype bfloat16]
+        [--ep 2 --etp 1] [--make-vocab-size-divisible-by 128] [--dtype bfloat16]
     megatron-earl convert mcore-to-hf --ckpt MCORE_DIR --out HF_OUT [--hf-config HF_DIR]
         [--family qwen2] [--max-shard-size 5GB]
     megatron-earl convert engine-model --config CONFIG --out HF_DIR [key=value ...]
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--tp", type=int, default=1, help="check the model splits at this TP")
     to_mcore.add_argument("--pp", type=int, default=1, help="check the model splits at this PP")
     to_mcore.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
+    to_mcore.add_argument("--ep", type=int, default=1, help="check the experts split at this EP")
+    to_mcore.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
     to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     to_mcore.add_argument(
         "--dtype",
@@ -60,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--ckpt", required=True, help="checkpoint dir (or a run dir with 'latest')")
     to_hf.add_argument("--out", required=True, help="output HF directory (new)")
     to_hf.add_argument("--hf-config", default=None, help="HF dir whose config/tokenizer to use")
-    to_hf.add_argument("--family", default=None, help="llama, qwen2 or qwen3 (if not stored)")
+    to_hf.add_argument(
+        "--family", default=None, help="llama, qwen2, qwen3, qwen3_moe or mixtral (if not stored)"
+    )
     to_hf.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
     engine = sub.add_parser(
         "engine-model",
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 tp=args.tp,
                 pp=args.pp,
                 vpp=args.vpp,
+                ep=args.ep,
+                etp=args.etp,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 dtype=args.dtype,
             )

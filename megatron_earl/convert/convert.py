@@ -9,11 +9,12 @@ never the model. Output is written into ``<out>.tmp-<pid>`` next to ``out`` and 
 only when complete, so a failed run never leaves a directory that looks like a checkpoint; the
 temporary directory is removed on failure.
 
-The checkpoint written by ``hf_to_mcore`` does not depend on a layout: ``tp``/``pp``/``vpp`` only
-check that the model can be split that way (vocabulary padding is layout independent, see
-``config/model.py``). ``mcore_to_hf`` reads any checkpoint with this project's model keys (a
-converted one or a training checkpoint of ``training/checkpoint.py``, whatever layout it was
-saved in; optimizer state is ignored).
+The checkpoint written by ``hf_to_mcore`` does not depend on a layout: ``tp``/``pp``/``vpp``/
+``ep``/``etp`` only check that the model can be split that way (vocabulary padding is layout
+independent, see ``config/model.py``; experts are stored whole, on an expert axis).
+``mcore_to_hf`` reads any checkpoint with this project's model keys (a converted one or a
+training checkpoint of ``training/checkpoint.py``, whatever layout it was saved in; optimizer
+state is ignored).
 """
 
 from __future__ import annotations
@@ -89,10 +90,13 @@ def hf_to_mcore(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
     make_vocab_size_divisible_by: int = 128,
     dtype: str | None = None,
 ) -> ModelConfig:
-    """Convert an HF Llama/Qwen2/Qwen3 directory into a Megatron ``torch_dist`` checkpoint.
+    """Convert an HF directory of a supported family (``families.FAMILIES``) into a Megatron
+    ``torch_dist`` checkpoint.
 
     ``dtype`` None keeps the HF tensors' dtype (bitwise round trip); else casts. Returns the
     model config (also stored in the checkpoint's ``common.pt``). No process group needed.
@@ -106,10 +110,13 @@ def hf_to_mcore(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         params_dtype=dtype or hf_params_dtype(cfg),
     )
-    try:
-        model.validate_for_parallel(tp=tp, pp=pp, vpp=vpp)
+    try:  # sequence parallelism is the run's choice (MoE needs it at tp > 1), not the weights'
+        splits = dataclasses.replace(model, sequence_parallel=True)
+        splits.validate_for_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     except ModelConfigError as err:
-        raise ConversionError(f"target layout tp={tp} pp={pp} vpp={vpp}: {err}") from err
+        raise ConversionError(
+            f"target layout tp={tp} pp={pp} vpp={vpp} ep={ep} etp={etp}: {err}"
+        ) from err
     reader = HFReader(hf_dir)
     _check_hf_names(reader, model)
     cast = _DTYPES[dtype] if dtype else None
@@ -133,10 +140,7 @@ def hf_to_mcore(
                     )
                     for suffix, t in slices.items()
                 ],
-                objects={
-                    f"{mapping.LAYER_PREFIX}{s}/shard_{layer}_{num_layers}": None
-                    for s in mapping.EXTRA_STATE_SUFFIXES
-                },
+                objects=dict.fromkeys(mapping.extra_state_keys(model, layer)),
             )
             del slices
         writer.finish(
@@ -280,6 +284,12 @@ def export_hf(
     return writer.total_bytes
 
 
+def _experts_text(model: ModelConfig) -> str:
+    if not model.is_moe:
+        return ""
+    return f"num_experts={model.num_experts}, moe_ffn_hidden_size={model.expert_ffn_hidden_size}, "
+
+
 def _check_mcore_shapes(metadata: dict[str, Any], model: ModelConfig) -> None:
     for key, shape in mapping.global_shapes(model).items():
         if key not in metadata:
@@ -289,6 +299,7 @@ def _check_mcore_shapes(metadata: dict[str, Any], model: ModelConfig) -> None:
                 f"tensor {key}: checkpoint shape {tuple(metadata[key].size)} != {shape} expected "
                 f"from the model config (num_layers={model.num_layers}, "
                 f"hidden_size={model.hidden_size}, ffn_hidden_size={model.ffn_hidden_size}, "
-                f"heads={model.num_attention_heads}, query_groups={model.query_groups}, "
-                f"head_dim={model.head_dim}, padded vocab={model.padded_vocab_size})"
+                f"{_experts_text(model)}heads={model.num_attention_heads}, "
+                f"query_groups={model.query_groups}, head_dim={model.head_dim}, "
+                f"padded vocab={model.padded_vocab_size})"
             )

@@ -3,11 +3,20 @@
 Supported families (decoder-only, RMSNorm, SwiGLU, rotate-half RoPE, GQA, tied or untied
 embeddings):
 
-| family | HF architecture      | attention extras                    |
-|--------|----------------------|-------------------------------------|
-| llama  | LlamaForCausalLM     | none (Llama 2, 3, 3.1-3.3)          |
-| qwen2  | Qwen2ForCausalLM     | bias on q/k/v (Qwen2, Qwen2.5)      |
-| qwen3  | Qwen3ForCausalLM     | RMSNorm on per-head q and k         |
+| family    | HF architecture      | attention extras                | MLP                         |
+|-----------|----------------------|---------------------------------|-----------------------------|
+| llama     | LlamaForCausalLM     | none (Llama 2, 3, 3.1-3.3)      | dense                       |
+| qwen2     | Qwen2ForCausalLM     | bias on q/k/v (Qwen2, Qwen2.5)  | dense                       |
+| qwen3     | Qwen3ForCausalLM     | RMSNorm on per-head q and k     | dense                       |
+| qwen3_moe | Qwen3MoeForCausalLM  | RMSNorm on per-head q and k     | experts, top-k renormalised |
+| mixtral   | MixtralForCausalLM   | none                            | experts, top-k renormalised |
+
+Mixtures of experts convert when every layer is one (no ``mlp_only_layers``,
+``decoder_sparse_step`` 1) and the top-k weights are renormalised (``norm_topk_prob: true``;
+Mixtral always): megatron-core's default router (top-k of the logits, then a softmax over those
+k) computes exactly that. Without renormalisation (``norm_topk_prob: false``) HF's weights are the
+softmax over all experts, megatron-core's ``moe_router_pre_softmax``, which ``ModelConfig`` does
+not expose: refused.
 
 Configs are plain dicts (``config.json`` as read from disk), so conversion needs no
 ``transformers``. RoPE types ``default``, ``linear``, ``llama3`` and ``yarn`` convert (from
@@ -32,6 +41,27 @@ class ConversionError(ValueError):
 
 
 @dataclass(frozen=True)
+class ExpertNames:
+    """HF names (relative to ``model.layers.{i}.``) of a mixture-of-experts family's MLP."""
+
+    router: str
+    """The router's [num_experts, hidden] weight."""
+    gate: str
+    """Expert ``{e}``'s gate projection [expert ffn, hidden] (the SiLU-ed half of SwiGLU)."""
+    up: str
+    """Expert ``{e}``'s up projection [expert ffn, hidden]."""
+    down: str
+    """Expert ``{e}``'s down projection [hidden, expert ffn]."""
+    count_key: str
+    """The config field this family's hub configs give the expert count in."""
+    width_key: str
+    """The config field holding an expert's FFN width."""
+    renormalise_key: str | None
+    """The config field saying whether the top-k weights are renormalised (absent: transformers'
+    default, false); None: the family always renormalises."""
+
+
+@dataclass(frozen=True)
 class Family:
     """One HF model family and what its attention adds to the common Llama block."""
 
@@ -45,16 +75,55 @@ class Family:
     """q/k/v projections carry a bias (o_proj never does)."""
     qk_norm: bool
     """Per-head RMSNorm on queries and keys (``q_norm``/``k_norm``)."""
+    experts: ExpertNames | None = None
+    """The mixture of experts' HF names; None: a dense SwiGLU MLP."""
 
 
+QWEN3_MOE_EXPERTS = ExpertNames(
+    router="mlp.gate.weight",
+    gate="mlp.experts.{e}.gate_proj.weight",
+    up="mlp.experts.{e}.up_proj.weight",
+    down="mlp.experts.{e}.down_proj.weight",
+    count_key="num_experts",
+    width_key="moe_intermediate_size",
+    renormalise_key="norm_topk_prob",
+)
+MIXTRAL_EXPERTS = ExpertNames(
+    router="block_sparse_moe.gate.weight",
+    gate="block_sparse_moe.experts.{e}.w1.weight",
+    up="block_sparse_moe.experts.{e}.w3.weight",
+    down="block_sparse_moe.experts.{e}.w2.weight",
+    count_key="num_local_experts",
+    width_key="intermediate_size",
+    renormalise_key=None,
+)
 FAMILIES: dict[str, Family] = {
     f.architecture: f
     for f in (
         Family("llama", "LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False),
         Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False),
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            qkv_bias=False,
+            qk_norm=True,
+            experts=QWEN3_MOE_EXPERTS,
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "mixtral",
+            qkv_bias=False,
+            qk_norm=False,
+            experts=MIXTRAL_EXPERTS,
+        ),
     )
 }
+_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
+"""Config fields naming the expert count (Qwen's hub configs say num_experts; Mixtral's, and
+transformers 5's Qwen3-MoE config, num_local_experts)."""
 _BY_NAME = {f.name: f for f in FAMILIES.values()}
 
 
@@ -65,17 +134,20 @@ def family_by_name(name: str) -> Family:
 
 
 def family_for_model(model: Any) -> Family:
-    """The HF family whose attention matches a ``ModelConfig`` (qk norm -> qwen3, qkv bias ->
-    qwen2, neither -> llama); for exporting a policy trained from scratch."""
+    """The HF family whose attention and MLP match a ``ModelConfig`` (qk norm -> qwen3, qkv bias
+    -> qwen2, neither -> llama; with experts: qwen3_moe, mixtral); for exporting a policy trained
+    from scratch, and for the names of a model's HF tensors."""
+    moe = model.is_moe
     matches = [
         f
         for f in FAMILIES.values()
-        if (f.qkv_bias, f.qk_norm) == (model.add_qkv_bias, model.qk_layernorm)
+        if (f.qkv_bias, f.qk_norm, f.experts is not None)
+        == (model.add_qkv_bias, model.qk_layernorm, moe)
     ]
     if not matches:
         raise ConversionError(
-            f"no HF family has qkv bias={model.add_qkv_bias} and qk norm={model.qk_layernorm}; "
-            f"supported: {sorted(_BY_NAME)}"
+            f"no HF family has qkv bias={model.add_qkv_bias}, qk norm={model.qk_layernorm} and "
+            f"experts={moe}; supported: {sorted(_BY_NAME)}"
         )
     return matches[0]
 
@@ -214,6 +286,11 @@ def _check_unsupported(cfg: dict[str, Any], family: Family) -> None:
         problems.append(f"attention_bias=true for {family.name} (o_proj bias is not supported)")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window=true (sliding-window attention is not supported)")
+    if "use_sliding_window" not in cfg and cfg.get("sliding_window") is not None:
+        # Mistral/Mixtral: no switch, a window is applied whenever sliding_window is set
+        problems.append(
+            f"sliding_window={cfg['sliding_window']} (sliding-window attention is not supported)"
+        )
     if cfg.get("pretraining_tp", 1) != 1:
         problems.append(f"pretraining_tp={cfg['pretraining_tp']} (only 1)")
     if problems:
@@ -232,15 +309,69 @@ def hf_params_dtype(cfg: dict[str, Any]) -> str:
     return name if name in PARAMS_DTYPES else "float32"
 
 
+def _experts_from_hf(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
+    """``ModelConfig`` MoE fields of an HF config (none for a dense family); everything that would
+    make the Megatron MoE layer compute something else raises ``ConversionError`` naming it."""
+    names = family.experts
+    if names is None:
+        return {}
+    counts = {k: cfg[k] for k in _NUM_EXPERTS_KEYS if k in cfg}
+    problems = []
+    if not counts:
+        raise ConversionError(
+            f"config.json lacks the expert count ({' or '.join(_NUM_EXPERTS_KEYS)})"
+        )
+    if len(set(counts.values())) > 1:
+        problems.append(f"{counts} disagree")
+    num_experts = next(iter(counts.values()))
+    topk = cfg.get("num_experts_per_tok")
+    if topk is None:
+        raise ConversionError("config.json lacks num_experts_per_tok")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        problems.append(f"{next(iter(counts))}={num_experts} (a mixture needs >= 1 expert)")
+    elif not isinstance(topk, int) or not 1 <= topk <= num_experts:
+        problems.append(f"num_experts_per_tok={topk} (must be in [1, {num_experts}])")
+    if names.width_key not in cfg:
+        raise ConversionError(f"config.json lacks {names.width_key}")
+    if names.renormalise_key is not None and not cfg.get(names.renormalise_key, False):
+        problems.append(
+            f"{names.renormalise_key}={cfg.get(names.renormalise_key, 'absent (false)')} (the "
+            "top-k weights as the softmax over all experts, not renormalised, is megatron-core's "
+            "moe_router_pre_softmax, which ModelConfig does not expose; only "
+            f"{names.renormalise_key}=true converts)"
+        )
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        problems.append(
+            f"decoder_sparse_step={cfg.get('decoder_sparse_step', 1)}, mlp_only_layers="
+            f"{cfg.get('mlp_only_layers')} (dense layers between the MoE layers: ModelConfig has "
+            "no moe_layer_freq; every layer must be a mixture, decoder_sparse_step=1 and no "
+            "mlp_only_layers)"
+        )
+    if cfg.get("router_jitter_noise"):
+        problems.append(
+            f"router_jitter_noise={cfg['router_jitter_noise']} (only 0: megatron-core's "
+            "moe_input_jitter_eps is another noise)"
+        )
+    if problems:
+        raise ConversionError(
+            f"{family.architecture} config not convertible: " + "; ".join(problems)
+        )
+    fields: dict[str, Any] = {"num_experts": num_experts, "moe_router_topk": topk}
+    if names.width_key != "intermediate_size":
+        fields["moe_ffn_hidden_size"] = cfg[names.width_key]
+    return fields
+
+
 def model_config_from_hf(
     hf_config: dict[str, Any],
     *,
     make_vocab_size_divisible_by: int = 128,
     params_dtype: str = "float32",
 ) -> ModelConfig:
-    """The ``ModelConfig`` of an HF Llama/Qwen2/Qwen3 config (raises ``ConversionError``)."""
+    """The ``ModelConfig`` of an HF config of a supported family (raises ``ConversionError``)."""
     family = family_of(hf_config)
     _check_unsupported(hf_config, family)
+    experts = _experts_from_hf(hf_config, family)
     required = (
         "num_hidden_layers",
         "hidden_size",
@@ -272,7 +403,7 @@ def model_config_from_hf(
         params_dtype=params_dtype,
     )
     try:  # RoPE settings are validated here, before any weight is read
-        return ModelConfig(**fields, **_rope_from_hf(hf_config))
+        return ModelConfig(**fields, **experts, **_rope_from_hf(hf_config))
     except ModelConfigError as err:
         raise ConversionError(f"config.json: {err}") from None
 
@@ -283,7 +414,8 @@ def hf_config_from_model(
     """An HF ``config.json`` dict for ``model``; fields of ``base`` (e.g. token ids) are kept.
 
     Raises ``ConversionError`` when ``model`` cannot be expressed in ``family`` (a QKV bias
-    outside Qwen2, q/k norms outside Qwen3).
+    outside Qwen2, q/k norms outside Qwen3, experts outside an MoE family, a router HF's does not
+    compute).
     """
     if model.qk_layernorm != family.qk_norm:
         raise ConversionError(
@@ -295,6 +427,7 @@ def hf_config_from_model(
             f"add_qkv_bias={model.add_qkv_bias} cannot be expressed as {family.architecture} "
             f"(q/k/v bias {family.qkv_bias})"
         )
+    _check_experts_expressible(model, family)
     cfg = dict(base or {})
     cfg.update(
         architectures=[family.architecture],
@@ -322,6 +455,53 @@ def hf_config_from_model(
         del scaling["rope_theta"]
         cfg["rope_scaling"] = scaling
     cfg.pop("torch_dtype", None)
-    if family.name in ("llama", "qwen3"):
+    if not family.qkv_bias:
         cfg["attention_bias"] = False
+    if family.experts is not None:
+        _write_experts(cfg, model, family.experts)
     return cfg
+
+
+def _check_experts_expressible(model: ModelConfig, family: Family) -> None:
+    """``ConversionError`` naming each MoE setting ``family``'s HF model would compute
+    otherwise. Load balancing (aux loss, z-loss, its type) shapes only training and is not
+    part of the exported model."""
+    if model.is_moe != (family.experts is not None):
+        raise ConversionError(
+            f"num_experts={model.num_experts} cannot be expressed as {family.architecture} "
+            f"({'a mixture of experts' if family.experts else 'a dense MLP'})"
+        )
+    if not model.is_moe:
+        return
+    problems = []
+    if model.moe_shared_expert_intermediate_size:
+        problems.append(
+            f"moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size} "
+            "(no shared expert)"
+        )
+    if model.moe_router_score_function != "softmax":
+        problems.append(f"moe_router_score_function={model.moe_router_score_function!r} (softmax)")
+    if model.moe_router_enable_expert_bias:
+        problems.append("moe_router_enable_expert_bias=true (no expert bias)")
+    if model.moe_expert_capacity_factor is not None:
+        problems.append(
+            f"moe_expert_capacity_factor={model.moe_expert_capacity_factor} (no token is dropped)"
+        )
+    if problems:
+        raise ConversionError(
+            f"model cannot be expressed as {family.architecture}: " + "; ".join(problems)
+        )
+
+
+def _write_experts(cfg: dict[str, Any], model: ModelConfig, names: ExpertNames) -> None:
+    """The MoE fields of ``cfg`` (an expert count already in ``cfg`` under either name is
+    overwritten, so the two never disagree)."""
+    present = [k for k in _NUM_EXPERTS_KEYS if k in cfg]
+    for key in present or [names.count_key]:
+        cfg[key] = model.num_experts
+    cfg["num_experts_per_tok"] = model.moe_router_topk
+    cfg[names.width_key] = model.expert_ffn_hidden_size
+    if names.renormalise_key is not None:  # Qwen-MoE: every layer sparse, renormalised top-k
+        cfg[names.renormalise_key] = True
+        cfg["decoder_sparse_step"] = 1
+        cfg["mlp_only_layers"] = []

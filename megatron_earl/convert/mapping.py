@@ -14,6 +14,13 @@ unpadded/padded):
   (bias the same, 1-D). Plain ``[Q; K; V]`` concatenation is wrong.
 - ``linear_fc1.weight`` [2f, h] = ``[gate_proj; up_proj]``.
 - embeddings / output layer [Vp, h]: HF rows, then ``Vp - V`` zero rows (dropped on the way back).
+- Mixture of experts (E experts of width fe; HF names per family, ``families.ExpertNames``): the
+  router ``mlp.router.weight`` [E, h] is HF's gate (router) weight; megatron-core's
+  ``SequentialMLP`` saves its experts stacked on an expert axis after the layer axis:
+  ``mlp.experts.experts.linear_fc1.weight`` [E, 2fe, h] with expert e's rows ``[gate_e; up_e]``
+  (the SwiGLU layout of a dense fc1) and ``mlp.experts.experts.linear_fc2.weight`` [E, h, fe] =
+  ``down_e``. They replace ``mlp.linear_fc1.weight`` / ``linear_fc2.weight``; the
+  pre-MLP norm keeps its key ``mlp.linear_fc1.layer_norm_weight``.
 
 Every HF tensor's shape is checked against the config; a mismatch names the tensor, both shapes
 and the config values that imply the expected one.
@@ -24,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from megatron_earl.config.model import ModelConfig
-from megatron_earl.convert.families import ConversionError
+from megatron_earl.convert.families import ConversionError, ExpertNames, family_for_model
 
 LAYER_PREFIX = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -54,13 +61,42 @@ LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",)),
 )
 
-# Modules with a (None-valued, for the local spec) ``_extra_state`` ShardedObject per layer.
-EXTRA_STATE_SUFFIXES = (
+DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+ROUTER = "mlp.router.weight"
+EXPERTS_FC1 = "mlp.experts.experts.linear_fc1.weight"
+EXPERTS_FC2 = "mlp.experts.experts.linear_fc2.weight"
+MOE_SUFFIXES = (ROUTER, EXPERTS_FC1, EXPERTS_FC2)
+"""A mixture of experts' layer keys (in place of ``DENSE_MLP``)."""
+
+# Modules with a (None-valued, for the local spec) ``_extra_state`` ShardedObject per layer, and
+# per expert of a layer.
+_LAYER_EXTRA_STATES = (
     "self_attention.linear_proj._extra_state",
     "self_attention.linear_qkv._extra_state",
-    "mlp.linear_fc1._extra_state",
-    "mlp.linear_fc2._extra_state",
 )
+_DENSE_EXTRA_STATES = ("mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+_EXPERT_EXTRA_STATES = (
+    "mlp.experts.experts.linear_fc1._extra_state",
+    "mlp.experts.experts.linear_fc2._extra_state",
+)
+
+
+def extra_state_keys(model: ModelConfig, layer: int) -> list[str]:
+    """Unique keys of layer ``layer``'s ``_extra_state`` ShardedObjects, as megatron-core names
+    them: ``<key>/shard_<offsets>_<shape>`` over the layer axis, and for an expert's linears over
+    (layer, expert)."""
+    num_layers = model.num_layers
+    keys = [f"{LAYER_PREFIX}{s}/shard_{layer}_{num_layers}" for s in _LAYER_EXTRA_STATES]
+    if not model.is_moe:
+        keys += [f"{LAYER_PREFIX}{s}/shard_{layer}_{num_layers}" for s in _DENSE_EXTRA_STATES]
+        return keys
+    num_experts = model.num_experts
+    for s in _EXPERT_EXTRA_STATES:
+        keys += [
+            f"{LAYER_PREFIX}{s}/shard_{layer}.{e}_{num_layers}.{num_experts}"
+            for e in range(num_experts)
+        ]
+    return keys
 
 
 def layer_suffixes(model: ModelConfig) -> list[str]:
@@ -72,14 +108,33 @@ def layer_suffixes(model: ModelConfig) -> list[str]:
         if "q_layernorm" in suffix or "k_layernorm" in suffix:
             if not model.qk_layernorm:
                 continue
+        if suffix in DENSE_MLP and model.is_moe:
+            continue
         out.append(suffix)
-    return out
+    return out + (list(MOE_SUFFIXES) if model.is_moe else [])
+
+
+def _experts(model: ModelConfig) -> ExpertNames:
+    names = family_for_model(model).experts
+    assert names is not None, model  # family_for_model matched an MoE model to an MoE family
+    return names
+
+
+def _hf_names(suffix: str, model: ModelConfig) -> tuple[str, ...]:
+    """HF layer-relative names of one Megatron layer key, in concatenation order (an expert
+    key: expert 0's names, then expert 1's, ...)."""
+    if suffix not in MOE_SUFFIXES:
+        return dict(LAYER_TABLE)[suffix]
+    names = _experts(model)
+    if suffix == ROUTER:
+        return (names.router,)
+    per_expert = (names.gate, names.up) if suffix == EXPERTS_FC1 else (names.down,)
+    return tuple(n.format(e=e) for e in range(model.num_experts) for n in per_expert)
 
 
 def hf_layer_names(model: ModelConfig, layer: int) -> list[str]:
     """Full HF names of layer ``layer``'s tensors."""
-    table = dict(LAYER_TABLE)
-    return [f"model.layers.{layer}.{n}" for s in layer_suffixes(model) for n in table[s]]
+    return [f"model.layers.{layer}.{n}" for s in layer_suffixes(model) for n in _hf_names(s, model)]
 
 
 def hf_shapes(model: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -102,13 +157,25 @@ def hf_shapes(model: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (f, h),
         "mlp.down_proj.weight": (h, f),
     }
+    if model.is_moe:
+        fe, names = model.expert_ffn_hidden_size, _experts(model)
+        rel[names.router] = (model.num_experts, h)
+        for e in range(model.num_experts):
+            rel[names.gate.format(e=e)] = (fe, h)
+            rel[names.up.format(e=e)] = (fe, h)
+            rel[names.down.format(e=e)] = (h, fe)
     prefix = f"model.layers.{layer}."
     return {name: rel[name[len(prefix) :]] for name in hf_layer_names(model, layer)}
 
 
 def _describe(model: ModelConfig) -> str:
+    experts = (
+        f"num_experts={model.num_experts}, expert ffn={model.expert_ffn_hidden_size}, "
+        if model.is_moe
+        else ""
+    )
     return (
-        f"hidden_size={model.hidden_size}, intermediate_size={model.ffn_hidden_size}, "
+        f"hidden_size={model.hidden_size}, intermediate_size={model.ffn_hidden_size}, {experts}"
         f"num_attention_heads={model.num_attention_heads}, "
         f"num_key_value_heads={model.query_groups}, head_dim={model.head_dim}, "
         f"vocab_size={model.vocab_size}"
@@ -167,12 +234,17 @@ def hf_layer_to_mcore(
         if name not in hf:
             raise ConversionError(f"tensor {name} is missing from the HF checkpoint")
         check_shape(name, hf[name], shape, model)
-    table = dict(LAYER_TABLE)
     prefix = f"model.layers.{layer}."
     out = {}
     for suffix in layer_suffixes(model):
-        parts = [hf[prefix + n] for n in table[suffix]]
-        if suffix.startswith("self_attention.linear_qkv.") and len(parts) == 3:
+        parts = [hf[prefix + n] for n in _hf_names(suffix, model)]
+        if suffix == EXPERTS_FC1:  # [gate_e; up_e] per expert, stacked
+            out[suffix] = torch.stack(
+                [torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)]
+            )
+        elif suffix == EXPERTS_FC2:
+            out[suffix] = torch.stack(parts)
+        elif suffix.startswith("self_attention.linear_qkv.") and len(parts) == 3:
             out[suffix] = group_qkv(*parts, model)
         elif len(parts) == 2:
             out[suffix] = torch.cat(parts, dim=0)
@@ -197,6 +269,11 @@ def mcore_layer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.linear_fc1.weight": (2 * f, h),
         "mlp.linear_fc2.weight": (h, f),
     }
+    if model.is_moe:
+        fe, num_experts = model.expert_ffn_hidden_size, model.num_experts
+        shapes[ROUTER] = (num_experts, h)
+        shapes[EXPERTS_FC1] = (num_experts, 2 * fe, h)
+        shapes[EXPERTS_FC2] = (num_experts, h, fe)
     return {s: shapes[s] for s in layer_suffixes(model)}
 
 
@@ -251,9 +328,8 @@ def mcore_to_hf_tensors(
     if key.startswith(LAYER_PREFIX):
         if layer is None:
             raise ValueError(f"{key} is a layer key: pass the layer index")
-        table = dict(LAYER_TABLE)
         suffix = key[len(LAYER_PREFIX) :]
-        if suffix not in table:
+        if suffix not in layer_suffixes(model):
             raise ConversionError(f"no HF name for Megatron tensor {key}")
         sub = _single_layer_to_hf(suffix, tensor, model, layer)
         return list(sub.items())
@@ -267,8 +343,12 @@ def mcore_to_hf_tensors(
 
 
 def _single_layer_to_hf(suffix: str, tensor: torch.Tensor, model: ModelConfig, layer: int):
-    names = [f"model.layers.{layer}.{n}" for n in dict(LAYER_TABLE)[suffix]]
-    if len(names) == 3:
+    names = [f"model.layers.{layer}.{n}" for n in _hf_names(suffix, model)]
+    if suffix == EXPERTS_FC1:
+        parts = tuple(half for expert in tensor for half in torch.chunk(expert, 2, dim=0))
+    elif suffix == EXPERTS_FC2:
+        parts = tuple(tensor)
+    elif len(names) == 3:
         parts = tuple(ungroup_qkv(tensor, model))
     elif len(names) == 2:
         parts = torch.chunk(tensor, 2, dim=0)

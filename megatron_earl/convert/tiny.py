@@ -1,9 +1,11 @@
 """Tiny random HF models of each family, built offline (tests, benchmarks, examples).
 
     path = save_tiny_hf("qwen3", "/tmp/tiny-qwen3", num_layers=2, tie=False)
+    path = save_tiny_hf("qwen3_moe", "/tmp/tiny-qwen3-moe")   # Qwen3MoeForCausalLM, 4 experts
 
-``tiny_hf_model`` builds the model with ``transformers`` from a config (no download) and
-randomises *every* parameter, norms and biases included (HF initialises biases to zero and norms to
+``tiny_hf_model`` builds the model with ``transformers``' own class of the family (e.g.
+``Qwen3MoeConfig`` / ``Qwen3MoeForCausalLM``) from a config (no download) and randomises *every*
+parameter, norms, biases, routers and experts included (HF initialises biases to zero and norms to
 one, which would leave their mapping untested). ``write_random_hf`` writes an HF directory of
 random tensors without ``transformers`` and one layer at a time (for the memory benchmark, whose
 models are larger).
@@ -33,6 +35,27 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_query_groups=2,
         kv_channels=16,
+    ),
+    # q/k norm, GQA, head_dim (32) != hidden / heads (16); each layer a mixture: 4 experts of
+    # width 32, top-2 (HF's dense intermediate_size 128 is carried along, unused)
+    "qwen3_moe": dict(
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+    ),
+    # Llama attention (GQA), 4 experts of width 48 (Mixtral's intermediate_size), top-2
+    "mixtral": dict(
+        hidden_size=64,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_query_groups=2,
+        num_experts=4,
+        moe_router_topk=2,
     ),
 }
 

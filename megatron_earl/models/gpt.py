@@ -6,6 +6,13 @@ parallelism, ``model.cp_comm_type``, when cp > 1) when TE is importable on CUDA,
 spec, whose core attention submodule is swapped for ``SDPAttention`` (or its context-parallel
 variant when cp > 1). Nothing in the layers is forked.
 
+A mixture-of-experts model (``model.num_experts``) gets megatron-core's ``MoELayer`` as the MLP of
+every layer, from the same spec functions: ``TopKRouter``, a token dispatcher
+(``MoEAlltoAllTokenDispatcher`` or ``MoEAllGatherTokenDispatcher``), ``SharedExpertMLP`` when
+configured, and the experts as ``TEGroupedMLP`` (TE's grouped GEMM, ``model.moe_grouped_gemm``)
+or ``SequentialMLP`` (one GEMM per expert: TE linears without grouped GEMM; ``ColumnParallelLinear``
+/ ``RowParallelLinear`` on the local spec, which is what runs on a CPU). docs/moe.md.
+
 Call after ``megatron.core.parallel_state`` describes the layout (``megatron_earl.parallel``).
 """
 
@@ -78,7 +85,8 @@ def tree_ready(chunks: Sequence[nn.Module]) -> bool:
 
 def layer_spec(model: ModelConfig, cp: int = 1) -> ModuleSpec:
     """Megatron's transformer-layer spec for this model: the TE spec (TE attention, with TE's
-    context parallelism when cp > 1) or the local spec with the project's core attention."""
+    context parallelism when cp > 1) or the local spec with the project's core attention; the MLP
+    is megatron-core's ``MoELayer`` for an MoE model (experts: module docstring)."""
     facts = machine_facts()
     problems = transformer_impl_problems(model, embedded_engine=False, **facts)
     if problems:
@@ -89,11 +97,21 @@ def layer_spec(model: ModelConfig, cp: int = 1) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts or None,
+            moe_grouped_gemm=model.moe_grouped_gemm,
+            qk_layernorm=model.qk_layernorm,
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    # Experts: SequentialMLP (grouped GEMM needs Transformer Engine's kernels on CUDA).
     spec = copy.deepcopy(
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+        get_gpt_layer_local_spec(
+            num_experts=model.num_experts or None,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=model.qk_layernorm,
+        )
     )
     # Megatron's WrappedTorchNorm refuses sequence parallelism: the same torch.nn.RMSNorm, marked
     # for it (models/norms.py). The final layernorm is set per chunk (block_spec).
@@ -124,7 +142,10 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     device_policy = runtime.policy()
+    impl = resolve_transformer_impl(model.transformer_impl, **machine_facts())
     # Weights are initialised where they live: on the CPU with Megatron's host initialisation;
     # on a device in place, as on CUDA (under the emulation tier Megatron's CUDA requests are
     # redirected to the emulated device, so it runs the same code path as on GPUs).
@@ -134,8 +155,11 @@ def build_model(model: ModelConfig, *, vpp: int | None = None) -> list[GPTModel]
         pp=pp,
         cp=cp,
         vpp=vpp,
+        ep=ep,
+        etp=etp,
         use_cpu_initialization=device_policy.device.type == "cpu",
         batch_p2p_comm=device_policy.device_backend == "nccl",
+        grouped_gemm=model.moe_grouped_gemm and impl == TransformerImpl.TRANSFORMER_ENGINE,
     )
     spec = layer_spec(model, cp=cp)
     chunks = []

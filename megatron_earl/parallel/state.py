@@ -7,7 +7,8 @@
 How: ``use_layout`` detaches Megatron's globals *without destroying any group* and runs Megatron's
 own ``initialize_model_parallel`` with its ``create_group`` routed to the process-group cache
 (``megatron_earl.parallel.groups``). Megatron therefore sets every global exactly as it would
-(tp/pp/cp/dp/mp, embedding and position-embedding groups, tp-cp, dp-cp, tp-dp(-cp), expert groups,
+(tp/pp/cp/dp/mp, embedding and position-embedding groups, tp-cp, dp-cp, tp-dp(-cp), the expert
+groups of ``layout.ep`` / ``layout.expert_tp``,
 global rank lists, gloo variants, vpp rank/size, the global memory buffer), while every group
 object comes from the cache. Group requests happen in Megatron's order, which depends only on the
 layout, so every rank misses (calls ``new_group``) at the same request. Everything that touches
@@ -77,6 +78,7 @@ def use_layout(layout: ParallelLayout) -> None:
             virtual_pipeline_model_parallel_size=layout.vpp,
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
         )
     parallel_state_groups.attach(member_groups, memory_buffer)
     _current = layout

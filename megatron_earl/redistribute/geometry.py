@@ -7,6 +7,23 @@ grouped QKV, TP-split gated ``linear_fc1`` (two pieces: gate and up), layer stac
 stages (a prepended layer axis) and tied embeddings (two local parameters, one global key) without a
 per-name table.
 
+Mixture-of-experts layers (docs/resharding.md "Experts") need nothing of their own either:
+megatron-core's ``SequentialMLP`` maps local expert k of expert-parallel rank r to global expert
+``r * num_local_experts + k`` and names every expert weight by ONE stacked key per layer kind,
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of global shape
+``[num_layers, num_experts, 2 * moe_ffn, hidden]`` (``linear_fc2``: ``[L, E, hidden, moe_ffn]``),
+with the layer and the expert as prepended axes and the expert-TP split (gated fc1: two pieces,
+gate and up rows) on the remaining dims; expert-data-parallel copies are replicas. The router
+(``mlp.router.weight``, and the persistent ``expert_bias`` buffer of aux-loss-free balancing) is
+replicated like a norm; shared experts are split like the dense MLP. So the pieces of two
+layouts with different ep/etp/tp describe the same global tensors, and the planner moves
+experts point to point like any weight.
+
+Persistent buffers in ``sharded_state_dict()`` (today only the router's ``expert_bias``, which
+megatron-core updates in place after each optimizer step) are pieces too: they are model state
+that a phase copy must receive. Every parameter must be covered exactly by its pieces (checked),
+so a parameter that Megatron's checkpoint geometry leaves out cannot silently stay behind.
+
 Parts of ``sharded_state_dict()`` read Megatron's global parallel state (DP/CP replica ids, layer
 offsets), so call ``shard_pieces`` while the model's own layout is the current one; the pieces stay
 valid (they are views) after the layout changes. They alias the parameters' storage at the time
@@ -47,7 +64,8 @@ class ShardPiece:
     param_name: str
     """Name of the local parameter (``chunk{i}.`` + module path)."""
     param: torch.Tensor
-    """The local parameter ``local`` is a view of."""
+    """The local parameter (or persistent buffer, e.g. the router's ``expert_bias``) ``local``
+    is a view of."""
     is_replica: bool
     """True when another rank holds the same region as the main replica (DP/CP/PP copies)."""
 
@@ -98,7 +116,9 @@ def _pieces_of(sh_ten, param_name: str, param: torch.Tensor) -> ShardPiece:
 
 
 def shard_pieces(model_chunks: list[nn.Module]) -> list[ShardPiece]:
-    """Pieces of every parameter of this rank's model chunks, in a deterministic order.
+    """Pieces of every parameter and persistent buffer of this rank's model chunks, in a
+    deterministic order. Raises ``ValueError`` when a parameter is not covered exactly by its
+    pieces (Megatron's checkpoint geometry leaves part of it out, or covers it twice).
 
     Local: no collective is called.
     """
@@ -107,8 +127,13 @@ def shard_pieces(model_chunks: list[nn.Module]) -> list[ShardPiece]:
     pieces: list[ShardPiece] = []
     for index, chunk in enumerate(model_chunks):
         module = unwrap_chunk(chunk)
+        # First: saving the router's state re-binds a non-fp32 expert_bias to fp32 storage
+        # (megatron-core's ``_maintain_float32_expert_bias``); the pieces view the final storage.
+        entries = list(module.sharded_state_dict().values())
         params = {id(p): (name, p) for name, p in module.named_parameters()}
-        for entry in module.sharded_state_dict().values():
+        tensors = {**{id(b): (name, b) for name, b in module.named_buffers()}, **params}
+        covered = dict.fromkeys(params, 0)
+        for entry in entries:
             if isinstance(entry, ShardedTensorFactory):
                 built = entry.build_fn(entry.key, entry.data, entry.replica_id, None)
                 subs = built if isinstance(built, list) else list(built.values())
@@ -116,10 +141,23 @@ def shard_pieces(model_chunks: list[nn.Module]) -> list[ShardPiece]:
                 subs = [entry]
             else:
                 continue  # ShardedObject (_extra_state) and other non-tensor state
-            if id(entry.data) not in params:
-                continue  # buffers (none in GPT models today), never weights
-            name, param = params[id(entry.data)]
-            pieces.extend(_pieces_of(sub, f"chunk{index}.{name}", param) for sub in subs)
+            if id(entry.data) not in tensors:
+                continue  # a tensor made for the checkpoint, not held by the model
+            name, tensor = tensors[id(entry.data)]
+            new = [_pieces_of(sub, f"chunk{index}.{name}", tensor) for sub in subs]
+            if id(tensor) in covered:
+                covered[id(tensor)] += sum(p.numel for p in new)
+            pieces.extend(new)
+        wrong = {
+            params[i][0]: (n, params[i][1].numel())
+            for i, n in covered.items()
+            if n != params[i][1].numel()
+        }
+        if wrong:
+            raise ValueError(
+                f"chunk {index}: parameters not covered exactly by their checkpoint shards "
+                f"(elements covered, elements): {wrong}; they could not be resharded"
+            )
     return pieces
 
 

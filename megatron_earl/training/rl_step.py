@@ -172,6 +172,34 @@ def nonfinite_slots(micro_batch: dict[str, Any]) -> torch.Tensor:
     return hits.index_add_(0, micro_batch["seq_ids"].reshape(-1), bad.reshape(-1).long()) > 0
 
 
+def expert_lockstep(num_micro_batches: int) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank runs ``num_micro_batches``,
+    when an expert group spans data-parallel ranks ((tp x cp) % (ep x etp) != 0): every MoE
+    layer's token dispatch is a collective of the expert group, once per micro-batch, so a rank
+    with fewer micro-batches would leave the others waiting. Nothing to check otherwise.
+
+    Which ranks call: every rank of the world (two all-reduces of one host number, host group,
+    only when expert groups span data-parallel ranks)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if (tp * cp) % (ep * etp) == 0:
+        return
+    low = torch.tensor([float(num_micro_batches)], device="cpu")
+    high = low.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=host_group())
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=host_group())
+    if low.item() != high.item():
+        raise ValueError(
+            f"expert parallelism (ep {ep} x etp {etp} over tp {tp} x cp {cp}) runs each MoE "
+            "layer's token all-to-all on the ranks of an expert group, which span data-parallel "
+            "ranks, once per micro-batch: every rank needs the same number of micro-batches, but "
+            f"they have between {int(low.item())} and {int(high.item())}; balance the ranks' "
+            "samples or the micro-batch token budget"
+        )
+
+
 def _checked(whole: list[dict[str, Any]], config: RLStepConfig):
     """``whole`` with the samples holding NaN/inf at trainable positions masked out (or a
     ``ValueError``, ``on_nonfinite="raise"``), and their number; bad input raises."""
@@ -399,6 +427,7 @@ def _train(ddp_chunks: list[nn.Module], optimizer, prepare, config: RLStepConfig
     dp = parallel_state.get_data_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     whole, num_bad = agree(prepare)
+    expert_lockstep(len(whole))
 
     # Global normaliser and counts from the whole (pre-CP-split) micro-batches, summed over DP
     # (host metadata: the host twin of the DP group).
@@ -554,6 +583,7 @@ def _logprobs(
         values = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
         return hidden.new_zeros(()), values
 
+    expert_lockstep(len(whole))
     micro_batches = _local_micro_batches(whole, chunks)
     with output_hidden_states(chunks), torch.no_grad():
         per_mb = forward_backward(

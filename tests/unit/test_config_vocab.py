@@ -137,7 +137,9 @@ def test_names_become_members_and_dump_as_plain_strings(tmp_path):
 
 
 def test_layout_strings_parse_in_config_and_build_in_parallel():
-    assert layout_sizes("tp2dp2") == {"tp": 2, "cp": 1, "pp": 1, "dp": 2, "vpp": None, "ep": 1}
+    assert layout_sizes("tp2dp2") == {
+        "tp": 2, "cp": 1, "pp": 1, "dp": 2, "vpp": None, "ep": 1, "etp": None
+    }  # fmt: skip
     with pytest.raises(ConfigError, match="layouts: train: cannot parse layout 'tp2zz'"):
         load_config(None, ["layouts.train=tp2zz"])
     cfg = load_config(None, ["layouts.train=tp2", "layouts.experience=pp2vpp2"])
@@ -146,11 +148,11 @@ def test_layout_strings_parse_in_config_and_build_in_parallel():
 
 
 def test_impossible_layout_values_are_a_start_up_error():
-    cfg = load_config(None, ["layouts.train=ep2"])
-    with pytest.raises(LayoutError, match="ep=2: expert parallelism is reserved"):
+    cfg = load_config(None, ["layouts.train=ep0"])
+    with pytest.raises(LayoutError, match=r"parallel sizes must be integers >= 1, got \{'ep': 0\}"):
         phase_layout(cfg.layouts, Phase.TRAIN)
     problems = run_problems(cfg, 1)
-    assert any(p.startswith("layouts.train 'ep2': ep=2: expert parallelism") for p in problems)
+    assert any(p.startswith("layouts.train 'ep0': parallel sizes must be") for p in problems)
 
 
 def test_unknown_advantage_estimator_is_a_start_up_error():

@@ -88,7 +88,8 @@ def test_coord_type_and_str_parse_round_trip():
     [
         ({"tp": 0}, "'tp': 0"),
         ({"dp": 1.5}, "'dp': 1.5"),
-        ({"ep": 2}, "ep=2"),
+        ({"ep": 0}, "'ep': 0"),
+        ({"etp": 0}, "'etp': 0"),
         ({"pp": 1, "vpp": 2}, "vpp=2 with pp=1"),
     ],
 )

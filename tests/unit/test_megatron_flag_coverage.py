@@ -146,16 +146,18 @@ def test_refused_flag_fails_with_megatron_lms_own_parser_too():
     args = parser.parse_args([*MINIMAL, "--multi-latent-attention", "--muon-momentum", "0.95"])
     with pytest.raises(ConfigError) as err:
         config_from_megatron_args(args, world_size=1)
-    assert "--multi-latent-attention: only dense SwiGLU" in str(err.value)
+    assert "--multi-latent-attention: only SwiGLU" in str(err.value)
     assert "--muon-momentum: " in str(err.value)
     # not given: no error, and no-effect flags are only noted
     args = parser.parse_args([*MINIMAL, "--log-interval", "5", "--use-flash-attn"])
     assert config_from_megatron_args(args, world_size=1).model.num_layers == 2
-    # Megatron-LM's validate_args derives refused arguments after parsing (e.g.
-    # expert_tensor_parallel_size = tp, encoder_num_layers = num_layers): not given, no error
+    # Megatron-LM's validate_args derives arguments after parsing (e.g. the mapped
+    # expert_tensor_parallel_size = tp, the refused encoder_num_layers = num_layers): not given,
+    # no error, and the derived etp = tp leaves the layout string as it was
     args = parser.parse_args(MINIMAL)
-    args.expert_tensor_parallel_size, args.encoder_num_layers = 4, 2
-    assert config_from_megatron_args(args, world_size=1).model.num_layers == 2
+    args.expert_tensor_parallel_size, args.encoder_num_layers = 1, 2
+    cfg = config_from_megatron_args(args, world_size=1)
+    assert cfg.model.num_layers == 2 and cfg.layouts.train == "tp1cp1pp1dp1"
     # given at Megatron-LM's default value: nothing changes, no error
     args = parser.parse_args([*MINIMAL, "--expert-model-parallel-size", "1"])
     assert config_from_megatron_args(args, world_size=1).model.num_layers == 2

@@ -150,5 +150,5 @@ def test_unsupported_flags_fail_naming_each():
     with pytest.raises(ConfigError) as err:
         parse_recipe("bad_unsupported_flag")
     message = str(err.value)
-    assert "--multi-latent-attention: only dense SwiGLU decoder models" in message
+    assert "--multi-latent-attention: only SwiGLU decoder models" in message
     assert "--decoupled-lr:" in message and "use --optimizer adam|sgd" in message
