@@ -292,6 +292,7 @@ def _against_body(
             seconds, stats = _timed(lambda: reshard_weights(src[1], dst[1], bucket_bytes=bucket))
             assert stats.plan_cached != first, (lib, first, stats)
             plan_s = stats.plan_s
+            moved[:] = [stats.bytes_sent, stats.bytes_received, stats.bytes_local]
         else:
             if first:
                 dst[0][0].__dict__.pop("_cached_reshard_plan", None)
@@ -307,6 +308,8 @@ def _against_body(
         return seconds, plan_s
 
     out: dict[str, Any] = {"pieces_s": {str(k): v[3] for k, v in built.items()}, "pairs": {}}
+    out["limits"] = machine_limits()
+    moved = [0, 0, 0]
     for a, b in pairs:
         mismatches: list[str] = []
         src, dst = built[a], built[b]
@@ -322,8 +325,56 @@ def _against_body(
                     times.setdefault(f"{lib}_{kind}_s", []).append(seconds)
                     if lib == "ours":
                         times.setdefault(f"ours_{kind}_plan_s", []).append(plan_s)
-        out["pairs"][f"{a}:{b}"] = {"times": times, "mismatches": mismatches}
+        out["pairs"][f"{a}:{b}"] = {"times": times, "mismatches": mismatches, "moved": moved[:]}
     return out
+
+
+LIMIT_BYTES = 64 << 20
+"""Buffer of the machine-limit probes (large enough that per-call costs vanish)."""
+
+
+def machine_limits(rounds: int = 5) -> dict[str, float]:
+    """This machine's ceilings for a reshard's two kinds of work, on this rank: ``memcpy_Bps``, a
+    copy of ``LIMIT_BYTES`` between two host buffers (one thread, as the executor's local
+    copies); ``loopback_Bps``, a gloo send of ``LIMIT_BYTES`` from rank 0 to rank 1 of the world
+    (what a transfer between two ranks of this host can reach; every rank but 0 and 1 reports
+    rank 1's). Best of ``rounds``. Which ranks call: every rank of the world."""
+    import torch.distributed as dist
+
+    a = torch.ones(LIMIT_BYTES, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    copy_s = []
+    with _threads(1):
+        for _ in range(rounds):
+            start = time.perf_counter()
+            b.copy_(a)
+            copy_s.append(time.perf_counter() - start)
+    rank = dist.get_rank()
+    send_s = [0.0]
+    for _ in range(rounds + 1):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(a, dst=1)
+        elif rank == 1:
+            dist.recv(b, src=0)
+            send_s.append(time.perf_counter() - start)
+    best = torch.tensor([min(send_s[2:]) if rank == 1 else 0.0], dtype=torch.float64)
+    dist.broadcast(best, src=1)
+    return {"memcpy_Bps": LIMIT_BYTES / min(copy_s), "loopback_Bps": LIMIT_BYTES / float(best)}
+
+
+class _threads:
+    """torch's intra-op threads set to ``n`` inside the block."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
 
 
 def measure_against(args: argparse.Namespace) -> dict[str, Any]:
@@ -380,6 +431,7 @@ def measure_against(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_after": os.getloadavg(),
         "pairs": {},
     }
+    res["limits"] = {k: min(r["limits"][k] for r in ranks) for k in ("memcpy_Bps", "loopback_Bps")}
     pieces_s = {k: max(r["pieces_s"][k] for r in ranks) for k in ranks[0]["pieces_s"]}
     for (a, b), label, name in zip(pairs, labels, ranks[0]["pairs"], strict=True):
         # Per round the slowest rank, then the median over rounds.
@@ -393,6 +445,13 @@ def measure_against(args: argparse.Namespace) -> dict[str, Any]:
         row["ratio_first"] = row["megatron-core_first_s"] / row["ours_first_total_s"]
         row["ratio_repeated"] = row["megatron-core_repeated_s"] / row["ours_repeated_s"]
         row["mismatches"] = sorted({m for r in ranks for m in r["pairs"][name]["mismatches"]})
+        # The busiest rank's bytes in our repeated call, at the ceilings: sent or received over
+        # gloo at loopback speed, copied locally at memcpy speed (one after the other).
+        sent, received, local = max((r["pairs"][name]["moved"] for r in ranks), key=sum)
+        lim = res["limits"]
+        row["moved_bytes"] = [sent, received, local]
+        row["floor_s"] = max(sent, received) / lim["loopback_Bps"] + local / lim["memcpy_Bps"]
+        row["share_of_limit"] = row["floor_s"] / row["ours_repeated_s"]
         res["pairs"][label.replace(":", " -> ")] = row
     return res
 
@@ -414,9 +473,13 @@ def report_against(r: dict[str, Any]) -> str:
         )
         + " before -> after",
         "against: megatron-core (megatron.core.resharding.swap_model_weights, gloo copy service)",
+        f"limits:  memory copy {r['limits']['memcpy_Bps'] / 1e9:.2f} GB/s (one thread), gloo "
+        f"loopback {r['limits']['loopback_Bps'] / 1e9:.2f} GB/s (rank 0 -> 1, "
+        f"{_mb(LIMIT_BYTES)}), measured on this machine now",
         "",
         f"{'pair':<18}{'first call: mcore':>18}{'ours':>10}{'ratio':>7}"
-        f"{'repeated: mcore':>18}{'ours':>10}{'(check)':>10}{'ratio':>7}  bitwise",
+        f"{'repeated: mcore':>18}{'ours':>10}{'(check)':>10}{'ratio':>7}{'floor':>10}"
+        f"{'of limit':>9}  bitwise",
     ]
     for name, row in r["pairs"].items():
         lines.append(
@@ -424,7 +487,8 @@ def report_against(r: dict[str, Any]) -> str:
             f"{row['ours_first_total_s'] * ms:>7.1f} ms{row['ratio_first']:>7.2f}"
             f"{row['megatron-core_repeated_s'] * ms:>15.1f} ms"
             f"{row['ours_repeated_s'] * ms:>7.1f} ms{row['ours_repeated_plan_s'] * ms:>7.2f} ms"
-            f"{row['ratio_repeated']:>7.2f}  "
+            f"{row['ratio_repeated']:>7.2f}{row['floor_s'] * ms:>7.1f} ms"
+            f"{row['share_of_limit']:>8.0%}  "
             + ("equal" if not row["mismatches"] else "DIFFERS: " + "; ".join(row["mismatches"]))
         )
     lines += [
@@ -432,7 +496,9 @@ def report_against(r: dict[str, Any]) -> str:
         "ratio = megatron-core / ours. ours first = shard_pieces of both models + cache check + "
         "metadata all-gather + plan + transfers; (check) = our repeated call's plan lookup "
         "(one all-reduce of a digest). bitwise: both libraries' results against the directly "
-        "loaded weights, every call.",
+        "loaded weights, every call. floor = the busiest rank's bytes of our repeated call at the "
+        "limits (sent or received at loopback speed, local copies at memory-copy speed); of "
+        "limit = floor / ours repeated: how close the reshard runs to this machine's ceiling.",
     ]
     return "\n".join(lines)
 
