@@ -3,7 +3,7 @@
     megatron-earl smoke --nproc 2 --layout tp2      # multi-process CPU training smoke run
     megatron-earl train --nproc 2 --config configs/demo_cpu.yaml [key=value ...]   # RL run
     megatron-earl bench dispatch [--json]           # dispatcher: decentralized vs centralized
-    megatron-earl bench reshard [--json]            # weight resharding vs all-gather
+    megatron-earl bench reshard [--against megatron-core]   # resharding vs all-gather / mcore
     megatron-earl bench engine                      # embedded engine vs HF generate, tokens/s
     megatron-earl bench peer [--pairs 3]            # the same GRPO workload: ours vs TRL
     megatron-earl bench serve [--sources A,B]       # serve under 32 concurrent clients: p50/p99
@@ -18,6 +18,7 @@
     megatron-earl relay --port 31000 [--upstream URL] [--engines URL,...]   # weight relay
     megatron-earl plot RUN_DIR                      # PNG plots of a run's metrics
     megatron-earl plan --model qwen2.5-7b --gpus 32 --gpu-memory 80 --context 4k,64k
+    megatron-earl plan CONFIG --gpu h100-80gb           # per-phase peak memory, or refused
     megatron-earl bench selector                    # context-length sweep: selector vs static
     megatron-earl bench-rl-sweep --nproc 2          # the RL loop with growing contexts, ditto
     megatron-earl convert hf-to-mcore --hf DIR --out DIR   (or mcore-to-hf --ckpt DIR --out DIR)
