@@ -97,11 +97,12 @@ def layer_spec(model: ModelConfig, cp: int = 1) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model.num_experts or None,
-            moe_grouped_gemm=model.moe_grouped_gemm,
-            qk_layernorm=model.qk_layernorm,
+        moe = (
+            {"num_experts": model.num_experts, "moe_grouped_gemm": model.moe_grouped_gemm}
+            if model.num_experts
+            else {}
         )
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm, **moe)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     # Experts: SequentialMLP (grouped GEMM needs Transformer Engine's kernels on CUDA).

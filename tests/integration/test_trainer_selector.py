@@ -129,16 +129,18 @@ def test_train_layout_moves_before_the_budget_is_hit_and_resumes_with_its_state(
 
 
 def test_train_phase_out_of_budget_reruns_the_same_batch_in_the_next_layout(tmp_path):
-    """Without start-up profiling the uncalibrated model under-predicts pp2's train peak at
-    6.4 MiB: that run exceeds the budget before its optimizer step, and the same batch trains in
-    the next layout (the master moves there); later steps use the re-fitted model."""
-    budget = ["selector.budget_mb=6.4", "selector.safety_margin=0.0", "selector.profile=false"]
+    """Without start-up profiling the uncalibrated model under-predicts pp2's train peak: the
+    budget, 6.2 MiB, sits between pp2's prediction (5.99 MiB) and its measured peak (6.40-6.49
+    MiB; tp2's is 5.34-5.48): that run exceeds the budget before its optimizer step, and the same
+    batch trains in the next layout (the master moves there); later steps use the re-fitted
+    model. (The CPU accounting counts allocations: the same figures on any machine.)"""
+    budget = ["selector.budget_mb=6.2", "selector.safety_margin=0.0", "selector.profile=false"]
     result = _train([*TINY, *budget, f"output_dir={tmp_path}", "name=oom"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(tmp_path / "oom")
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
-        _check_step(r, 6.4)
+        _check_step(r, 6.2)
     first = records[0]
     assert first["selector/train/ooms"] >= 1, "the budget should reject the first train choice"
     assert first["layout/train"] != first["selector/train/decided"]
