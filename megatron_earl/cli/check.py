@@ -31,6 +31,7 @@ from megatron_earl.selector.footprint import (
     declared_gpu,
     footprint,
     gpu_preset,
+    misfit,
 )
 from megatron_earl.selector.memory import GiB
 
@@ -74,9 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = "memory not modelled (no --gpu, no '# gpu:' line in the config, no CUDA device)"
     if gpu is not None:
         fp = footprint(cfg, gpu[1])
-        if fp.problems:
-            lines = "\n".join(f"  - {p}" for p in fp.problems)
-            print(f"config error: does not fit {gpu[0]}:\n{lines}", file=sys.stderr)
+        problem = misfit(fp, gpu[0])
+        if problem is not None:
+            print(f"config error: {problem}", file=sys.stderr)
             return 2
         tight = max(fp.phases, key=lambda p: p.total)
         memory = (

@@ -30,7 +30,7 @@ from megatron_earl.config.run import ConfigError, RunConfig
 from megatron_earl.config.vocab import EngineKind
 from megatron_earl.rollout.engine import EngineError
 from megatron_earl.rollout.sglang.startup import engines_at_start
-from megatron_earl.selector.footprint import footprint
+from megatron_earl.selector.footprint import footprint, misfit
 from megatron_earl.selector.memory import GiB
 
 USAGE = (
@@ -72,14 +72,11 @@ def local_gpu() -> tuple[str, float] | None:
 
 def memory_problem(config: RunConfig, gpu: tuple[str, float] | None) -> str | None:
     """Why ``config`` does not fit ``gpu`` (name, bytes): every phase's modelled peak, the
-    embedded engine's KV cache; None when it fits or there is no GPU. Pure."""
+    embedded engine's KV cache (``selector.footprint.misfit``); None when it fits or there is no
+    GPU. Pure."""
     if gpu is None:
         return None
-    problems = footprint(config, gpu[1]).problems
-    if not problems:
-        return None
-    lines = "\n".join(f"  - {p}" for p in problems)
-    return f"does not fit {gpu[0]} ({gpu[1] / GiB:.1f} GiB):\n{lines}"
+    return misfit(footprint(config, gpu[1]), f"{gpu[0]} ({gpu[1] / GiB:.1f} GiB)")
 
 
 def main(argv: list[str] | None = None) -> int:

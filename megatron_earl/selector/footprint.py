@@ -420,6 +420,14 @@ def footprint_problems(config: RunConfig, fp: Footprint) -> list[str]:
     return problems
 
 
+def misfit(fp: Footprint, gpu: str) -> str | None:
+    """``fp``'s problems as one message, ``"does not fit GPU:"`` and one line per problem; None
+    when it fits. Pure (the pre-flights of ``cli.check`` and ``cli.checked_torchrun``)."""
+    if not fp.problems:
+        return None
+    return f"does not fit {gpu}:\n" + "\n".join(f"  - {p}" for p in fp.problems)
+
+
 def format_footprint(fp: Footprint, name: str, gpu: str) -> str:
     """The plan table of ``fp`` (``megatron-earl plan CONFIG``)."""
     lines = [

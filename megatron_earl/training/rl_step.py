@@ -178,7 +178,7 @@ def expert_lockstep(num_micro_batches: int) -> None:
     layer's token dispatch is a collective of the expert group, once per micro-batch, so a rank
     with fewer micro-batches would leave the others waiting. Nothing to check otherwise.
 
-    Which ranks call: every rank of the world (two all-reduces of one host number, host group,
+    Which ranks call: every rank of the world (one all-reduce of two host numbers, host group,
     only when expert groups span data-parallel ranks)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
@@ -186,10 +186,9 @@ def expert_lockstep(num_micro_batches: int) -> None:
     etp = parallel_state.get_expert_tensor_parallel_world_size()
     if (tp * cp) % (ep * etp) == 0:
         return
-    low = torch.tensor([float(num_micro_batches)], device="cpu")
-    high = low.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=host_group())
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=host_group())
+    bounds = torch.tensor([-float(num_micro_batches), float(num_micro_batches)], device="cpu")
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=host_group())  # (-min, max) at once
+    low, high = -bounds[0], bounds[1]
     if low.item() != high.item():
         raise ValueError(
             f"expert parallelism (ep {ep} x etp {etp} over tp {tp} x cp {cp}) runs each MoE "
