@@ -184,7 +184,7 @@ class EmuTensor(torch.Tensor):
 
     def tolist(self) -> Any:  # a device -> host sync on CUDA; allowed
         if counting():
-            record(SyncKind.TOLIST)
+            record(SyncKind.TOLIST, self.numel() * self.element_size())
         land()
         return self._inner.tolist()
 
@@ -307,13 +307,13 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 def _count_sync(name: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
     """Report the op to an open ``host_syncs()`` block if it makes the host wait on CUDA
     (``emulated_syncs``); ``args`` hold at least one device tensor."""
-    kind = OP_KINDS.get(name)
+    kind, nbytes = OP_KINDS.get(name), 0
     if name == "aten::_to_copy" and _targets_host(kwargs) and not kwargs.get("non_blocking"):
-        kind = SyncKind.TO_HOST
+        kind, nbytes = SyncKind.TO_HOST, args[0].numel() * args[0].element_size()
     elif name == "aten::copy_" and not ((len(args) > 2 and args[2]) or kwargs.get("non_blocking")):
         dst, src = args[0], args[1]
         if isinstance(src, EmuTensor) and not isinstance(dst, EmuTensor):
-            kind = SyncKind.TO_HOST
+            kind, nbytes = SyncKind.TO_HOST, src.numel() * src.element_size()
         elif not isinstance(src, EmuTensor) and isinstance(src, torch.Tensor) and src.dim() > 0:
             kind = SyncKind.TO_DEVICE  # a 0-dim host source is a CPU scalar, not a copy
     elif name in ("aten::index", "aten::index_put_", "aten::_index_put_impl_"):
@@ -328,7 +328,7 @@ def _count_sync(name: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None
         output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
         kind = SyncKind.REPEAT_INTERLEAVE if output_size is None else None
     if kind is not None:
-        record(kind)
+        record(kind, nbytes)
 
 
 def _check_mixing(

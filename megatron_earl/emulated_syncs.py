@@ -6,6 +6,7 @@
     syncs.total                  # syncs a GPU would pay (every kind but TO_DEVICE)
     syncs.by_kind()              # {SyncKind.ITEM: 12, SyncKind.TO_HOST: 3, ...}
     syncs.by_site()              # {(SyncKind.ITEM, "training/rl_step.py:401 in _train"): 2, ...}
+    syncs.read_bytes             # bytes the copies and ``.tolist()`` reads brought to the host
 
 On CUDA the host waits for the device's stream whenever it reads a value the device computed:
 ``.item()`` and ``float()/int()/bool()`` of a device tensor, ``.tolist()``, ``torch.equal``, a
@@ -94,6 +95,13 @@ class HostSyncs:
     def __init__(self) -> None:
         self.events: Counter[tuple[SyncKind, str]] = Counter()
         """(kind, call site) -> count."""
+        self.bytes: Counter[tuple[SyncKind, str]] = Counter()
+        """(kind, call site) -> bytes read to the host (``TO_HOST`` and ``TOLIST``)."""
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes the counted device -> host copies and ``.tolist()`` reads carried."""
+        return sum(n for (kind, _), n in self.bytes.items() if kind is not SyncKind.TO_DEVICE)
 
     @property
     def total(self) -> int:
@@ -132,12 +140,15 @@ def counting() -> bool:
     return bool(_COUNTERS)
 
 
-def record(kind: SyncKind) -> None:
-    """One sync of ``kind`` at the current call site, in every open block."""
+def record(kind: SyncKind, nbytes: int = 0) -> None:
+    """One sync of ``kind`` at the current call site, in every open block; ``nbytes``: what a
+    copy or ``.tolist()`` carried."""
     site = call_site()
     with _LOCK:
         for counter in _COUNTERS:
             counter.events[kind, site] += 1
+            if nbytes:
+                counter.bytes[kind, site] += nbytes
 
 
 def call_site() -> str:

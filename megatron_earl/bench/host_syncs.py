@@ -137,6 +137,7 @@ def _split(
     return {
         "per_unit": per_unit,
         "fixed": small["total"] - small_units * per_unit,
+        "bytes_per_unit": (large["read_bytes"] - small["read_bytes"]) / units,
         "kinds_per_unit": {
             k: (large["kinds"].get(k, 0) - small["kinds"].get(k, 0)) / units for k in kinds
         },
@@ -270,6 +271,7 @@ def _decode(chunks, model: ModelConfig, seed: int) -> dict[str, Any]:
 def _summary(syncs) -> dict[str, Any]:
     return {
         "total": syncs.total,
+        "read_bytes": syncs.read_bytes,
         "kinds": {k.value: n for k, n in syncs.by_kind().items()},
         "sites": [[k.value, site, n] for (k, site), n in syncs.by_site().items()],
     }
@@ -335,8 +337,8 @@ def report(result: dict[str, Any], sites: int = 0) -> str:
         f"micro-batches; decode {result['decode_rows']} rows). to_device copies are not syncs "
         "(pinned and non-blocking on CUDA through runtime.to_device) and not in the totals.",
         "",
-        f"{'setting':<10} {'layers':>6} {'kind':<10} {'per mb/dec':>10} {'per step':>9}  "
-        "per micro-batch / decode step by kind",
+        f"{'setting':<10} {'layers':>6} {'kind':<10} {'per mb/dec':>10} {'per step':>9} "
+        f"{'bytes/unit':>10}  per micro-batch / decode step by kind",
     ]
     for row in result["rows"]:
         for kind in (Phase.TRAIN, Phase.EXPERIENCE, "decode"):
@@ -345,7 +347,8 @@ def report(result: dict[str, Any], sites: int = 0) -> str:
                 continue
             lines.append(
                 f"{row['setting']:<10} {row['num_layers']:>6} {kind:<10} "
-                f"{part['per_unit']:>10g} {part['fixed']:>9g}  {_kinds(part['kinds_per_unit'])}"
+                f"{part['per_unit']:>10g} {part['fixed']:>9g} {part['bytes_per_unit']:>10g}  "
+                f"{_kinds(part['kinds_per_unit'])}"
             )
             for kind_name, site, n in part["sites"][:sites]:
                 lines.append(f"{'':<30}{n:>6} {kind_name:<14} {site}")

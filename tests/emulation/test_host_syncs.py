@@ -8,7 +8,8 @@
   stated budget, packed whole at tp1 and cp2 and as prefix trees.
 * The train step reads its metrics back in one transfer, and the whole of ``rl_step`` pays a
   fixed number of syncs per step whatever the number of micro-batches.
-* An embedded-engine decode step pays at most one sync (its logits' copy to the host).
+* An embedded-engine decode step pays at most one sync, a read of 16 bytes per row (the sampled
+  ids and their log-probs; the sampling runs on the device, the logits stay there).
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def test_syncs_per_micro_batch_do_not_grow_with_layers(layout, tree):
         assert _rl_step_syncs(train) == RL_STEP_SYNCS, train["sites"]
 
 
-def test_decode_step_reads_the_host_at_most_once():
+def test_decode_step_reads_the_host_at_most_once_and_never_the_logits():
     (result,) = _run(2, "tp1", True, decode=True)
     decode = result["decode"]
     assert decode["decode_steps"] > 0 and decode["per_unit"] <= 1, decode["sites"]
+    # sampled on the device: one read of (id, log-prob) as 2 float64 per row, 16 bytes a row;
+    # the [rows, V] logits (4 x 96 float32 = 1536 bytes here) never cross
+    assert decode["bytes_per_unit"] <= 16 * decode["rows"], decode["sites"]

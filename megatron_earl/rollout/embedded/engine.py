@@ -613,18 +613,19 @@ class EmbeddedEngine(StepResults, EngineMemory):
         self.pace_stats.record_prefill(time.perf_counter() - start)
         if logits is None:
             return
-        # On the host: the boundary "engine logits" crosses once.
-        host = runtime.to_host(logits)
+        # The logits stay on the device (``_accept`` samples there).
         ended: dict[int, FinishReason | str] = {}  # entries that take no token from this step
         if prompt:
             ends = list(itertools.accumulate(len(t) - f for t, f in zip(tokens, froms)))
-            ended = self._prompt_logprobs(host, ends, seq_of, entries)
-            host = host[[end - 1 for end in ends]]
+            ended = self._prompt_logprobs(logits, ends, seq_of, entries)
+            seq_of = [ends[s] - 1 for s in seq_of]  # the sequence's last row
         for i, entry in enumerate(entries):
             if entry.request.sampling.max_new_tokens == 0 and i not in ended:
                 ended[i] = FinishReason(FinishType.LENGTH)  # prefill only
         # One row per sequence; each request reads its sequence's row.
-        self._accept(host[seq_of], entries, ended)
+        if seq_of != list(range(logits.size(0))):
+            logits = logits[torch.tensor(seq_of, dtype=torch.long, device=logits.device)]
+        self._accept(logits, entries, ended)
 
     async def _decode(self) -> None:
         """Decode one token for every running row, in one forward; paced

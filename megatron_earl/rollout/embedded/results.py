@@ -65,11 +65,12 @@ class StepResults:
     """The results half of ``EmbeddedEngine`` (module docstring)."""
 
     def _prompt_logprobs(
-        self, host: torch.Tensor, ends: list[int], seq_of: list[int], entries: list[EngineRequest]
+        self, logits: torch.Tensor, ends: list[int], seq_of: list[int], entries: list[EngineRequest]
     ) -> dict[int, str]:
         """Set the prompt log-probs (and top log-probs) of the entries that asked, from their
         sequence's logit rows ``[end - (len - start), end - 1)`` (positions ``start .. len-2``
-        predict tokens ``start+1 .. len-1``); returns {entry index: why it failed}."""
+        predict tokens ``start+1 .. len-1``; those rows cross to the host: asked for, not on the
+        default path); returns {entry index: why it failed}."""
         failed: dict[int, str] = {}
         done: dict[tuple[int, int], tuple] = {}  # (sequence, top_k) -> result: shared prefills
         for i, entry in enumerate(entries):
@@ -80,7 +81,7 @@ class StepResults:
             key = (s, entry.top_k)
             try:
                 if key not in done:
-                    rows = host[ends[s] - (len(prompt) - start) : ends[s] - 1]
+                    rows = runtime.to_host(logits[ends[s] - (len(prompt) - start) : ends[s] - 1])
                     done[key] = self._logprobs_at(rows, prompt[start + 1 :], entry.top_k)
                 entry.input_logprobs, entry.input_top = done[key]
             except Exception as err:
@@ -108,13 +109,13 @@ class StepResults:
         whose sampling or stop check raises, or whose log-prob is not finite, fails alone.
         ``ended``: entries (index) retired as they are, without a token (a finish reason, or a
         message: failed)."""
-        host = runtime.to_host(logits)
-        # Sampling runs on the host with each request's own seeded random stream (reproducible
-        # whatever the device): the step's logits cross once (boundary "engine logits").
+        # Sampling runs where the logits are, with each request's own seeded host stream for
+        # its draw (``sampling``): the ids and log-probs cross in one small read (boundary
+        # "engine tokens"); the logits never do.
         try:
-            drawn = list(zip(*self._sample(host, entries), strict=True))
+            drawn = list(zip(*self._sample(logits, entries), strict=True))
         except Exception:
-            drawn = [self._sample_alone(host[i : i + 1], e) for i, e in enumerate(entries)]
+            drawn = [self._sample_alone(logits[i : i + 1], e) for i, e in enumerate(entries)]
         done: list[tuple[EngineRequest, FinishReason | str]] = []
         tops: list[int] = []  # rows of entries that want their output top log-probs
         for row, (entry, (token, logprob)) in enumerate(zip(entries, drawn)):
@@ -140,20 +141,22 @@ class StepResults:
                 reason = f"stop check or progress failed: {err!r}"
             if reason is not None:
                 done.append((entry, reason))
-        if tops and (failed := self._output_top_logprobs(host, tops, entries)):
+        if tops and (failed := self._output_top_logprobs(logits, tops, entries)):
             gone = {id(entry) for entry, _ in failed}  # retired once, with the failure
             done = [d for d in done if id(d[0]) not in gone] + failed
         if done:
             self._retire(done)
 
     def _output_top_logprobs(
-        self, host: torch.Tensor, rows: list[int], entries: list[EngineRequest]
+        self, logits: torch.Tensor, rows: list[int], entries: list[EngineRequest]
     ) -> list[tuple[EngineRequest, str]]:
-        """Append each entry's top log-probs of this step (rows of ``host``); the entries whose
-        computation fails are returned to be retired with the message."""
+        """Append each entry's top log-probs of this step (``rows`` of ``logits``, which cross
+        to the host: asked for, not on the default path); the entries whose computation fails
+        are returned to be retired with the message."""
         try:
             k = max(entries[r].top_k for r in rows)
-            real = host[rows][:, : self.model_config.vocab_size]
+            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            real = runtime.to_host(logits[index])[:, : self.model_config.vocab_size]
             logprobs = torch.log_softmax(real.float(), dim=-1)
             top = _top_logprobs(logprobs, self.model_config.vocab_size, k)
         except Exception as err:
@@ -162,14 +165,14 @@ class StepResults:
             entries[r].output_top.append(pairs[: entries[r].top_k])
         return []
 
-    def _sample(self, host: torch.Tensor, entries: list[EngineRequest]) -> tuple[list, list]:
+    def _sample(self, logits: torch.Tensor, entries: list[EngineRequest]) -> tuple[list, list]:
         params = [e.request.sampling for e in entries]
         generators = [e.generator for e in entries]
-        return sample_tokens(host, self.model_config.vocab_size, params, generators)
+        return sample_tokens(logits, self.model_config.vocab_size, params, generators)
 
-    def _sample_alone(self, host: torch.Tensor, entry: EngineRequest) -> tuple[int | None, Any]:
+    def _sample_alone(self, logits: torch.Tensor, entry: EngineRequest) -> tuple[int | None, Any]:
         try:
-            (token,), (logprob,) = self._sample(host, [entry])
+            (token,), (logprob,) = self._sample(logits, [entry])
         except Exception as err:
             return None, repr(err)
         return token, logprob

@@ -20,6 +20,13 @@ A seeded request therefore samples the same tokens whatever else shares its batc
 few vectorised ops (no loop of ``multinomial`` calls, no vocabulary-sized noise per row), and a
 filtered-out token (probability 0) is never drawn: the draw lies in ``(0, mass]``.
 
+Host/device: the logits stay where the model computed them. The uniform draws are made on the
+host (the requests' own streams, reproducible whatever the device) and cross to the device
+(``runtime.to_device``: pinned, non-blocking on CUDA); the chosen ids and their log-probs come
+back in one read of ``2 x n`` float64 values (``sample_tokens``) -- the step's only device ->
+host sync, of 16 bytes per row whatever the vocabulary. Which filters run is decided from the
+requests' settings on the host, never by reading a device value.
+
 Legend: n = rows (requests) in the step, V = padded vocabulary, Vr = real vocabulary.
 """
 
@@ -30,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_earl import runtime
 from megatron_earl.config.sampling import SamplingParams
 
 
@@ -39,22 +47,27 @@ def filter_logits(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    active: tuple[bool, bool] | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k (``top_k < 1`` = off), then top-p, then min-p (None or 0 = off),
-    per row; ``temperature > 0``. Filtered-out entries are ``-inf``."""
+    per row; ``temperature > 0``. Filtered-out entries are ``-inf``. ``active``: whether some
+    row uses top-k and whether some row uses top-p, when the caller knows (no device read);
+    None reads it from the tensors. A ``min_p`` tensor is applied as given (0 keeps all)."""
     scaled = logits_nVr.float() / temperature[:, None]
-    if min_p is not None and bool((min_p > 0).any()):
+    if min_p is not None:
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf keeps all.
         floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p.float())[:, None]
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     vocab = scaled.size(-1)
     k_on, p_on = (top_k >= 1) & (top_k < vocab), top_p < 1.0
-    if not bool(k_on.any()) and not bool(p_on.any()):
+    any_k, any_p = active if active is not None else (bool(k_on.any()), bool(p_on.any()))
+    if not any_k and not any_p:
         return scaled
     ordered, order = torch.sort(scaled, dim=-1, descending=True)
     rank = torch.arange(vocab, device=scaled.device)[None, :]
-    ordered = ordered.masked_fill(k_on[:, None] & (rank >= top_k[:, None]), float("-inf"))
-    if bool(p_on.any()):
+    if any_k:
+        ordered = ordered.masked_fill(k_on[:, None] & (rank >= top_k[:, None]), float("-inf"))
+    if any_p:
         probs = torch.softmax(ordered, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first one always stays).
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
@@ -68,7 +81,20 @@ def sample_tokens(
     params: Sequence[SamplingParams],
     generators: Sequence[random.Random],
 ) -> tuple[list[int], list[float]]:
-    """One token per row and its log-prob under the raw-logit distribution over the real vocab."""
+    """One token per row and its log-prob under the raw-logit distribution over the real vocab,
+    read to the host in one transfer (``sample_on_device``)."""
+    drawn = sample_on_device(logits_nV, vocab_size, params, generators).tolist()
+    return [int(t) for t in drawn[0]], drawn[1]
+
+
+def sample_on_device(
+    logits_nV: torch.Tensor,
+    vocab_size: int,
+    params: Sequence[SamplingParams],
+    generators: Sequence[random.Random],
+) -> torch.Tensor:
+    """``[2, n]`` float64 on the logits' device: row 0 the sampled ids (exact: ids < 2**53), row
+    1 their log-probs. Reads nothing from the device."""
     if logits_nV.size(-1) < vocab_size:
         raise ValueError(f"logits have {logits_nV.size(-1)} entries < vocab_size {vocab_size}")
     if not len(params) == len(generators) == logits_nV.size(0):
@@ -86,14 +112,16 @@ def sample_tokens(
         filtered = _filtered(real if rows is None else real[rows], [params[i] for i in hot])
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)
-        picked = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
+        if cdf.device.type != "cpu":
+            draws = runtime.to_device(draws)
+        picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None])[:, 0]
         picked = picked.clamp_(max=vocab_size - 1)
         if tokens is None:
             tokens = picked
         else:
             tokens[rows] = picked
     logprobs = torch.log_softmax(real, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logprobs.tolist()
+    return torch.stack([tokens.double(), logprobs.double()])
 
 
 def _filtered(logits_mVr: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -119,17 +147,24 @@ def _filtered(logits_mVr: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             torch.full((m,), first.min_p, dtype=torch.float64, device=device)
             if first.min_p > 0
             else None,
+            active=(1 <= first.top_k < vocab, first.top_p < 1.0),
         )
     settings = torch.tensor(
         [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
         dtype=torch.float64,
-    ).to(device)
+    )
+    if device.type != "cpu":
+        settings = runtime.to_device(settings)
     return filter_logits(
         logits_mVr,
         settings[:, 0].float(),
         settings[:, 1].long(),
         settings[:, 2].float(),
         settings[:, 3] if any(p.min_p > 0 for p in params) else None,
+        active=(
+            any(1 <= p.top_k < vocab for p in params),
+            any(p.top_p < 1.0 for p in params),
+        ),
     )
 
 
