@@ -148,6 +148,61 @@ def test_generate_and_weight_update(servers):
     asyncio.run(body())
 
 
+def test_a_push_reads_its_tensors_one_bucket_ahead_of_the_send(servers):
+    """``push_weights`` streams: when bucket k goes out, the tensors read from the source are
+    those of buckets 0 .. k + 1 (the look-ahead that marks the last bucket) and one more tensor
+    (the one that closes bucket k + 1), never the model:
+    the trainer stages bucket by bucket (``orchestration.engines.sglang.staged_weights``)."""
+    import itertools
+
+    from megatron_earl.models.hf_mapping import global_shapes
+    from megatron_earl.rollout.weights.sync import (
+        WeightSyncConfig,
+        hf_named_tensors,
+        iter_buckets,
+        push_weights,
+    )
+
+    bucket_bytes = 32 << 10
+    gen = torch.Generator().manual_seed(12)
+    full = {k: torch.randn(s, generator=gen) * 0.3 for k, s in global_shapes(MODEL).items()}
+    named = list(hf_named_tensors(full, MODEL))
+    sizes = [sum(t.nbytes for _, t in b) for b in iter_buckets(named, bucket_bytes)]
+    ends = list(itertools.accumulate(sizes))  # bytes of buckets 0 .. k
+    read = 0
+    read_at_send: list[int] = []
+
+    def source():
+        nonlocal read
+        for name, tensor in named:
+            read += tensor.nbytes
+            yield name, tensor
+
+    async def body():
+        client = _client(servers[0])
+        send = client.update_weights_from_tensor
+
+        async def counted(payloads, **kw):
+            read_at_send.append(read)
+            return await send(payloads, **kw)
+
+        client.update_weights_from_tensor = counted
+        try:
+            return await push_weights(
+                [client], source(), 2, WeightSyncConfig(bucket_bytes=bucket_bytes)
+            )
+        finally:
+            await client.close()
+
+    stats = asyncio.run(body())
+    assert stats.num_buckets == len(sizes) == len(read_at_send) > 3
+    largest = max(t.nbytes for _, t in named)
+    for k, seen in enumerate(read_at_send):
+        # buckets 0 .. k + 1, and the tensor that told the bucketing bucket k + 1 was full
+        assert seen <= ends[min(k + 1, len(ends) - 1)] + largest, (k, read_at_send, ends)
+    assert read_at_send[0] < ends[-1]  # the first bucket left before the model was read
+
+
 def test_pause_continue_and_abort(servers):
     async def body():
         a = _client(servers[0])

@@ -8,8 +8,10 @@ native HTTP API: the disaggregated setup. The job holds no rollout copy of the p
   to one engine, a failed engine's requests move to another). Trajectories stay on the rank that
   drove them (the dispatcher's sources; the rank is the source index).
 - Weights: before a rollout whose engines serve an older version, the master weights are
-  resharded onto rank 0 as whole tensors (the same point-to-point planner as any reshard, into
-  full-size destination pieces; rank 0 holds the model once) and pushed by the transport
+  resharded onto rank 0 as whole tensors one bucket at a time (``staged_weights``: the same
+  point-to-point planner as any reshard, into full-size destination pieces of at most
+  ``rollout.sglang.bucket_bytes`` together, pinned host memory on CUDA; rank 0 never holds the
+  whole model) and pushed, bucket after bucket, by the transport
   ``rollout.sglang.weight_update`` chooses (``rollout.weights.transports``: ``tensor``,
   ``disk`` or ``distributed``; each pause -> flush -> update -> continue, then the engines'
   version is read back). Rank 0 keeps the transport for the run (the distributed one keeps its
@@ -31,12 +33,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from megatron_earl import runtime
 from megatron_earl.compat import event_loop
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase, WeightUpdate
@@ -52,6 +56,7 @@ from megatron_earl.parallel.groups import host_group
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.parallel.state import use_layout
 from megatron_earl.redistribute.geometry import ShardPiece
+from megatron_earl.redistribute.plan_cache import PlanCache
 from megatron_earl.redistribute.weight_exec import reshard_weights
 from megatron_earl.rewards.service import remote_rewards
 from megatron_earl.rollout.agent.loop import AgentLoop, AgentLoopConfig
@@ -60,40 +65,68 @@ from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
 from megatron_earl.rollout.sglang.startup import engines_at_start
 from megatron_earl.rollout.weights.relay.publisher import wait_for_engines
-from megatron_earl.rollout.weights.sync import hf_named_tensors
+from megatron_earl.rollout.weights.sync import hf_named_tensors, plan_buckets
 from megatron_earl.rollout.weights.transports import WeightTransport, build_transport
 
 log = logging.getLogger("megatron_earl.orchestration.engines.sglang")
 
 
-def gather_full_weights(
-    master_pieces: list[ShardPiece], model: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor] | None:
-    """Whole global tensors on rank 0's host (None elsewhere), resharded point to point from the
-    master pieces. Collective over the world.
+def staged_weights(
+    master_pieces: list[ShardPiece],
+    model: ModelConfig,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    device: torch.device | None = None,
+    cache: PlanCache | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model as consecutive buckets of whole global tensors on rank 0 (``{}``
+    elsewhere), each resharded point to point from the master pieces when it is asked for.
+    Collective over the world: every rank iterates it to the end, in step.
 
-    Host/device boundary: the tensors leave over HTTP (``push_weights`` serialises host tensors),
-    so rank 0 holds the model once in host memory, not on its GPU; the reshard moves the master
-    pieces (device tensors) over the device world group and stages them into these host tensors
-    through device buffers of at most the bucket size (``weight_exec``)."""
-    full: dict[str, torch.Tensor] = {}
-    pieces: list[ShardPiece] = []
-    if dist.get_rank() == 0:
-        for key, shape in global_shapes(model).items():
-            full[key] = torch.empty(shape, dtype=dtype, device="cpu")
-            pieces.append(
-                ShardPiece(
-                    key=key,
-                    global_shape=tuple(shape),
-                    region=tuple((0, n) for n in shape),
-                    local=full[key],
-                    param_name=key,
-                    param=full[key],
-                    is_replica=False,
+    A bucket holds whole Megatron tensors of at most ``bucket_bytes`` together (``plan_buckets``
+    over ``global_shapes`` in their order; a larger tensor is a bucket alone), so rank 0 never
+    holds the model at once: the push sends a bucket and drops it while the next is resharded.
+    Rank 0's bucket lands in ``device`` memory when given (a transport that sends from the GPU,
+    e.g. NCCL broadcasts), else in host memory, pinned on CUDA (the reshard copies device
+    buffers into it without staging through pageable memory; freed pinned blocks are reused by
+    torch's caching host allocator, so the steady state allocates nothing)."""
+    shapes = list(global_shapes(model).items())
+    size = torch.empty((), dtype=dtype).element_size()
+    plan = plan_buckets([math.prod(shape) * size for _, shape in shapes], bucket_bytes)
+    by_key: dict[str, list[ShardPiece]] = {}
+    for piece in master_pieces:
+        by_key.setdefault(piece.key, []).append(piece)
+    rank0 = dist.get_rank() == 0
+    pin = device is None and runtime.policy().pin_memory
+    for indices in plan:
+        bucket: dict[str, torch.Tensor] = {}
+        pieces: list[ShardPiece] = []
+        for key, shape in (shapes[i] for i in indices):
+            if rank0:
+                where = device or torch.device("cpu")
+                bucket[key] = torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
+                pieces.append(
+                    ShardPiece(
+                        key=key,
+                        global_shape=tuple(shape),
+                        region=tuple((0, n) for n in shape),
+                        local=bucket[key],
+                        param_name=key,
+                        param=bucket[key],
+                        is_replica=False,
+                    )
                 )
-            )
-    reshard_weights(master_pieces, pieces)
-    return full if dist.get_rank() == 0 else None
+        sources = [p for key, _ in (shapes[i] for i in indices) for p in by_key.get(key, ())]
+        reshard_weights(sources, pieces, cache=cache)
+        yield bucket
+
+
+def drain(buckets: Iterator) -> None:
+    """Run a collective generator (``staged_weights``) to its end: the reshards a consumer did
+    not ask for still meet their peers."""
+    for _ in buckets:
+        pass
 
 
 @register_rollout_backend
@@ -116,6 +149,9 @@ class SGLangBackend(RolloutBackend):
         """Colocated: the engines' memory is released (since the last rollout)."""
         self.engine_tp: int | None = None
         """The engines' TP size (read from them at start-up)."""
+        self.plans = PlanCache(max_entries=256)
+        """The push's reshard plans, one per bucket (``staged_weights``): a repeated push
+        replans nothing while the layouts stay."""
         asyncio.run(self._check_reachable())
 
     async def _check_reachable(self) -> None:
@@ -157,19 +193,28 @@ class SGLangBackend(RolloutBackend):
         if self.version == version:
             return {}
         start = time.perf_counter()
-        full = gather_full_weights(
-            self.policy.master_pieces, self.config.model, self.config.model.torch_dtype
+        rank0 = dist.get_rank() == 0
+        transport = self._transport() if rank0 else None
+        buckets = staged_weights(
+            self.policy.master_pieces,
+            self.config.model,
+            self.config.model.torch_dtype,
+            self.config.rollout.sglang.bucket_bytes,
+            device=transport.staging_device if transport is not None else None,
+            cache=self.plans,
         )
         stats = {}
-        if full is not None:
-            stats = asyncio.run(self._push(full, version))
+        try:
+            if rank0:
+                stats = asyncio.run(self._push(buckets, version))
+        finally:
+            drain(buckets)  # every rank: the buckets the push did not ask for (or all, peers)
         dist.barrier(group=host_group())
         self.version, self.released = version, False
         return {"weight_push_s": time.perf_counter() - start, **stats}
 
-    async def _push(self, full: dict[str, torch.Tensor], version: int) -> dict:
-        """Rank 0: the push (colocated with released engines: resume ``weights`` before it and
-        ``kv_cache`` + ``cuda_graph`` after it, each timed)."""
+    def _transport(self) -> WeightTransport:
+        """Rank 0's transport, built at the first push and kept for the run."""
         if self.transport is None:
             settings = dataclasses.replace(self.config.rollout.sglang, engine_tp=self.engine_tp)
             self.transport = build_transport(settings, self.config.model, self.config.run_dir)
@@ -179,12 +224,19 @@ class SGLangBackend(RolloutBackend):
                 # the pause retracts or holds them and they continue under the new weights
                 self.transport.sync = dataclasses.replace(self.transport.sync, flush_cache=False)
                 self.transport.asynchronous = True
+        return self.transport
+
+    async def _push(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> dict:
+        """Rank 0: the push of the staged buckets (colocated with released engines: resume
+        ``weights`` before it and ``kv_cache`` + ``cuda_graph`` after it, each timed)."""
         clients = self._control_clients()
         out: dict[str, float] = {}
         try:
             if self.released:
                 out["memory_resume_weights_s"] = await _resume(clients, [MemoryTag.WEIGHTS])
-            named = hf_named_tensors(full, self.config.model)
+            named = (
+                pair for bucket in buckets for pair in hf_named_tensors(bucket, self.config.model)
+            )
             stats = await self.transport.push(clients, named, version)
             if self.released:
                 tags = [MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH]

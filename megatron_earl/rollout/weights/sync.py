@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -52,6 +53,7 @@ from megatron_earl.rollout.weights.tensor_payload import (  # noqa: F401
 )
 
 NamedTensor = tuple[str, torch.Tensor]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,20 @@ def iter_buckets(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[li
         yield current
 
 
+def marked_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Each item with whether it is the last, reading one item ahead: a stream of buckets is
+    pushed with at most two of them alive (the one sent and the next)."""
+    source = iter(items)
+    try:
+        current = next(source)
+    except StopIteration:
+        return
+    for following in source:
+        yield current, False
+        current = following
+    yield current, True
+
+
 def flushes_after(config: WeightSyncConfig) -> bool:
     """Whether the last bucket asks the engine to flush its prefix cache once the new weights are
     in (SGLang's ``flush_cache`` field of the update): always, but with ``pause_mode: in_place``,
@@ -189,11 +205,9 @@ async def push_weights(
     payload = payload or TensorPayloadFormat()
     start = time.perf_counter()
     async with paused(clients, config, session=True):
-        buckets = list(iter_buckets(named, config.bucket_bytes))
-        sent = tensors = 0
-        for index, bucket in enumerate(buckets):
+        sent = tensors = buckets = 0
+        for bucket, last in marked_last(iter_buckets(named, config.bucket_bytes)):
             strings = payload.serialize(bucket, len(clients) * engine_tp)
-            last = index == len(buckets) - 1
             await asyncio.gather(
                 *(
                     c.update_weights_from_tensor(
@@ -207,7 +221,8 @@ async def push_weights(
             )
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             tensors += len(bucket)
-    return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)
+            buckets += 1
+    return PushStats(buckets, tensors, sent, time.perf_counter() - start)
 
 
 async def push_weights_distributed(
@@ -231,13 +246,11 @@ async def push_weights_distributed(
     config = config or WeightSyncConfig()
     start = time.perf_counter()
     async with paused(clients, config, session=True):
-        buckets = list(iter_buckets(named, config.bucket_bytes))
-        sent = tensors = 0
-        for index, bucket in enumerate(buckets):
+        sent = tensors = buckets = 0
+        for bucket, last in marked_last(iter_buckets(named, config.bucket_bytes)):
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
-            last = index == len(buckets) - 1
             requests = [
                 c.update_weights_from_distributed(
                     names,
@@ -259,7 +272,8 @@ async def push_weights_distributed(
                 raise errors[0]
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             tensors += len(bucket)
-    return PushStats(len(buckets), tensors, sent, time.perf_counter() - start)
+            buckets += 1
+    return PushStats(buckets, tensors, sent, time.perf_counter() - start)
 
 
 def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:

@@ -95,6 +95,12 @@ class WeightTransport(ABC):
         """``config.json`` fields of the HF directories the disk protocol writes (the
         tokenizer's token ids: ``convert.engine_model.token_ids_config``)."""
 
+    @property
+    def staging_device(self) -> torch.device | None:
+        """Where the trainer stages the buckets it pushes: None for host memory (tensors that
+        leave over HTTP or to files), a device for a transport that sends from it."""
+        return None
+
     async def engine_tp(self, clients: Sequence[SGLangClient]) -> int:
         """The engines' TP size: ``rollout.sglang.engine_tp`` when set (the trainer's start-up
         check compared it with the engines'), else read from the engines once
@@ -211,6 +217,11 @@ class DistributedTransport(WeightTransport):
             "nccl" if torch.cuda.is_available() and _computes_on_cuda() else "gloo"
         )
         self.load_format = FLATTENED if settings.distributed_load_format == FLATTENED else None
+
+    @property
+    def staging_device(self) -> torch.device | None:
+        """NCCL broadcasts from the GPU: the buckets are staged there, not on the host."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
 
     async def _join(self, clients: Sequence[SGLangClient]) -> None:
         """Rank 0 of the group here, engine i's TP ranks from ``1 + i * engine_tp``; all join
