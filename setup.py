@@ -57,6 +57,7 @@ setup(
         "dev": [
             "pytest>=8,<10",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # the README's test command runs the main suite on 2 workers
             "ruff>=0.6",
             "matplotlib>=3.7",
             "tensorboard>=2.14",
