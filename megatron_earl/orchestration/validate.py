@@ -24,12 +24,14 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
 - group baselines (grpo, rloo) need ``batch.samples_per_prompt >= 2``;
 - a KL term (``train.loss.kl_coef > 0``) keeps the reference policy in the fixed experience
   layout, so the selector may not choose the experience layout;
-- a mixture-of-experts model (``model.num_experts``) or a layout with expert parallelism (ep > 1
-  or etp) is refused: they build and train through ``training.rl_step``, and their weights and
-  Adam state reshard between any two phase layouts (docs/resharding.md "Experts"), but no
-  rollout engine runs them yet (the embedded engine, ``serve``; the SGLang weight push of MoE is
-  untested), the selector has no expert terms, and the dispatcher does not keep an expert
-  group's micro-batch counts equal (docs/moe.md "Not yet").
+- a mixture-of-experts model (``model.num_experts``) runs on the embedded engine (megatron-core's
+  MoE layers in its forward) with fixed phase layouts: the rollout layout at ep 1, the
+  experience and train layouts with expert groups inside the TP x CP group (ep x etp divides
+  tp x cp: every rank of an expert group holds the same micro-batches). Refused otherwise, each
+  naming why (docs/moe.md "In the RL loop"): SGLang engines (the push of expert weights is
+  untested), the selector (no expert terms), expert groups spanning data-parallel ranks (the
+  dispatcher does not plan equal micro-batch counts for them), compiled engine steps; and a
+  layout with ep > 1 or etp for a dense model.
 
 What the rollout engine kind needs (the embedded engine: a tp/dp rollout layout; SGLang engines:
 ``rollout.engine_urls``, no selected rollout layout) is checked by each kind's
@@ -108,27 +110,53 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
 
 
 def _expert_problems(config: RunConfig, layouts: dict[Phase, ParallelLayout]) -> list[str]:
-    """The RL loop with experts: not yet (issue 45's later slices; docs/moe.md). Resharding is
-    not what is missing (tests/distributed/test_reshard_experts.py): every step rolls out, and
-    no rollout engine runs an MoE model yet."""
-    missing = (
-        "no rollout engine runs mixture-of-experts models yet (the embedded engine and serve "
-        "have no router; the SGLang weight push of experts is untested), the selector's memory "
-        "and throughput models have no expert terms, and the dispatcher does not keep an expert "
-        "group's micro-batch counts equal; expert weights and Adam state do reshard between "
-        "phase layouts (docs/moe.md)"
-    )
-    problems = [
-        f"layouts.{phase} '{layout}': expert parallelism (ep {layout.ep}, etp "
-        f"{layout.expert_tp}) is not supported in the RL loop yet: {missing}; use ep1 without etp"
-        for phase, layout in layouts.items()
-        if layout.ep > 1 or layout.etp is not None
-    ]
-    if config.model.is_moe:
+    """What the RL loop needs of a mixture-of-experts run (module docstring; docs/moe.md)."""
+    expert = {phase: layout for phase, layout in layouts.items() if layout.ep > 1 or layout.etp}
+    if not config.model.is_moe:
+        return [
+            f"layouts.{phase} '{layout}': expert parallelism (ep {layout.ep}, etp "
+            f"{layout.expert_tp}) needs a mixture-of-experts model (model.num_experts); use ep1 "
+            "without etp"
+            for phase, layout in expert.items()
+        ]
+    moe = f"model.num_experts={config.model.num_experts}"
+    problems = []
+    if config.rollout.engine != EngineKind.EMBEDDED:
         problems.append(
-            f"model.num_experts={config.model.num_experts}: mixture-of-experts models build and "
-            f"train through training.rl_step, but the RL loop does not run them yet: {missing}"
+            f"{moe} with rollout.engine={config.rollout.engine!r}: mixture-of-experts models "
+            "roll out on the embedded engine only (the push of expert weights to SGLang engines "
+            "is untested); set rollout.engine: embedded"
         )
+    if config.selector.enabled:
+        problems.append(
+            f"{moe} with selector.enabled=true: the selector's memory and throughput models "
+            "have no expert terms yet; fix the phase layouts and set selector.enabled=false"
+        )
+    for name in ("compile_decode", "compile_prefill"):
+        if getattr(config.rollout.embedded, name):
+            problems.append(
+                f"{moe} with rollout.embedded.{name}=true: the MoE layers' token dispatch "
+                f"sizes its buffers from the routing, which a compiled graph cannot hold; set "
+                f"rollout.embedded.{name}: false"
+            )
+    rollout = layouts.get(Phase.ROLLOUT)
+    if rollout is not None and (rollout.ep > 1 or rollout.etp is not None):
+        problems.append(
+            f"layouts.rollout '{rollout}': the embedded engine runs the experts in its TP group "
+            f"(ep 1, etp = tp); use a rollout layout without ep or etp, e.g. "
+            f"tp{rollout.tp}cp1pp1dp{rollout.world_size // rollout.tp}"
+        )
+    for phase, layout in layouts.items():
+        if phase == Phase.ROLLOUT:
+            continue
+        group = layout.ep * layout.expert_tp
+        if (layout.tp * layout.cp) % group:
+            problems.append(
+                f"layouts.{phase} '{layout}': its expert groups (ep {layout.ep} x etp "
+                f"{layout.expert_tp} = {group} ranks) span data-parallel ranks (tp {layout.tp} x "
+                f"cp {layout.cp}), whose micro-batch counts the dispatcher does not equalise "
+                "yet; put the expert group inside tp x cp (e.g. tp2 with ep2 etp1)"
+            )
     return problems
 
 

@@ -327,6 +327,37 @@ def test_qk_layernorm_and_tied_embeddings_equal_full_recompute():
         assert_fp32_close(torch.tensor(res.output_logprobs), lp, gpt_terms(QWEN3_LIKE, MAX_SEQ))
 
 
+QWEN3_MOE_LIKE = dataclasses.replace(
+    QWEN3_LIKE,
+    tie_embeddings=False,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    sequence_parallel=True,  # megatron-core's MoE at tp > 1; a no-op at tp = 1
+)
+"""A Qwen3-MoE-shaped model: the engine runs megatron-core's own ``MoELayer`` per layer."""
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2)], ids=str)
+def test_mixture_of_experts_equals_full_recompute_and_training(layout):
+    """Greedy tokens equal the no-cache TP1 forward's token for token (the router sees the same
+    hidden states up to fp32 sums in another order; a top-2 choice would flip only on a gap below
+    that bound, which these random weights do not have: the same tokens on every run), and the
+    rollout log-probs equal the training forward's within the fp32 bound of its sums."""
+    prompts, max_new = _prompts()[:3], MAX_NEW[:3]
+    weights, expected = run_distributed(
+        _reference, 1, args=(prompts, max_new, QWEN3_MOE_LIKE), timeout_s=120
+    )[0]
+    results, again, _, train = run_distributed(
+        _engine_run, layout.tp, args=(layout, weights, prompts, max_new, QWEN3_MOE_LIKE),
+        timeout_s=180,
+    )[0]  # fmt: skip
+    for res, exp, lp in zip(results, expected, train, strict=True):
+        assert list(res.output_ids) == exp
+        assert_fp32_close(torch.tensor(res.output_logprobs), lp, gpt_terms(QWEN3_MOE_LIKE, MAX_SEQ))
+    assert again[0].output_ids == again[1].output_ids  # seeded sampling through the router
+
+
 ROPE_PROMPT_LENS = (13, 21, 9)
 """Longer than the tiny models' original context (8 positions) once generation runs."""
 

@@ -93,10 +93,13 @@ def check_supported(gpt: nn.Module) -> None:
             config.apply_residual_connection_post_layernorm
         ),
         "attention_output_gate": getattr(config, "attention_output_gate", False),
-        "num_moe_experts": bool(config.num_moe_experts),
+        f"expert_model_parallel_size={config.expert_model_parallel_size} > 1 (the engine's "
+        "MoE layers run their experts in the engine's own TP group)": bool(config.num_moe_experts)
+        and config.expert_model_parallel_size > 1,
         "context_parallel_size > 1": config.context_parallel_size > 1,
         "no_rope_freq": bool(getattr(config, "no_rope_freq", None)),
-        "an MLP other than SwiGLU": not (
+        "an MLP other than SwiGLU": not config.num_moe_experts
+        and not (
             config.gated_linear_unit
             and config.activation_func is F.silu
             and config.activation_func_clamp_value is None
@@ -147,14 +150,22 @@ class _Layer:
     proj_weight: torch.Tensor
     proj_bias: torch.Tensor | None
     norm2: object
-    fc1_weight: torch.Tensor
+    fc1_weight: torch.Tensor | None
     fc1_bias: torch.Tensor | None
-    fc2_weight: torch.Tensor
+    fc2_weight: torch.Tensor | None
     fc2_bias: torch.Tensor | None
+    moe: nn.Module | None = None
+    """The layer's megatron-core ``MoELayer`` (router, token dispatcher, experts), run as it is;
+    None for a dense layer (the SwiGLU of ``fc1``/``fc2``)."""
 
     @classmethod
     def of(cls, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attention, layer.mlp
+        moe = mlp if hasattr(mlp, "router") else None
+        dense = (None,) * 4
+        if moe is None:
+            fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+            dense = (fc1.weight, fc1.bias, fc2.weight, fc2.bias)
         return cls(
             _rms(layer.input_layernorm),
             attn.linear_qkv.weight,
@@ -164,10 +175,8 @@ class _Layer:
             attn.linear_proj.weight,
             attn.linear_proj.bias,
             _rms(layer.pre_mlp_layernorm),
-            mlp.linear_fc1.weight,
-            mlp.linear_fc1.bias,
-            mlp.linear_fc2.weight,
-            mlp.linear_fc2.bias,
+            *dense,
+            moe=moe,
         )
 
 
@@ -244,11 +253,18 @@ class BatchedForward:
             device=weight.device,
         )
         self.cos, self.sin = self._rope_tables(max_seq_len, weight.dtype)
+        moe = any(layer.moe is not None for layer in self.layers)
         for name, on in (("compile_decode", compile_decode), ("compile_prefill", compile_prefill)):
             if on and self.tp > 1:
                 raise ValueError(
                     f"{name} needs tp = 1 (the compiled step holds no TP collectives), got "
                     f"tp={self.tp}; leave it off for a TP engine"
+                )
+            if on and moe:
+                raise ValueError(
+                    f"{name} needs a dense model (the MoE layers' token dispatch sizes its "
+                    "buffers from the routing, which a graph cannot hold); set "
+                    f"rollout.embedded.{name}: false for a mixture-of-experts model"
                 )
         self._decode_compiled = torch.compile(self._decode) if compile_decode else None
         self._prefill_compiled = torch.compile(self._prefill) if compile_prefill else None
@@ -466,13 +482,34 @@ class BatchedForward:
         return x + _bias(self._reduce(F.linear(ctx, layer.proj_weight)), layer.proj_bias)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the layer's SwiGLU MLP."""
+        """The residual stream after the layer's SwiGLU MLP (or its MoE layer)."""
+        if layer.moe is not None:
+            return x + self._moe(layer.moe, layer.norm2(x))
         gate, up = torch.chunk(
             F.linear(layer.norm2(x), layer.fc1_weight, layer.fc1_bias), 2, dim=-1
         )
         return x + _bias(
             self._reduce(F.linear(F.silu(gate) * up, layer.fc2_weight)), layer.fc2_bias
         )
+
+    def _moe(self, moe: nn.Module, h_Th: torch.Tensor) -> torch.Tensor:
+        """megatron-core's ``MoELayer`` on the step's tokens ``[T, h]`` (the same on every TP
+        rank). At tp > 1 the layer expects its input split over TP along the tokens (sequence
+        parallelism, which megatron-core requires for MoE there): each rank takes its slice of
+        the tokens padded to a multiple of tp, and the outputs are all-gathered over TP."""
+        tokens = h_Th.size(0)
+        if self.tp > 1:
+            per = -(-tokens // self.tp)
+            padded = F.pad(h_Th, (0, 0, 0, per * self.tp - tokens))
+            rank = dist.get_rank(self.tp_group)
+            h_Th = padded[rank * per : (rank + 1) * per]
+        out, bias = moe(h_Th[:, None, :])
+        out = _bias(out[:, 0], bias)
+        if self.tp > 1:
+            parts = [torch.empty_like(out) for _ in range(self.tp)]
+            dist.all_gather(parts, out.contiguous(), group=self.tp_group)
+            out = torch.cat(parts)[:tokens]
+        return out
 
     def _logits(self, hidden_kh: torch.Tensor) -> torch.Tensor:
         """Output layer on the last tokens; the vocabulary shards all-gathered over TP."""
