@@ -79,16 +79,17 @@ def hf_target(hf_name: str, model: ModelConfig) -> HFTarget:
 
 
 def megatron_to_hf(
-    key: str, tensor: torch.Tensor, model: ModelConfig
+    key: str, tensor: torch.Tensor, model: ModelConfig, first_layer: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs of one global Megatron tensor (layer-stacked for decoder keys)."""
+    """HF (name, tensor) pairs of one global Megatron tensor (layer-stacked for decoder keys:
+    its layers ``first_layer, first_layer + 1, ...``; a slice of the stack when not 0)."""
     if key == mapping.OUTPUT and model.tie_embeddings:
         return
     if not key.startswith(mapping.LAYER_PREFIX):
         yield from mapping.mcore_to_hf_tensors(key, tensor, model)
         return
-    for layer in range(tensor.size(0)):
-        yield from mapping.mcore_to_hf_tensors(key, tensor[layer], model, layer)
+    for i in range(tensor.size(0)):
+        yield from mapping.mcore_to_hf_tensors(key, tensor[i], model, first_layer + i)
 
 
 def full_megatron_to_hf(

@@ -8,10 +8,11 @@ native HTTP API: the disaggregated setup. The job holds no rollout copy of the p
   to one engine, a failed engine's requests move to another). Trajectories stay on the rank that
   drove them (the dispatcher's sources; the rank is the source index).
 - Weights: before a rollout whose engines serve an older version, the master weights are
-  resharded onto rank 0 as whole tensors one bucket at a time (``staged_weights``: the same
-  point-to-point planner as any reshard, into full-size destination pieces of at most
-  ``rollout.sglang.bucket_bytes`` together, pinned host memory on CUDA; rank 0 never holds the
-  whole model) and pushed, bucket after bucket, by the transport
+  resharded onto rank 0 one bucket at a time (``staged_weights``: the same point-to-point
+  planner as any reshard, into destination pieces of one layer of a key, or a whole
+  non-layer tensor, at most ``rollout.sglang.bucket_bytes`` together; pinned host memory on
+  CUDA, or the GPU for NCCL broadcasts; rank 0 never holds the whole model) and pushed, bucket
+  after bucket, by the transport
   ``rollout.sglang.weight_update`` chooses (``rollout.weights.transports``: ``tensor``,
   ``disk`` or ``distributed``; each pause -> flush -> update -> continue, then the engines'
   version is read back). Rank 0 keeps the transport for the run (the distributed one keeps its
@@ -36,6 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,7 +47,8 @@ from megatron_earl.compat import event_loop
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.vocab import EngineKind, MemoryTag, Phase, WeightUpdate
 from megatron_earl.convert.engine_model import token_ids_config
-from megatron_earl.models.hf_mapping import global_shapes
+from megatron_earl.convert.mapping import LAYER_PREFIX
+from megatron_earl.models.hf_mapping import global_shapes, megatron_to_hf
 from megatron_earl.orchestration.engines.base import (
     Rollout,
     RolloutBackend,
@@ -65,10 +68,24 @@ from megatron_earl.rollout.sglang.client import ClientConfig, SGLangClient
 from megatron_earl.rollout.sglang.pool import EnginePool, PoolConfig
 from megatron_earl.rollout.sglang.startup import engines_at_start
 from megatron_earl.rollout.weights.relay.publisher import wait_for_engines
-from megatron_earl.rollout.weights.sync import hf_named_tensors, plan_buckets
+from megatron_earl.rollout.weights.sync import NamedTensor, plan_buckets
 from megatron_earl.rollout.weights.transports import WeightTransport, build_transport
 
 log = logging.getLogger("megatron_earl.orchestration.engines.sglang")
+
+
+@dataclass(frozen=True)
+class StagedPart:
+    """Global tensor ``key`` (rank 0's copy), whole, or for a decoder key the layers
+    ``first_layer .. first_layer + tensor.size(0) - 1`` of its layer stack."""
+
+    key: str
+    first_layer: int
+    tensor: torch.Tensor
+
+    def hf_named(self, model: ModelConfig) -> Iterator[NamedTensor]:
+        """Its HF-named tensors (``megatron_to_hf``)."""
+        return megatron_to_hf(self.key, self.tensor, model, self.first_layer)
 
 
 def staged_weights(
@@ -78,48 +95,69 @@ def staged_weights(
     bucket_bytes: int,
     *,
     device: torch.device | None = None,
-    cache: PlanCache | None = None,
-) -> Iterator[dict[str, torch.Tensor]]:
-    """The whole model as consecutive buckets of whole global tensors on rank 0 (``{}``
+    caches: dict[int, PlanCache] | None = None,
+) -> Iterator[list[StagedPart]]:
+    """The whole model as consecutive buckets of ``StagedPart`` on rank 0 (empty lists
     elsewhere), each resharded point to point from the master pieces when it is asked for.
     Collective over the world: every rank iterates it to the end, in step.
 
-    A bucket holds whole Megatron tensors of at most ``bucket_bytes`` together (``plan_buckets``
-    over ``global_shapes`` in their order; a larger tensor is a bucket alone), so rank 0 never
-    holds the model at once: the push sends a bucket and drops it while the next is resharded.
-    Rank 0's bucket lands in ``device`` memory when given (a transport that sends from the GPU,
-    e.g. NCCL broadcasts), else in host memory, pinned on CUDA (the reshard copies device
-    buffers into it without staging through pageable memory; freed pinned blocks are reused by
-    torch's caching host allocator, so the steady state allocates nothing)."""
-    shapes = list(global_shapes(model).items())
+    A part is one layer of a decoder key (the global tensors stack every layer: one of them is
+    a whole-model-sized share, GiBs at 7B) or a whole other tensor (embedding, final norm,
+    output layer), layer after layer; a bucket holds parts of at most ``bucket_bytes`` together
+    (``plan_buckets``; a larger part is a bucket alone), so rank 0 holds a bucket or two, never
+    the model: the push sends a bucket and drops it while the next is resharded. Rank 0's parts
+    land in ``device`` memory when given (a transport that sends from the GPU, e.g. NCCL
+    broadcasts), else in host memory, pinned on CUDA (the reshard copies device buffers into
+    it; freed pinned blocks are reused by torch's caching host allocator). ``caches``: a plan
+    cache per bucket index, kept across pushes (bucket i's plan is reused while no rank's
+    pieces changed; one cache per index, as a rank's own pieces may be the same for several
+    buckets)."""
+    shapes = global_shapes(model)
     size = torch.empty((), dtype=dtype).element_size()
-    plan = plan_buckets([math.prod(shape) * size for _, shape in shapes], bucket_bytes)
+    layer_keys = [k for k in shapes if k.startswith(LAYER_PREFIX)]
+    units = [(k, layer) for layer in range(model.num_layers) for k in layer_keys]
+    units += [(k, 0) for k in shapes if not k.startswith(LAYER_PREFIX)]
+
+    def unit_shape(key: str, layer: int) -> tuple[int, ...]:
+        return (1, *shapes[key][1:]) if key.startswith(LAYER_PREFIX) else tuple(shapes[key])
+
+    plan = plan_buckets([math.prod(unit_shape(*u)) * size for u in units], bucket_bytes)
     by_key: dict[str, list[ShardPiece]] = {}
     for piece in master_pieces:
         by_key.setdefault(piece.key, []).append(piece)
     rank0 = dist.get_rank() == 0
     pin = device is None and runtime.policy().pin_memory
-    for indices in plan:
-        bucket: dict[str, torch.Tensor] = {}
+    where = device or torch.device("cpu")
+    caches = {} if caches is None else caches
+    for index, members in enumerate(plan):
+        parts: list[StagedPart] = []
         pieces: list[ShardPiece] = []
-        for key, shape in (shapes[i] for i in indices):
-            if rank0:
-                where = device or torch.device("cpu")
-                bucket[key] = torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
-                pieces.append(
-                    ShardPiece(
-                        key=key,
-                        global_shape=tuple(shape),
-                        region=tuple((0, n) for n in shape),
-                        local=bucket[key],
-                        param_name=key,
-                        param=bucket[key],
-                        is_replica=False,
-                    )
+        keys: list[str] = []
+        for key, layer in (units[i] for i in members):
+            if key not in keys:
+                keys.append(key)
+            if not rank0:
+                continue
+            shape = unit_shape(key, layer)
+            local = torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
+            first = ((layer, layer + 1),) if key.startswith(LAYER_PREFIX) else ((0, shape[0]),)
+            region = first + tuple((0, n) for n in shape[1:])
+            parts.append(StagedPart(key, layer, local))
+            pieces.append(
+                ShardPiece(
+                    key=key,
+                    global_shape=tuple(shapes[key]),
+                    region=region,
+                    local=local,
+                    param_name=f"{key}[{layer}]",
+                    param=local,
+                    is_replica=False,
                 )
-        sources = [p for key, _ in (shapes[i] for i in indices) for p in by_key.get(key, ())]
+            )
+        sources = [p for key in keys for p in by_key.get(key, ())]
+        cache = caches.setdefault(index, PlanCache(max_entries=2))
         reshard_weights(sources, pieces, cache=cache)
-        yield bucket
+        yield parts
 
 
 def drain(buckets: Iterator) -> None:
@@ -149,8 +187,8 @@ class SGLangBackend(RolloutBackend):
         """Colocated: the engines' memory is released (since the last rollout)."""
         self.engine_tp: int | None = None
         """The engines' TP size (read from them at start-up)."""
-        self.plans = PlanCache(max_entries=256)
-        """The push's reshard plans, one per bucket (``staged_weights``): a repeated push
+        self.plans: dict[int, PlanCache] = {}
+        """The push's reshard plans, a cache per bucket (``staged_weights``): a repeated push
         replans nothing while the layouts stay."""
         asyncio.run(self._check_reachable())
 
@@ -201,7 +239,7 @@ class SGLangBackend(RolloutBackend):
             self.config.model.torch_dtype,
             self.config.rollout.sglang.bucket_bytes,
             device=transport.staging_device if transport is not None else None,
-            cache=self.plans,
+            caches=self.plans,
         )
         stats = {}
         try:
@@ -226,7 +264,7 @@ class SGLangBackend(RolloutBackend):
                 self.transport.asynchronous = True
         return self.transport
 
-    async def _push(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> dict:
+    async def _push(self, buckets: Iterator[list[StagedPart]], version: int) -> dict:
         """Rank 0: the push of the staged buckets (colocated with released engines: resume
         ``weights`` before it and ``kv_cache`` + ``cuda_graph`` after it, each timed)."""
         clients = self._control_clients()
@@ -234,9 +272,8 @@ class SGLangBackend(RolloutBackend):
         try:
             if self.released:
                 out["memory_resume_weights_s"] = await _resume(clients, [MemoryTag.WEIGHTS])
-            named = (
-                pair for bucket in buckets for pair in hf_named_tensors(bucket, self.config.model)
-            )
+            model = self.config.model
+            named = (pair for bucket in buckets for part in bucket for pair in part.hf_named(model))
             stats = await self.transport.push(clients, named, version)
             if self.released:
                 tags = [MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH]
