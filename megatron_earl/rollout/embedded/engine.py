@@ -59,6 +59,7 @@ from megatron_earl.rollout.embedded.batched_forward import BatchedForward
 from megatron_earl.rollout.embedded.kv_cache import RowTable
 from megatron_earl.rollout.embedded.memory_occupation import EngineMemory, WeightBackup
 from megatron_earl.rollout.embedded.results import EngineRequest, StepResults, prompt_start
+from megatron_earl.rollout.embedded.sampling import host_to
 from megatron_earl.rollout.embedded.step import Batch, Step
 from megatron_earl.rollout.engine import (
     EngineError,
@@ -624,7 +625,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
                 ended[i] = FinishReason(FinishType.LENGTH)  # prefill only
         # One row per sequence; each request reads its sequence's row.
         if seq_of != list(range(logits.size(0))):
-            logits = logits[torch.tensor(seq_of, dtype=torch.long, device=logits.device)]
+            logits = logits[host_to(torch.tensor(seq_of, dtype=torch.long), logits.device)]
         self._accept(logits, entries, ended)
 
     async def _decode(self) -> None:

@@ -3,8 +3,9 @@ sampled token per request, its log-prob (and top log-probs when asked), the prom
 a prefill that computes them, stop checks, and the requests retired -- finished, or failed
 alone (a sampling or stop-check error, a non-finite log-prob) -- with their rows released.
 
-``StepResults`` is a mixin of ``EmbeddedEngine`` (scheduler rank only; host tensors, no
-communication); ``EngineRequest`` is the scheduler's record of one request.
+``StepResults`` is a mixin of ``EmbeddedEngine`` (scheduler rank only; the step's logits on the
+device, sampled there, results read back in one transfer; no communication); ``EngineRequest``
+is the scheduler's record of one request.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_earl import runtime
-from megatron_earl.rollout.embedded.sampling import sample_tokens
+from megatron_earl.rollout.embedded.sampling import host_to, sample_tokens
 from megatron_earl.rollout.engine import (
     EngineError,
     FinishReason,
@@ -111,7 +112,7 @@ class StepResults:
         message: failed)."""
         # Sampling runs where the logits are, with each request's own seeded host stream for
         # its draw (``sampling``): the ids and log-probs cross in one small read (boundary
-        # "engine tokens"); the logits never do.
+        # "sampled tokens -> environment", docs/devices.md); the logits never do.
         try:
             drawn = list(zip(*self._sample(logits, entries), strict=True))
         except Exception:
@@ -155,7 +156,7 @@ class StepResults:
         are returned to be retired with the message."""
         try:
             k = max(entries[r].top_k for r in rows)
-            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            index = host_to(torch.tensor(rows, dtype=torch.long), logits.device)
             real = runtime.to_host(logits[index])[:, : self.model_config.vocab_size]
             logprobs = torch.log_softmax(real.float(), dim=-1)
             top = _top_logprobs(logprobs, self.model_config.vocab_size, k)

@@ -41,6 +41,14 @@ from megatron_earl import runtime
 from megatron_earl.config.sampling import SamplingParams
 
 
+def host_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (indices, draws, settings) on ``device``: through ``runtime.to_device``
+    (pinned, non-blocking on CUDA: no stream sync) when that is the compute device."""
+    if device.type == "cpu":
+        return tensor
+    return runtime.to_device(tensor) if device == runtime.device() else tensor.to(device)
+
+
 def filter_logits(
     logits_nVr: torch.Tensor,
     temperature: torch.Tensor,
@@ -108,12 +116,11 @@ def sample_on_device(
     every = bool(hot) and len(hot) == len(params)  # every row sampled: no argmax, no row index
     tokens = None if every else torch.argmax(real, dim=-1)
     if hot:
-        rows = None if every else torch.tensor(hot, dtype=torch.long, device=real.device)
+        rows = None if every else host_to(torch.tensor(hot, dtype=torch.long), real.device)
         filtered = _filtered(real if rows is None else real[rows], [params[i] for i in hot])
         cdf = torch.softmax(filtered, dim=-1).cumsum(dim=-1)
         draws = torch.tensor([1.0 - generators[i].random() for i in hot], dtype=cdf.dtype)
-        if cdf.device.type != "cpu":
-            draws = runtime.to_device(draws)
+        draws = host_to(draws, cdf.device)
         picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None])[:, 0]
         picked = picked.clamp_(max=vocab_size - 1)
         if tokens is None:
@@ -153,8 +160,7 @@ def _filtered(logits_mVr: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         [[p.temperature, min(p.top_k, vocab), p.top_p, p.min_p] for p in params],
         dtype=torch.float64,
     )
-    if device.type != "cpu":
-        settings = runtime.to_device(settings)
+    settings = host_to(settings, device)
     return filter_logits(
         logits_mVr,
         settings[:, 0].float(),
