@@ -30,8 +30,9 @@ before ``torch.distributed`` is touched) and raises ONE ``ConfigError`` naming e
   tp x cp: every rank of an expert group holds the same micro-batches). Refused otherwise, each
   naming why (docs/moe.md "In the RL loop"): SGLang engines (the push of expert weights is
   untested), the selector (no expert terms), expert groups spanning data-parallel ranks (the
-  dispatcher does not plan equal micro-batch counts for them), compiled engine steps; and a
-  layout with ep > 1 or etp for a dense model.
+  dispatcher does not plan equal micro-batch counts for them), compiled engine steps, an expert
+  capacity (drops would depend on the engine step's other requests); and a layout with ep > 1
+  or etp for a dense model.
 
 What the rollout engine kind needs (the embedded engine: a tp/dp rollout layout; SGLang engines:
 ``rollout.engine_urls``, no selected rollout layout) is checked by each kind's
@@ -111,7 +112,11 @@ def run_problems(config: RunConfig, world_size: int) -> list[str]:
 
 def _expert_problems(config: RunConfig, layouts: dict[Phase, ParallelLayout]) -> list[str]:
     """What the RL loop needs of a mixture-of-experts run (module docstring; docs/moe.md)."""
-    expert = {phase: layout for phase, layout in layouts.items() if layout.ep > 1 or layout.etp}
+    expert = {
+        phase: layout
+        for phase, layout in layouts.items()
+        if layout.ep > 1 or layout.etp is not None
+    }
     if not config.model.is_moe:
         return [
             f"layouts.{phase} '{layout}': expert parallelism (ep {layout.ep}, etp "
@@ -139,6 +144,13 @@ def _expert_problems(config: RunConfig, layouts: dict[Phase, ParallelLayout]) ->
                 f"sizes its buffers from the routing, which a compiled graph cannot hold; set "
                 f"rollout.embedded.{name}: false"
             )
+    if config.model.moe_expert_capacity_factor is not None:
+        problems.append(
+            f"{moe} with model.moe_expert_capacity_factor="
+            f"{config.model.moe_expert_capacity_factor}: with a capacity, the tokens an expert "
+            "drops depend on which other requests share the engine's step, so a rollout's "
+            "routing (and its seeded tokens) would too; set it to null for RL runs"
+        )
     rollout = layouts.get(Phase.ROLLOUT)
     if rollout is not None and (rollout.ep > 1 or rollout.etp is not None):
         problems.append(

@@ -203,6 +203,7 @@ def test_rl_loop_runs_moe_with_fixed_layouts_and_expert_groups_inside_tp():
         (["layouts.rollout=tp1dp2ep2"], "layouts.rollout 'tp1cp1pp1dp2ep2': the embedded engine"),
         (["selector.enabled=true"], "model.num_experts=4 with selector.enabled=true"),
         (["rollout.embedded.compile_decode=true"], "rollout.embedded.compile_decode=true"),
+        (["model.moe_expert_capacity_factor=1.0"], "model.moe_expert_capacity_factor=1.0"),
         (
             ["rollout.engine=sglang", "rollout.engine_urls=[http://127.0.0.1:1]"],
             "model.num_experts=4 with rollout.engine='sglang'",

@@ -15,8 +15,9 @@ whole contexts of the requests admitted together) over the model's own parameter
     embedding (the VocabParallelEmbedding's shard) -> per layer: input_layernorm, fused QKV
     projection (+ qkv bias, q/k layernorm), RoPE at each token's position, KV-cache write,
     attention, output projection + TP all-reduce + bias, residual, pre_mlp_layernorm, fc1,
-    SwiGLU, fc2 + TP all-reduce + bias, residual -> final_layernorm and output layer (+ TP
-    all-gather of the vocabulary) on each sequence's last token only (a prefill's last layer runs
+    SwiGLU, fc2 + TP all-reduce + bias (or the layer's megatron-core ``MoELayer``, below),
+    residual -> final_layernorm and output layer (+ TP all-gather of the vocabulary) on each
+    sequence's last token only (a prefill's last layer runs
     its output projection and MLP on those tokens only, and its attention too when no prompt
     log-probs are asked: nothing reads the others).
 
@@ -41,8 +42,14 @@ Legend: T = tokens in the step, k = sequences in the step, n = running rows, L =
 h = hidden, np/ng = query heads/groups on this TP rank, hn = head dim, V = padded vocabulary,
 R = tokens whose logits a prefill returns, W = a prefill's cache writes, G = sequences (or rows)
 x groups, r/rep = query heads per group, Q = rep x a prefill's widest new tokens.
+A mixture-of-experts layer runs megatron-core's own ``MoELayer`` (router, token dispatcher,
+experts, shared experts) on the step's tokens, eagerly; at tp > 1 each TP rank routes its slice
+of them (sequence parallelism, which megatron-core requires for MoE there) and the outputs are
+all-gathered (``_moe``). Its experts live in the engine's TP group (ep 1).
+
 Which ranks call: every rank of the TP group runs every step (all-reduces and the vocabulary
-all-gather on the TP group; nothing with tp = 1).
+all-gather on the TP group, and an MoE layer's dispatcher collectives and output all-gather;
+nothing with tp = 1).
 """
 
 from __future__ import annotations

@@ -561,6 +561,12 @@ def build_engine(
     from megatron_earl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     served = served or resolve_served(args)
+    if served.model_config.is_moe:
+        raise ValueError(
+            f"megatron-earl serve does not serve mixture-of-experts models yet (num_experts="
+            f"{served.model_config.num_experts}): their rollouts run on the embedded engine of "
+            "megatron-earl train (rollout.engine: embedded; docs/moe.md)"
+        )
     runtime.initialize()
     model_config = pin_transformer_impl(served.model_config, embedded_engine=True)
     model_config.validate_for_parallel(args.tp_size)
