@@ -10,6 +10,11 @@ Its return values (picklable) come back as a list indexed by rank.
 Failure is fast: the first rank that raises is reported with its traceback and the other ranks are
 killed at once; a rank that dies without reporting, or a run that exceeds ``timeout_s``, kills every
 rank and raises. No test can hang.
+
+The rendezvous port is a free port at launch, which another process may take before rank 0's store
+binds it (the suite runs on two workers, each launching ranks and servers): when rank 0 reports
+the port taken (``EADDRINUSE``) before ``body`` ran, every rank is stopped and the launch repeats
+on a new port, up to ``PORT_ATTEMPTS`` times. Nothing of ``body`` ran in a repeated attempt.
 """
 
 from __future__ import annotations
@@ -26,10 +31,16 @@ from typing import Any
 
 _PRELOAD = ["torch", "megatron.core", "megatron_earl.runtime"]
 _CTX: Any = None
+PORT_ATTEMPTS = 3
+"""Launches of one ``run_distributed`` call whose rendezvous port was taken (module docstring)."""
 
 
 class DistributedTestError(RuntimeError):
     """A rank failed, died or timed out."""
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the rendezvous port: launch again on another."""
 
 
 def _context() -> Any:
@@ -43,9 +54,19 @@ def _context() -> Any:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now on 127.0.0.1. Under pytest-xdist, worker k of n only returns ports p with
+    (p // 2) % n == k, so two workers never pick the same one (halved: Linux gives ``bind``'s
+    automatic ports one parity and ``connect``'s the other, so the parity alone is fixed)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if count <= 1 or (port // 2) % count == index % count:
+            break
+    return port
 
 
 def _worker(
@@ -79,7 +100,13 @@ def _worker(
     try:
         from megatron_earl import runtime
 
-        runtime.initialize(timeout_s=float(env.get("MEGATRON_EARL_PG_TIMEOUT", "120")))
+        try:
+            runtime.initialize(timeout_s=float(env.get("MEGATRON_EARL_PG_TIMEOUT", "120")))
+        except Exception as err:
+            if "EADDRINUSE" in str(err) or "address already in use" in str(err):
+                results.put((rank, "port", str(err)))
+                return
+            raise
         value = fn(*args, **kwargs)
         # Plain pickle: tensors travel by value. The queue's own pickler would share them through
         # file descriptors that vanish when this process exits before the parent reads them.
@@ -113,6 +140,27 @@ def run_distributed(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _launch(fn, world_size, args, kwargs, timeout_s, env)
+        except _PortTaken as taken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise DistributedTestError(
+                    f"{fn.__name__}: the rendezvous port was taken {PORT_ATTEMPTS} times: {taken}"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    timeout_s: float,
+    env: dict[str, str] | None,
+) -> list[Any]:
+    """One launch of ``run_distributed`` on a fresh port; ``_PortTaken`` if rank 0 could not
+    bind it."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -151,6 +199,8 @@ def run_distributed(
                         "finish (killed)"
                     ) from None
                 continue
+            if status == "port":
+                raise _PortTaken(value)
             if status == "error":
                 raise DistributedTestError(f"{fn.__name__} failed on rank {rank}:\n{value}")
             values[rank] = pickle.loads(value)
