@@ -9,31 +9,15 @@ takes part in every reshard."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
-from megatron_earl.config.model import ModelConfig
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.testing.distributed import run_distributed
+from tests.distributed.test_reshard import MODEL, _reference
 
 BUCKET_BYTES = 8 << 10
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=48,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=60,
-    make_vocab_size_divisible_by=16,
-    add_qkv_bias=True,
-)
-
-
-def _reference(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-    return torch.randn(shape, generator=gen)
+"""A few layer slices of tests.distributed.test_reshard's model per bucket."""
 
 
 def _stage(layout_text: str, dtype_name: str):
