@@ -44,6 +44,7 @@ __all__ = [
     "describe_policy",
     "device",
     "emulating",
+    "host_rendezvous",
     "initialize",
     "module_to_device",
     "policy",
@@ -65,15 +66,26 @@ def initialize(timeout_s: float = 300.0) -> None:
     srun's (one task per rank: ``compat.launch_env``); a process started without either runs as
     a world of one, and a task of a multi-task srun job that cannot tell its rank is refused.
     Every process of the job must call it.
+
+    A world of one with no ``MASTER_PORT`` hosts its rendezvous store on a port the OS gives it
+    (``host_rendezvous``): picking a free port and binding it later lets another process take it
+    in between.
     """
     check_megatron_core()
     patches.apply_all()
     if dist.is_initialized():
         return
-    os.environ.update(launch_env(os.environ, _free_port))
     if not 0 < timeout_s < float("inf"):
         raise ValueError(f"collective timeout_s ({timeout_s!r}) must be a finite number > 0")
     timeout = datetime.timedelta(seconds=timeout_s)
+    env = launch_env(os.environ, lambda: 0)
+    if env["MASTER_PORT"] == "0" and env["WORLD_SIZE"] == "1" and _RENDEZVOUS is None:
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+        host_rendezvous(1, timeout_s)
+        env = launch_env(os.environ)
+    elif env["MASTER_PORT"] == "0":
+        env["MASTER_PORT"] = str(_free_port())
+    os.environ.update(env)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if emulating():
         from megatron_earl import emulated_device
@@ -88,8 +100,44 @@ def initialize(timeout_s: float = 300.0) -> None:
         from megatron_earl.patches import cpu_redirect
 
         cpu_redirect.set_target(fixed.device)
-    dist.init_process_group(backend=fixed.device_backend, timeout=timeout)
+    if _RENDEZVOUS is None:
+        dist.init_process_group(backend=fixed.device_backend, timeout=timeout)
+    else:
+        # under the prefix torch's env:// rendezvous gives the default group's keys: the peers
+        # this process started join that way
+        _RENDEZVOUS.set_timeout(timeout)
+        dist.init_process_group(
+            backend=fixed.device_backend,
+            store=dist.PrefixStore("default_pg", _RENDEZVOUS),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
     groups.init_host_world()  # the world's gloo twin for host metadata (device policies only)
+
+
+_RENDEZVOUS: dist.TCPStore | None = None
+"""The store ``host_rendezvous`` bound, which ``initialize`` joins the world through."""
+
+
+def host_rendezvous(world_size: int, timeout_s: float = 300.0) -> int:
+    """Host the world's rendezvous store (this process is its rank 0) on a port the OS picks at
+    bind time, set ``MASTER_ADDR``/``MASTER_PORT`` to it and return the port; ``initialize``
+    then joins through it. For a process that starts its own peers (``serve --tp-size N``):
+    call it before telling them the port, so no other process can take the port in between."""
+    global _RENDEZVOUS
+    if _RENDEZVOUS is not None:
+        raise RuntimeError(f"this process already hosts a rendezvous (port {_RENDEZVOUS.port})")
+    _RENDEZVOUS = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_RENDEZVOUS.port))
+    return _RENDEZVOUS.port
 
 
 def seed(value: int) -> None:

@@ -58,7 +58,8 @@ class SGLangConfig:
     when every engine URL is on loopback, else this host's address on the route to the first
     engine."""
     group_port: int = 0
-    """distributed: port of the group's rendezvous on the trainer's rank 0; 0: a free port."""
+    """distributed: port of the group's rendezvous on the trainer's rank 0; 0: one the OS picks
+    when rank 0 binds its store."""
     group_timeout_s: float = 300.0
     """distributed: how long joining the group and each broadcast may take."""
     distributed_load_format: str = "tensors"

@@ -55,6 +55,7 @@ def engines(tmp_path_factory):
             config,
             log_path=str(tmp / f"{name}.log"),
             env={"CUDA_VISIBLE_DEVICES": visible_gpus()[1], "OMP_NUM_THREADS": "1"},
+            rebind_on_conflict=True,
         )
         for name, config in configs.items()
     }

@@ -114,7 +114,9 @@ def tree(tmp_path_factory):
         launch = LaunchConfig(
             model_path=path, port=free_port(), module=serve, extra_args=(*common, "--seed", "3")
         )
-        return ServerProcess(launch, log_path=str(tmp / f"{name}.log"), env=ENV)
+        return ServerProcess(
+            launch, log_path=str(tmp / f"{name}.log"), env=ENV, rebind_on_conflict=True
+        )
 
     procs: dict[str, ServerProcess] = {"ref": engine("ref", str(tmp / "w.pt"))}
     procs.update({f"e{i}": engine(f"e{i}", "random") for i in range(3)})

@@ -93,7 +93,9 @@ def cluster(tmp_path_factory):
             module="megatron_earl.rollout.serve.server",
             extra_args=args,
         )
-        return ServerProcess(launch, log_path=str(tmp / f"{name}.log"), env={**ENV, **env})
+        return ServerProcess(
+            launch, log_path=str(tmp / f"{name}.log"), env={**ENV, **env}, rebind_on_conflict=True
+        )
 
     procs = {
         "good": engine("good", {}),

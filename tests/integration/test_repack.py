@@ -50,6 +50,7 @@ def setup(tmp_path_factory):
             ),
             log_path=str(tmp / f"e{i}.log"),
             env=ENV,
+            rebind_on_conflict=True,
         )
         for i in range(2)
     ]

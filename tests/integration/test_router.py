@@ -104,7 +104,7 @@ def test_requests_through_the_router_survive_a_killed_engine(engines, tmp_path):
     by the client through the router -- on the surviving engine: every request answered once."""
     config = RouterConfig(port=free_port(), policy="round_robin", api_key=KEY)
     with RouterProcess(
-        config, [e.url for e in engines], log_path=str(tmp_path / "r.log")
+        config, [e.url for e in engines], log_path=str(tmp_path / "r.log"), rebind_on_conflict=True
     ) as router:
         router.wait_ready(timeout_s=60)
 
@@ -135,6 +135,9 @@ def test_requests_through_the_router_survive_a_killed_engine(engines, tmp_path):
 def test_unreachable_engine_is_named(engines, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     config = RouterConfig(port=free_port(), api_key=KEY)
-    with RouterProcess(config, [engines[1].url, dead], log_path=str(tmp_path / "r.log")) as router:
+    log = str(tmp_path / "r.log")
+    with RouterProcess(
+        config, [engines[1].url, dead], log_path=log, rebind_on_conflict=True
+    ) as router:
         with pytest.raises((TimeoutError, RuntimeError), match=dead.replace(".", r"\.")):
             router.wait_ready(timeout_s=5)

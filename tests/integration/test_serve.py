@@ -72,7 +72,10 @@ def servers(tmp_path_factory):
         )
         procs.append(
             ServerProcess(
-                launch, log_path=str(tmp / f"server{i}.log"), env={"OMP_NUM_THREADS": "1"}
+                launch,
+                log_path=str(tmp / f"server{i}.log"),
+                env={"OMP_NUM_THREADS": "1"},
+                rebind_on_conflict=True,
             )
         )
     try:

@@ -52,7 +52,10 @@ def _start(tmp, name: str, model_path: str, *extra: str) -> ServerProcess:
         module="megatron_earl.rollout.serve.server",
         extra_args=("--max-seq-len", "64", *extra),
     )
-    return ServerProcess(launch, log_path=str(tmp / f"{name}.log"), env={"OMP_NUM_THREADS": "1"})
+    return ServerProcess(
+        launch, log_path=str(tmp / f"{name}.log"), env={"OMP_NUM_THREADS": "1"},
+        rebind_on_conflict=True,
+    )  # fmt: skip
 
 
 async def _post(url: str, path: str, body: dict) -> dict:

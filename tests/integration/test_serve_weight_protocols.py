@@ -74,7 +74,9 @@ def env(tmp_path_factory):
         weight_dirs=(str(allowed),), extra_args=(*common, "--seed", "3", "--dist-timeout", "4"),
     )  # fmt: skip
     procs = [
-        ServerProcess(c, log_path=str(tmp / f"{n}.log"), env={"OMP_NUM_THREADS": "1"})
+        ServerProcess(
+            c, log_path=str(tmp / f"{n}.log"), env={"OMP_NUM_THREADS": "1"}, rebind_on_conflict=True
+        )
         for n, c in (("ref", ref), ("target", target))
     ]
     try:

@@ -5,7 +5,10 @@ not a failed fixture."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -41,3 +44,33 @@ def test_a_taken_port_is_replaced_by_a_free_one(tmp_path):
             assert server.config.port != port and server.url.endswith(f":{server.config.port}")
     with pytest.raises(ValueError, match="rebind_on_conflict needs log_path"):
         ServerProcess(LaunchConfig(model_path="random"), rebind_on_conflict=True)
+
+
+WORLD_OF_ONE = """
+import os, torch.distributed as dist
+from megatron_earl import runtime
+runtime.initialize(timeout_s=10)
+port = int(os.environ["MASTER_PORT"])
+dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False).set("seen", "yes")
+print(port, dist.get_rank(), dist.get_world_size(), runtime._RENDEZVOUS.get("seen").decode())
+try:
+    runtime.host_rendezvous(1)
+except RuntimeError as err:
+    print(err)
+"""
+
+
+def test_a_world_of_one_binds_its_rendezvous_port_itself():
+    """``runtime.initialize`` without a launcher: the store is bound on a port the OS picks at
+    bind time (no port picked free and bound later, which another process can take between),
+    and ``MASTER_PORT`` names it."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    done = subprocess.run(
+        [sys.executable, "-c", WORLD_OF_ONE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.strip().splitlines()
+    port, rank, world, seen = first.split()
+    assert int(port) > 0 and (rank, world, seen) == ("0", "1", "yes")
+    assert second == f"this process already hosts a rendezvous (port {port})"

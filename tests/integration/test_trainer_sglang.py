@@ -135,6 +135,7 @@ def _push_run(servers, shared_dir, tmp_path, protocol: str, colocated: bool) -> 
                     RouterConfig(port=free_port(), api_key=KEY),
                     [p.url for p in servers],
                     log_path=str(tmp_path / "router.log"),
+                    rebind_on_conflict=True,
                 )
             )
             router.wait_ready(timeout_s=60)

@@ -370,7 +370,9 @@ def serve_on_the_engine_model(engine_model, tmp_path_factory):
         extra_args=("--max-seq-len", "256"),
     )
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = ServerProcess(launch, log_path=str(log), env={"OMP_NUM_THREADS": "1"})
+    proc = ServerProcess(
+        launch, log_path=str(log), env={"OMP_NUM_THREADS": "1"}, rebind_on_conflict=True
+    )
     try:
         proc.wait_healthy(timeout_s=180)
         yield proc

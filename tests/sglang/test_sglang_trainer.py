@@ -103,6 +103,7 @@ def test_the_trainer_pushes_and_rolls_out_on_real_sglang(engines, run_config, tm
                     RouterConfig(port=free_port(), api_key=KEY),
                     urls,
                     log_path=str(tmp_path / "router.log"),
+                    rebind_on_conflict=True,
                 )
             )
             router.wait_ready(timeout_s=60)

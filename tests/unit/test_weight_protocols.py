@@ -23,11 +23,11 @@ from megatron_earl.rollout.weights.group import (
     FLATTENED,
     broadcast_bucket,
     flattened_sizes,
+    host_group_store,
     join_weight_update_group,
     receive_bucket,
 )
 from megatron_earl.rollout.weights.transports import TRANSPORTS, group_address
-from megatron_earl.testing.distributed import free_port
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
 
@@ -86,7 +86,8 @@ def test_group_address():
 
 @pytest.mark.parametrize("load_format", [None, FLATTENED])
 def test_broadcast_wire_formats(load_format):
-    port = free_port()
+    store = host_group_store("127.0.0.1", 2, 30)
+    port = store.port
     bucket = [("a", torch.randn(2, 3)), ("b", torch.randn(6).bfloat16()), ("c", torch.ones(1))]
     got = {}
 
@@ -97,7 +98,7 @@ def test_broadcast_wire_formats(load_format):
 
     thread = threading.Thread(target=engine)
     thread.start()
-    group = join_weight_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 30)
+    group = join_weight_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 30, store)
     broadcast_bucket(group, bucket, load_format)
     thread.join(30)
     assert [n for n, _ in got["bucket"]] == ["a", "b", "c"]
@@ -135,7 +136,8 @@ def test_the_trainers_group_meets_a_rank_joined_the_way_sglang_joins():
     import subprocess
     import sys
 
-    port = free_port()
+    store = host_group_store("127.0.0.1", 2, 30)
+    port = store.port
     peer = subprocess.Popen(
         [sys.executable, "-c", SGLANG_SIDE, str(port), "weights"],
         stdout=subprocess.PIPE,
@@ -143,7 +145,7 @@ def test_the_trainers_group_meets_a_rank_joined_the_way_sglang_joins():
         text=True,
     )
     try:
-        group = join_weight_update_group("127.0.0.1", port, 0, 2, "weights", "gloo", 30)
+        group = join_weight_update_group("127.0.0.1", port, 0, 2, "weights", "gloo", 30, store)
         broadcast_bucket(group, [("a", torch.tensor([1.0, 2.0, 3.0]))])
         out, err = peer.communicate(timeout=30)
     finally:
@@ -153,8 +155,17 @@ def test_the_trainers_group_meets_a_rank_joined_the_way_sglang_joins():
 
 
 def test_a_peer_that_never_joins_times_out():
+    store = host_group_store("127.0.0.1", 2, 1)
     with pytest.raises(TimeoutError, match="not every rank joined within 1 s"):
-        join_weight_update_group("127.0.0.1", free_port(), 0, 2, "g", "gloo", 1)
+        join_weight_update_group("127.0.0.1", store.port, 0, 2, "g", "gloo", 1, store)
+
+
+def test_a_store_bound_in_advance_is_rank_0s_at_its_own_port():
+    store = host_group_store("127.0.0.1", 2, 1)
+    with pytest.raises(ValueError, match="rank 0's, at its own port"):
+        join_weight_update_group("127.0.0.1", store.port, 1, 2, "g", "gloo", 1, store)
+    with pytest.raises(ValueError, match=f"at its own port {store.port}"):
+        join_weight_update_group("127.0.0.1", store.port + 1, 0, 2, "g", "gloo", 1, store)
 
 
 def test_flattened_buckets_keep_every_tensor_aligned():

@@ -3,13 +3,15 @@
     megatron-earl serve --tp-size 2 --model-config model.json --model-path full.pt --port 30000
 
 The serve process is TP rank 0: the scheduler of the embedded engine and the HTTP server. Before
-anything else it starts N-1 followers (``python -m megatron_earl.rollout.serve.follower <the
-same arguments>``) with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of a
-rendezvous on a free local port, and all N form one world (gloo on CPU; on GPUs the device groups
-are NCCL, one device per rank: ``LOCAL_RANK`` = TP rank). Every rank then builds the model the way
-a TP1 server does -- ``ParallelLayout(dp=N)``, seeded random weights or the ``--model-path`` full
-state -- takes its full state, builds the model again in ``ParallelLayout(tp=N)`` and loads its
-shard from that state (``to_tp_layout``): the served weights equal a TP1 server's, bit for bit.
+anything else it binds the world's rendezvous store on a port the OS picks
+(``runtime.host_rendezvous``) and starts N-1 followers (``python -m
+megatron_earl.rollout.serve.follower <the same arguments>``) with ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_ADDR`` / ``MASTER_PORT`` of that store, and all N form one world (gloo on CPU; on GPUs
+the device groups are NCCL, one device per rank: ``LOCAL_RANK`` = TP rank). Every rank then
+builds the model the way a TP1 server does -- ``ParallelLayout(dp=N)``, seeded random weights or
+the ``--model-path`` full state -- takes its full state, builds the model again in
+``ParallelLayout(tp=N)`` and loads its shard from that state (``to_tp_layout``): the served
+weights equal a TP1 server's, bit for bit.
 Followers run ``EmbeddedEngine.follow()``: they execute the steps rank 0 broadcasts (forwards,
 weight loads, ``call``s) and exit when rank 0 shuts the engine down.
 
@@ -59,10 +61,11 @@ class Followers:
     """The N-1 follower processes of a ``serve --tp-size N`` (rank 0 is this process)."""
 
     def __init__(self, tp: int, argv: Sequence[str]) -> None:
-        from megatron_earl.runtime import _free_port
+        from megatron_earl.runtime import host_rendezvous
 
         self.stopping = False
-        port, parent = str(_free_port()), str(os.getpid())
+        # Rank 0 binds the store before the followers learn its port: nothing can take it between.
+        port, parent = str(host_rendezvous(tp)), str(os.getpid())
         world = {"WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         os.environ.update(world, RANK="0", LOCAL_RANK="0")
         self.procs = [

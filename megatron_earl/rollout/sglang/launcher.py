@@ -175,10 +175,18 @@ class ServerProcess:
         """The command line that starts the server."""
         return build_command(self.config)
 
-    def _lost_its_port(self) -> bool:
+    def _log_tail(self, nbytes: int = 4096) -> str:
+        """The last ``nbytes`` of the server's log ("" without ``log_path``)."""
+        if not self._log_path:
+            return ""
         self._log.flush()
         with open(self._log_path, "rb") as f:
-            return b"address already in use" in f.read()[-4096:]
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode(errors="replace")
+
+    def _lost_its_port(self) -> bool:
+        return "address already in use" in self._log_tail().lower()
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -199,9 +207,11 @@ class ServerProcess:
                     self.config = dataclasses.replace(self.config, port=port)
                     self._start()
                     continue
+                tail = self._log_tail(2048)
                 raise RuntimeError(
                     f"server {self.url} exited with code {self.process.returncode} before it was "
                     f"healthy; command: {' '.join(self.command())}"
+                    + (f"\nlast lines of {self._log_path}:\n{tail}" if tail else "")
                 )
             try:
                 with urllib.request.urlopen(self.url + path, timeout=5) as resp:

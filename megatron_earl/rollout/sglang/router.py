@@ -16,6 +16,7 @@ registered and healthy (a clear error naming the engines that are not, or the ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -116,19 +117,41 @@ class RouterProcess:
     """A started router; a context manager that stops it on exit."""
 
     def __init__(
-        self, config: RouterConfig, engine_urls: Sequence[str], *, log_path: str | None = None
+        self,
+        config: RouterConfig,
+        engine_urls: Sequence[str],
+        *,
+        log_path: str | None = None,
+        rebind_on_conflict: bool = False,
     ) -> None:
+        """``rebind_on_conflict``: as ``ServerProcess``'s -- the port was picked free by the
+        caller, so a router that exits because another socket took it (or its metrics port)
+        meanwhile is started again on new free ports by ``wait_ready`` (``url`` follows), at
+        most 3 times."""
+        if rebind_on_conflict and not log_path:
+            raise ValueError("rebind_on_conflict needs log_path (the bind error is read there)")
         self.config = config
         self.engine_urls = list(engine_urls)
-        self.url = f"http://{config.host}:{config.port}"
         self._log_path = log_path
+        self._rebinds = 3 if rebind_on_conflict else 0
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self._start()
+
+    def _start(self) -> None:
+        self.url = f"http://{self.config.host}:{self.config.port}"
         self.process = subprocess.Popen(
-            build_router_command(config, self.engine_urls),
+            build_router_command(self.config, self.engine_urls),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def _lost_its_port(self) -> bool:
+        self._log.flush()
+        with open(self._log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 4096))
+            return b"address already in use" in f.read().lower()
 
     def __enter__(self) -> RouterProcess:
         return self
@@ -149,6 +172,13 @@ class RouterProcess:
         seen: dict[str, bool] = {}
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self._rebinds and self._lost_its_port():
+                    self._rebinds -= 1
+                    self.config = dataclasses.replace(
+                        self.config, port=_free_port(self.config.host)
+                    )
+                    self._start()
+                    continue
                 missing = [u for u in self.engine_urls if not seen.get(u)]
                 raise RuntimeError(
                     f"router {self.url} exited with code {self.process.returncode} before "

@@ -45,11 +45,18 @@ def join_weight_update_group(
     group_name: str,
     backend: str,
     timeout_s: float,
+    store: dist.TCPStore | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host the store of) the group. Blocks until every rank joined, or raises
-    ``TimeoutError`` after ``timeout_s``. Every rank of the group calls it, concurrently."""
+    ``TimeoutError`` after ``timeout_s``. Every rank of the group calls it, concurrently.
+    ``store``: rank 0's store, already bound (``host_group_store``) at ``master_port``."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if store is not None and (rank != 0 or store.port != master_port):
+        raise ValueError(
+            f"a store bound in advance is rank 0's, at its own port {store.port}; got rank "
+            f"{rank}, master_port {master_port}"
+        )
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r} is not one of 'gloo', 'nccl'")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -57,9 +64,8 @@ def join_weight_update_group(
         f"weight-update group {group_name!r} at {master_address}:{master_port} "
         f"(rank {rank} of {world_size})"
     )
-    store = None
     try:
-        store = dist.TCPStore(
+        store = store or dist.TCPStore(
             master_address,
             master_port,
             world_size,
@@ -83,6 +89,20 @@ def join_weight_update_group(
     if timed_out:
         raise TimeoutError(f"{where}: not every rank joined within {timeout_s:g} s ({message})")
     raise RuntimeError(f"{where}: cannot join: {message}")
+
+
+def host_group_store(address: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store of a group on a port the OS picks at bind time (``.port``): the port the
+    engines are told is already held, where a port picked free and bound later can be taken
+    by another process in between."""
+    return dist.TCPStore(
+        address,
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def group_device(group: Any) -> torch.device:

@@ -59,6 +59,7 @@ from megatron_earl.rollout.sglang.identity import engine_tp_size
 from megatron_earl.rollout.weights.group import (
     FLATTENED,
     broadcast_bucket,
+    host_group_store,
     join_weight_update_group,
 )
 from megatron_earl.rollout.weights.relay.publisher import RelayPublisher, wait_for_engines
@@ -229,9 +230,12 @@ class DistributedTransport(WeightTransport):
         s = self.settings
         urls = [c.base_url for c in clients]
         address = s.group_address or group_address(urls)
-        port = s.group_port or _free_port(address)
         tp = await self.engine_tp(clients)
         world = 1 + len(clients) * tp
+        # Without a configured port the store is bound first and its port sent: nothing can
+        # take the port between the pick and the bind.
+        store = None if s.group_port else host_group_store(address, world, s.group_timeout_s)
+        port = s.group_port or store.port
         joins = [
             c.init_weights_update_group(
                 address,
@@ -253,10 +257,12 @@ class DistributedTransport(WeightTransport):
             GROUP_NAME,
             self.backend,
             s.group_timeout_s,
+            store,
         )
         results = await asyncio.gather(local, *joins, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            store = None  # closed now, not with the traceback: the engines' waits end at once
             raise EngineError(
                 f"cannot form weight-update group {GROUP_NAME!r} at {address}:{port} with "
                 f"{urls}: {errors[0]}"
@@ -343,9 +349,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
