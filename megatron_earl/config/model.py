@@ -669,4 +669,7 @@ def _moe_kwargs(model: ModelConfig, *, ep: int, etp: int, grouped_gemm: bool) ->
         "moe_grouped_gemm": grouped_gemm,
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp,
+        # every router holds a RouterReplay (native routing until an action is set): the engine
+        # records routes through it and the trainer replays them (models.routing)
+        "moe_enable_routing_replay": True,
     }

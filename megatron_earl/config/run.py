@@ -37,6 +37,7 @@ from megatron_earl.config.loss import PolicyLossConfig
 from megatron_earl.config.model import ModelConfig
 from megatron_earl.config.optim import OptimConfig
 from megatron_earl.config.repack import RepackConfig
+from megatron_earl.config.routing import RoutingConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.sglang import SGLangConfig
 from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase
@@ -647,6 +648,8 @@ class RunConfig:
     """Per-step layout selection of the ``selector.phases`` (off by default)."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Collective timeouts and the hang watchdog."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """Routing replay of a mixture-of-experts model (``config.routing``)."""
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("steps",)) + _positive(self, ("seed",), minimum=0)

@@ -171,6 +171,15 @@ class DistributedLoadFormat(Vocabulary):
     ``"flattened_bucket"``)."""
 
 
+class RoutingReplay(Vocabulary):
+    """Where the trainer's MoE routers take their experts from (``routing.replay``)."""
+
+    NONE = "none"
+    """Their own top-k of the trainer's router logits."""
+    ROLLOUT = "rollout"
+    """The experts the rollout engine routed each token to (R3)."""
+
+
 class RepackPolicy(Vocabulary):
     """Where asynchronous trajectories run across weight versions (``rollout.repack.policy``)."""
 

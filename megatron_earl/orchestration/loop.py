@@ -54,6 +54,7 @@ from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
 from megatron_earl.models.impl import pin_transformer_impl
+from megatron_earl.models.routing import RouteAction
 from megatron_earl.orchestration.async_rollout import (
     AsyncProducer,
     GroupPlan,
@@ -95,8 +96,10 @@ from megatron_earl.rollout.repack import Placement, relay_holders, release_holde
 from megatron_earl.selector.budget import state_bytes
 from megatron_earl.selector.profile import BusyClock
 from megatron_earl.training.advantages import build_estimator
+from megatron_earl.training.microbatch import ROUTES
 from megatron_earl.training.reference import ReferenceConfig, ReferencePolicy
 from megatron_earl.training.rl_step import RLStepConfig, micro_batch_logprobs, train_micro_batches
+from megatron_earl.training.schedule import ROUTING_DISAGREEMENT
 from megatron_earl.training.setup import build_lr_scheduler, set_lr_step
 
 SAMPLE_ID_STRIDE = 1_000_000
@@ -262,7 +265,7 @@ class RLLoop:
         use_layout(layout)
         if self.old_logprobs:
             self.policy.sync(layout)
-        fields = ("tokens", "labels", "loss_mask")
+        fields = ("tokens", "labels", "loss_mask", *([ROUTES] if self._routes else ()))
         used = [self.policy.chunks(layout)] if self.old_logprobs else []
         if self.reference is not None:
             used.append(self.reference.chunks)
@@ -274,7 +277,10 @@ class RLLoop:
             cache=self.plan_cache,
         )
         local = execute(plan, batch)
-        inputs = model_inputs(local.micro_batches, fields, layout.cp, self._sp(layout), share)
+        routing = self._route_action(Phase.EXPERIENCE)
+        inputs = model_inputs(
+            local.micro_batches, fields, layout.cp, self._sp(layout), share, routing
+        )
         names = []
         if self.old_logprobs:
             out = micro_batch_logprobs(
@@ -289,7 +295,8 @@ class RLLoop:
             assert layout == self.reference.config.layout, (layout, self.reference.config.layout)
             if not self.reference.loaded:
                 self.freeze_reference()
-            ref = self.reference.micro_batch_logprobs(inputs)
+            # the reference policy routes natively: the rollout's routes are the policy's
+            ref = self.reference.micro_batch_logprobs([_unrouted(mb) for mb in inputs])
             if ref is not None:
                 for mb, values in zip(local.micro_batches, ref, strict=True):
                     mb.fields["ref_logprobs"] = values
@@ -336,10 +343,13 @@ class RLLoop:
         if self.selection is not None:
             optimizer = self.selection.guard(optimizer)
         progress = progress or TrainProgress()
+        routing = self._route_action(Phase.TRAIN)
         for i in range(progress.done, n):
             if update:  # the schedule's rate at this RL optimizer step (SFT steps not counted)
                 set_lr_step(self._lr_scheduler(), self.policy.version - self.config.sft.steps)
-            whole = model_inputs(local.mini_batch(i), fields, layout.cp, self._sp(layout), share)
+            whole = model_inputs(
+                local.mini_batch(i), fields, layout.cp, self._sp(layout), share, routing
+            )
             progress.metrics = train_micro_batches(
                 self.policy.ddp_chunks, optimizer, whole, step_config
             )
@@ -347,6 +357,39 @@ class RLLoop:
                 self.policy.version += 1
             progress.done = i + 1
         return progress.metrics
+
+    @property
+    def _routes(self) -> tuple[int, int] | None:
+        """(MoE layers, topk) of the samples' ``routed_experts`` when ``routing`` records
+        them, else None."""
+        if not self.config.routing.records:
+            return None
+        return self.config.model.num_layers, self.config.model.moe_router_topk
+
+    def _route_action(self, phase: Phase) -> RouteAction | None:
+        """What ``phase``'s forwards do with the rollout's routes: replay them, measure their
+        own routing against them, or nothing (no routes)."""
+        if self._routes is None:
+            return None
+        return RouteAction.REPLAY if self.config.routing.replays(phase) else RouteAction.MEASURE
+
+    def routing_metrics(self) -> dict[str, float]:
+        """``routing/disagreement``: the fraction of (token, layer) routes the measured forwards
+        of the step routed differently from the engine (every rank's routers, summed over the
+        world; every rank calls). Empty when nothing was measured."""
+        if self._routes is None:
+            return {}
+        taken = ROUTING_DISAGREEMENT.take()
+        counts = torch.zeros(2, dtype=torch.float64)
+        if taken is not None:
+            counts = torch.stack([runtime.to_host(t).double() for t in taken])
+        dist.all_reduce(counts, group=host_group())
+        if counts[1] == 0:
+            return {}
+        return {
+            "routing/disagreement": float(counts[0] / counts[1]),
+            "routing/compared": float(counts[1]),
+        }
 
     def _sp(self, layout: ParallelLayout) -> int:
         """Ranks that split a packed micro-batch's sequence in ``layout`` (tp under sequence
@@ -437,9 +480,11 @@ class RLLoop:
             if cfg.rollout.mode != "async":
                 groups = group_index(ok)
             batch = (
-                trajectories_to_batch(ok, source * SAMPLE_ID_STRIDE, groups, self.estimator)
+                trajectories_to_batch(
+                    ok, source * SAMPLE_ID_STRIDE, groups, self.estimator, self._routes
+                )
                 if source is not None
-                else schema_batch()
+                else schema_batch(routes=self._routes)
             )
             rolled = batch
             batch, skipped = skip_zero_advantage(batch, self.skip_rule, self._skip_floor())
@@ -512,6 +557,7 @@ class RLLoop:
         metrics.update(selected)
         metrics.update(self.sampling_metrics)
         metrics.update({f"sync/{k}": v for k, v in self.sync_stats.items()})
+        metrics.update(self.routing_metrics())
         metrics["weight_version"] = float(self.policy.version)
         metrics["tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/step"], 1e-9)
         return metrics
@@ -573,7 +619,9 @@ class RLLoop:
             stacklevel=2,
         )
         self.step += 1
-        return self._step_metrics(trajs, schema_batch(), {}, clock, start, selected)
+        return self._step_metrics(
+            trajs, schema_batch(routes=self._routes), {}, clock, start, selected
+        )
 
     def _async_rollout(self) -> tuple[list[Trajectory], int, dict[str, int]]:
         """``rollout.mode: async``: start this rank's producer (first step), push the weights
@@ -678,7 +726,7 @@ class RLLoop:
             self.config.env.spec(), tuple(range(seed_offset, seed_offset + num_prompts)), "eval"
         )
         agent = agent_config(
-            self.config, group_size=samples, temperature=temperature, seed=seed_offset
+            self.config, group_size=samples, temperature=temperature, seed=seed_offset, train=False
         )
         trajs, _ = self.rollout(prompts, agent)
         stats = torch.tensor(
@@ -781,3 +829,8 @@ def check_engine_relays(relays: Sequence[str]) -> None:
     problems = release_holder_problems(answers[0], dist.get_world_size())
     if problems:
         raise ValueError("rollout.repack: " + "; ".join(problems))
+
+
+def _unrouted(micro_batch: dict[str, object]) -> dict[str, object]:
+    """A micro-batch without its routing action (its forward routes natively)."""
+    return {k: v for k, v in micro_batch.items() if k != "routing"}

@@ -40,12 +40,13 @@ class PromptSet:
 
 
 def agent_config(
-    config: RunConfig, *, group_size: int, temperature: float, seed: int
+    config: RunConfig, *, group_size: int, temperature: float, seed: int, train: bool = True
 ) -> AgentLoopConfig:
     """The agent loop's settings of one rollout of the run: ``rollout``'s limits and its
     ``sampling`` whole at ``temperature`` (the run's, or the evaluation's), ``group_size``
     samples per prompt, ``seed`` the rollout's sampling seed (with ``rollout.sampling.seed``,
-    the root of every request's seed). Pure."""
+    the root of every request's seed); a rollout that is trained on (``train``) asks for the
+    routed experts when ``routing`` records them. Pure."""
     r = config.rollout
     return AgentLoopConfig(
         max_turns=r.max_turns,
@@ -56,6 +57,11 @@ def agent_config(
         max_concurrency_per_engine=r.max_concurrency,
         env_timeout_s=r.env_timeout_s,
         reward_timeout_s=r.reward_timeout_s,
+        routed_experts=(
+            (config.model.num_layers, config.model.moe_router_topk, config.model.num_experts)
+            if train and config.routing.records
+            else None
+        ),
     )
 
 

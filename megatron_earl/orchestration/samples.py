@@ -10,6 +10,10 @@ predicts ``tokens[t + 1]``, trainable iff that token was sampled by the model. P
     rollout_logprobs (float32)  the engine's log p(label) at generated positions
     advantages (float32)        the sample's advantage at generated positions
     old_logprobs (float32)      added by the experience phase
+    routed_experts (int16)      routing replay (``routing``): ``[L, layers, topk]``, the experts
+                                the engine routed each *input* position to (not shifted like
+                                the labels), -1 where it computed none (the last token, trailing
+                                observation tokens)
 
 Per-sample fields: ``reward`` (float32), ``policy_version`` (int64: the oldest turn's version).
 
@@ -35,10 +39,11 @@ from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Batch, PlanConfig
 from megatron_earl.dispatch.execute import MicroBatch
 from megatron_earl.models.gpt import tree_ready
+from megatron_earl.models.routing import RouteAction
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.training.advantages import AdvantageEstimator, AdvantageInputs
-from megatron_earl.training.microbatch import next_token_sample, thd_micro_batch
+from megatron_earl.training.microbatch import ROUTES, next_token_sample, thd_micro_batch
 from megatron_earl.training.prefix_tree import tree_micro_batch
 
 TOKEN_FIELDS = {
@@ -57,15 +62,41 @@ def replica_layout(layout: ParallelLayout) -> ParallelLayout:
     return ParallelLayout(tp=layout.tp * layout.cp, cp=1, pp=layout.pp, dp=layout.dp)
 
 
-def schema_batch(extra_token_fields: Sequence[str] = ()) -> Batch:
-    """An empty batch with the step's schema (for ranks that hold no samples)."""
+def schema_batch(
+    extra_token_fields: Sequence[str] = (), routes: tuple[int, int] | None = None
+) -> Batch:
+    """An empty batch with the step's schema (for ranks that hold no samples); ``routes``:
+    (MoE layers, topk) of a ``routed_experts`` field."""
     names = {**TOKEN_FIELDS, **dict.fromkeys(extra_token_fields, torch.float32)}
+    fields = {n: torch.empty(0, dtype=d, device=runtime.device()) for n, d in names.items()}
+    if routes is not None:
+        fields[ROUTES] = torch.empty((0, *routes), dtype=torch.int16, device=runtime.device())
     return Batch(
         [],
         [],
-        {n: torch.empty(0, dtype=d, device=runtime.device()) for n, d in names.items()},
+        fields,
         {n: torch.empty(0, dtype=d, device=runtime.device()) for n, d in SAMPLE_FIELDS.items()},
     )
+
+
+def sample_routes(traj: Trajectory, layers: int, topk: int) -> torch.Tensor:
+    """The trajectory's routes ``[L, layers, topk]`` (int16) for its ``L`` tokens: the engine's
+    for the positions it holds routes for, -1 after them (positions no engine computed: the
+    last token, trailing observation tokens -- none of them precedes a trained token)."""
+    n = len(traj.token_ids)
+    held = traj.routes_held
+    if held > n:
+        raise ValueError(f"trajectory {traj.uid} holds routes of {held} positions for {n} tokens")
+    out = torch.full((n, layers, topk), -1, dtype=torch.int16)
+    if held:
+        routes = torch.cat([torch.as_tensor(c) for c in traj.routed_experts])
+        if tuple(routes.shape[1:]) != (layers, topk):
+            raise ValueError(
+                f"trajectory {traj.uid}: routes of shape {tuple(routes.shape)}; the model needs "
+                f"[positions, {layers} layers, top-{topk}]"
+            )
+        out[:held] = routes.to(torch.int16)
+    return out
 
 
 def trajectories_to_batch(
@@ -73,11 +104,13 @@ def trajectories_to_batch(
     first_sample_id: int,
     group_index: dict[str, int],
     estimator: AdvantageEstimator,
+    routes: tuple[int, int] | None = None,
 ) -> Batch:
     """Pack the (OK) trajectories of whole groups into a dispatcher batch with advantages.
 
-    ``first_sample_id`` makes ids unique in the step; ``group_index`` maps group ids to ints.
-    Local: no communication (the groups of a prompt are all on this rank).
+    ``first_sample_id`` makes ids unique in the step; ``group_index`` maps group ids to ints;
+    ``routes``: (MoE layers, topk) -- add the trajectories' ``routed_experts``. Local: no
+    communication (the groups of a prompt are all on this rank).
     """
     samples, rewards, groups, versions = [], [], [], []
     for traj in trajectories:
@@ -89,7 +122,7 @@ def trajectories_to_batch(
         groups.append(group_index[traj.group_id])
         versions.append(min(traj.weight_versions, default=0))
     if not samples:
-        return schema_batch()
+        return schema_batch(routes=routes)
     lengths = [len(s["tokens"]) for s in samples]
     packed = {
         n: torch.cat([s[n] for s in samples]).to(d)
@@ -106,6 +139,8 @@ def trajectories_to_batch(
         )
     )
     packed["advantages"] = out.advantages[0].float()
+    if routes is not None:
+        packed[ROUTES] = torch.cat([sample_routes(t, *routes) for t in trajectories])
     per_sample = {
         "reward": torch.tensor(rewards, dtype=torch.float32),
         "policy_version": torch.tensor(versions, dtype=torch.int64),
@@ -150,6 +185,7 @@ def shares_prefixes(
         and config.model.attention_dropout == 0
         and config.model.hidden_dropout == 0
         and all(tree_ready(chunks) for chunks in models)
+        and not config.routing.records  # the routes follow packed samples, not trees
     )
 
 
@@ -159,22 +195,32 @@ def model_inputs(
     cp: int,
     sp: int = 1,
     share_prefix: bool = False,
+    routing: RouteAction | None = None,
 ) -> list[dict[str, object]]:
     """The model's packed (thd, not CP-split) form of dispatched micro-batches (whole samples):
     their per-token ``fields``, padded for ``cp`` and sequence parallelism over ``sp`` ranks
     (views of the received tensors when nothing is padded), labelled by sample id. With
-    ``share_prefix`` (cp = 1) each micro-batch is a prefix tree (``training.prefix_tree``)."""
+    ``share_prefix`` (cp = 1) each micro-batch is a prefix tree (``training.prefix_tree``).
+    ``routing``: what the forward does with the ``routed_experts`` field (``schedule``:
+    replay them, or measure its own routing against them); None drops the field."""
     if share_prefix and cp != 1:
         raise ValueError(f"prefix-shared packing needs cp = 1, got cp = {cp}")
+    if routing is not None and share_prefix:
+        raise ValueError("routes follow packed samples: prefix-shared packing cannot carry them")
+    names = [k for k in fields if k != ROUTES] + ([ROUTES] if routing is not None else [])
     if share_prefix:
         return [
-            tree_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, mb.sample_ids, sp)
+            tree_micro_batch({k: mb.fields[k] for k in names}, mb.lengths, mb.sample_ids, sp)
             for mb in micro_batches
         ]
-    return [
-        thd_micro_batch({k: mb.fields[k] for k in fields}, mb.lengths, cp, mb.sample_ids, sp)
+    out = [
+        thd_micro_batch({k: mb.fields[k] for k in names}, mb.lengths, cp, mb.sample_ids, sp)
         for mb in micro_batches
     ]
+    if routing is not None:
+        for mb in out:
+            mb["routing"] = routing
+    return out
 
 
 def with_token_field(batch: Batch, name: str, values: torch.Tensor) -> Batch:

@@ -50,7 +50,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_earl.config.run import ConfigError, RunConfig
-from megatron_earl.config.vocab import EngineKind, Phase
+from megatron_earl.config.vocab import EngineKind, Phase, RoutingReplay
 from megatron_earl.envs import ENVS
 from megatron_earl.models.impl import machine_facts, transformer_impl_problems
 from megatron_earl.parallel.layout import (
@@ -117,15 +117,30 @@ def _expert_problems(config: RunConfig, layouts: dict[Phase, ParallelLayout]) ->
         for phase, layout in layouts.items()
         if layout.ep > 1 or layout.etp is not None
     }
+    routing = config.routing
     if not config.model.is_moe:
         return [
             f"layouts.{phase} '{layout}': expert parallelism (ep {layout.ep}, etp "
             f"{layout.expert_tp}) needs a mixture-of-experts model (model.num_experts); use ep1 "
             "without etp"
             for phase, layout in expert.items()
-        ]
+        ] + (
+            [
+                f"routing (replay {str(routing.replay)!r}, measure {routing.measure}) needs a "
+                "mixture-of-experts model (model.num_experts); a dense model routes nothing: "
+                "set routing.replay: none and routing.measure: false"
+            ]
+            if routing.records
+            else []
+        )
     moe = f"model.num_experts={config.model.num_experts}"
     problems = []
+    if routing.replay is RoutingReplay.ROLLOUT and config.model.recompute_granularity is not None:
+        problems.append(
+            f"routing.replay={str(routing.replay)!r} with model.recompute_granularity="
+            f"{config.model.recompute_granularity!r}: the recomputed forward in the backward "
+            "pass would route natively, not as the rollout; set recompute_granularity: null"
+        )
     if config.rollout.engine != EngineKind.EMBEDDED:
         problems.append(
             f"{moe} with rollout.engine={config.rollout.engine!r}: mixture-of-experts models "

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from megatron_earl.config.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishType(str, enum.Enum):
@@ -53,6 +56,12 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     """Most likely tokens returned with their log-probs at each returned position (prompt
     positions from ``logprob_start_len``, every output token); 0: none."""
+    return_routed_experts: bool = False
+    """Return the experts each computed position was routed to (mixture-of-experts models;
+    SGLang's ``return_routed_experts``, which needs ``--enable-return-routed-experts``)."""
+    routed_experts_start_len: int = 0
+    """First position whose routes are returned (SGLang's ``routed_experts_start_len``): a
+    multi-turn caller that holds the routes of the earlier positions asks for the rest."""
 
 
 TopLogprobs = tuple[tuple[float, int], ...]
@@ -86,6 +95,11 @@ class GenerateResult:
     """The ``top_logprobs_num`` most likely tokens at the positions of ``input_logprobs``."""
     output_top_logprobs: tuple[TopLogprobs, ...] = ()
     """The ``top_logprobs_num`` most likely tokens at each output position."""
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
+    """``return_routed_experts``: ``[n - 1 - routed_experts_start_len, MoE layers, topk]`` int32
+    on the host, n = prompt + output tokens: the experts of every position from
+    ``routed_experts_start_len`` whose forward ran (all but the last token), cached prefix
+    included -- SGLang's ``meta_info.routed_experts``; None when not asked."""
 
 
 class EngineError(RuntimeError):

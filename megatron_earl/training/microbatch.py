@@ -61,6 +61,9 @@ from megatron_earl.parallel.cp import (
 Sample = Mapping[str, torch.Tensor]
 REQUIRED_FIELDS = ("tokens", "labels", "loss_mask")
 INT_FIELDS = ("tokens", "labels")
+ROUTES = "routed_experts"
+"""The per-token routes of an MoE model's rollout (``[L, layers, topk]`` expert ids, -1 where the
+engine computed no route: ``models.routing``); kept integer, padded with -1."""
 
 
 class MicroBatchError(ValueError):
@@ -148,10 +151,12 @@ def thd_micro_batch(
 ) -> dict[str, object]:
     """The packed (thd) micro-batch of samples held back to back (whole, not CP-split).
 
-    ``fields`` are 1-D per-token tensors ``[sum(lengths)]`` (e.g. a dispatched micro-batch's);
-    ``sample_index`` labels the samples (default ``0..n-1``). ``tokens``/``labels`` become int64,
-    the rest float32 (no copy when they already are). With cp > 1 each sample is padded to
-    ``cp_padded_length`` with token 0, loss mask 0, the sample's seq id and zeros elsewhere.
+    ``fields`` are per-token tensors ``[sum(lengths)]`` (e.g. a dispatched micro-batch's;
+    ``routed_experts`` ``[sum(lengths), layers, topk]``); ``sample_index`` labels the samples
+    (default ``0..n-1``). ``tokens``/``labels``/``routed_experts`` become int64, the rest
+    float32 (no copy when they already are). With cp > 1 each sample is padded to
+    ``cp_padded_length`` with token 0, loss mask 0, the sample's seq id, routes -1 and zeros
+    elsewhere.
     ``sp`` > 1 (the model's tp under sequence parallelism) pads the last sample further, the same
     way, so each CP rank's share divides by ``sp`` (``parallel.cp.sequence_parallel_padding``).
     """
@@ -175,9 +180,10 @@ def thd_micro_batch(
     position_ids = torch.arange(int(cu[-1])) - starts[seq_ids]
     out: dict[str, object] = {}
     for name, t in fields.items():
-        t = runtime.to_device(t.long() if name in INT_FIELDS else t.float())
+        t = runtime.to_device(t.long() if name in (*INT_FIELDS, ROUTES) else t.float())
         if real is not None:
-            t = t.new_zeros(int(cu[-1])).index_copy_(0, real, t)
+            pad = -1 if name == ROUTES else 0
+            t = t.new_full((int(cu[-1]), *t.shape[1:]), pad).index_copy_(0, real, t)
         out[name] = t.unsqueeze(0)
     out["seq_ids"] = runtime.to_device(seq_ids).unsqueeze(0)
     out["position_ids"] = runtime.to_device(position_ids).unsqueeze(0)

@@ -154,8 +154,9 @@ def agree(fn: Callable[[], Any]) -> Any:
     return value
 
 
-MB_KEYS = ("seq_ids", "position_ids", "packed_seq_params", "sample_index")
-"""Keys of a thd micro-batch that are not sample fields."""
+MB_KEYS = ("seq_ids", "position_ids", "packed_seq_params", "sample_index", "routing")
+"""Keys of a thd micro-batch that are not sample fields (``routing``: what the forward does with
+the ``routed_experts`` field, ``training.schedule.routing_context``)."""
 
 
 def nonfinite_slots(micro_batch: dict[str, Any]) -> torch.Tensor:

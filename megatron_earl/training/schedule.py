@@ -10,6 +10,7 @@ Which ranks call: every rank of the world, with the same number of micro-batches
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -18,6 +19,15 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 
+from megatron_earl.models.routing import (
+    Disagreement,
+    RouteAction,
+    chunk_routers,
+    filled,
+    measuring,
+    replaying,
+    sequence_parallel_slice,
+)
 from megatron_earl.parallel.ddp import unwrap_chunk
 
 MicroBatch = dict[str, torch.Tensor]
@@ -74,14 +84,40 @@ def lm_loss(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict
     return loss, {"loss": reported, "logprobs": logprobs.detach()}
 
 
+ROUTING_DISAGREEMENT = Disagreement()
+"""What ``RouteAction.MEASURE`` forwards counted (every rank's own routers), until the caller
+takes it (``orchestration.loop``)."""
+
+
+def routing_context(model: nn.Module, batch: MicroBatch) -> contextlib.AbstractContextManager:
+    """The micro-batch's routing (its ``routing`` and ``routed_experts`` ``[1, t, L, k]``, this
+    CP rank's tokens) on ``model``'s MoE routers: replayed or measured (``models.routing``); a
+    no-op without them. Under sequence parallelism each TP rank's routers see its contiguous
+    ``1/tp`` of the tokens; a pipeline stage's routers take their layers' columns."""
+    action = batch.get("routing")
+    routers = chunk_routers(unwrap_chunk(model)) if action is not None else []
+    if not routers:
+        return contextlib.nullcontext()
+    routes = batch["routed_experts"][0]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1 and unwrap_chunk(model).config.sequence_parallel:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        routes = sequence_parallel_slice(routes, tp, rank)
+    routes = routes[:, [r.layer for r in routers]]
+    if RouteAction(action) is RouteAction.REPLAY:
+        return replaying(routers, filled(routes))
+    return measuring(routers, routes, ROUTING_DISAGREEMENT)
+
+
 def _forward_step(loss_fn: LossFn, data_iterator, model: nn.Module):
     batch = next(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch.get("attention_mask"),
-        packed_seq_params=batch.get("packed_seq_params"),
-    )
+    with routing_context(model, batch):
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            packed_seq_params=batch.get("packed_seq_params"),
+        )
 
     def loss_func(output_tensor: torch.Tensor):
         loss, metrics = loss_fn(output_tensor, batch)

@@ -432,3 +432,112 @@ def test_rope_scaled_hf_model_generates_what_transformers_generates(tmp_path, ro
     got = run_distributed(_hf_engine_run, 1, args=({rope: hf_dir}, prompts, max_new))[0]
     assert got[rope] == expected
     assert len({t for out in expected for t in out}) > 3  # not one repeated token
+
+
+ROUTE_GAP = 1e-4
+"""A route may differ from the full forward's only where that forward's k-th and (k+1)-th router
+logits are closer than this: the engine's hidden states equal it up to fp32 sums in another
+order (~1e-6 here), so a choice flips only on such a near-tie."""
+
+
+def _routes_run(layout, weights, prompts, model: ModelConfig):
+    """Two turns per prompt on an engine that records routes (the second turn on the first's
+    parked row, asking for the routes from where the first turn's stopped); every rank returns
+    the scheduler's results."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from megatron_earl.config.sampling import SamplingParams
+    from megatron_earl.rollout.embedded.engine import (
+        EmbeddedEngine,
+        EmbeddedEngineConfig,
+        run_engine,
+    )
+    from megatron_earl.rollout.engine import GenerateRequest
+
+    chunks, _ = _build(layout, weights, model)
+    # 4 rows: each of the 3 sessions finds a free row to park in when its first turn ends
+    config = EmbeddedEngineConfig(max_batch_size=4, max_seq_len=MAX_SEQ, record_routes=True)
+    engine = EmbeddedEngine(chunks, model, config)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def driver(eng):
+        asks = [
+            GenerateRequest(p, greedy, session=f"s{i}", return_routed_experts=True)
+            for i, p in enumerate(prompts)
+        ]
+        first = await asyncio.gather(*(eng.generate(r) for r in asks))
+        second = []
+        for i, (p, r) in enumerate(zip(prompts, first)):
+            context = (*p, *r.output_ids, 7, 9)
+            held = len(p) + len(r.output_ids) - 1
+            request = GenerateRequest(
+                context, greedy, session=f"s{i}", return_routed_experts=True,
+                routed_experts_start_len=held,
+            )  # fmt: skip
+            second.append(await eng.generate(request))
+        return first, second
+
+    box = [run_engine(engine, driver)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _reference_routes(weights, seqs, model: ModelConfig):
+    """TP1 full forwards of ``seqs``: per sequence its routes ``[n, L, k]`` and, per (position,
+    layer), the gap between the k-th and (k+1)-th router logits."""
+    from megatron_earl.models.routing import moe_routers, recording
+
+    chunks, _ = _build(ParallelLayout(), weights, model)
+    gpt = chunks[0].eval()
+    routers = moe_routers(chunks)
+    inputs = []
+    hooks = [
+        layer.mlp.router.register_forward_hook(lambda m, args, out: inputs.append((m, args[0])))
+        for layer in gpt.decoder.layers
+    ]
+    out = []
+    with torch.no_grad():
+        for seq in seqs:
+            inputs.clear()
+            with recording(routers) as routes:
+                gpt(torch.tensor([seq]), torch.arange(len(seq))[None], None)
+                recorded = routes()
+            logits = torch.stack([r.gating(x.view(-1, x.size(-1))) for r, x in inputs], dim=1)
+            top = logits.topk(model.moe_router_topk + 1, dim=-1).values
+            out.append((recorded, top[..., -2] - top[..., -1]))
+    for hook in hooks:
+        hook.remove()
+    return out
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2)], ids=str)
+def test_recorded_routes_equal_the_full_forwards_through_a_cached_prefix(layout):
+    """The routes a request gets back (``return_routed_experts``) are the full forward's at
+    every computed position, the first turn's from position 0 and the second turn's -- served
+    from the first's parked row -- from ``routed_experts_start_len``, its cached prefix
+    included; the rows are positions ``[start, n - 1)`` as SGLang returns them."""
+    from megatron_earl.models.routing import disagreement
+
+    prompts = _prompts()[:3]
+    weights, _ = run_distributed(
+        _reference, 1, args=(prompts, (1, 1, 1), QWEN3_MOE_LIKE), timeout_s=120
+    )[0]
+    first, second = run_distributed(
+        _routes_run, layout.tp, args=(layout, weights, prompts, QWEN3_MOE_LIKE), timeout_s=180
+    )[0]
+    seqs = [(*p, *a.output_ids, 7, 9, *b.output_ids) for p, a, b in zip(prompts, first, second)]
+    reference = run_distributed(
+        _reference_routes, 1, args=(weights, seqs, QWEN3_MOE_LIKE), timeout_s=120
+    )[0]
+    layers, topk = QWEN3_MOE_LIKE.num_layers, QWEN3_MOE_LIKE.moe_router_topk
+    for p, a, b, seq, (routes, gap) in zip(prompts, first, second, seqs, reference, strict=True):
+        n_first = len(p) + len(a.output_ids)
+        assert a.routed_experts.shape == (n_first - 1, layers, topk)
+        assert a.routed_experts.dtype == torch.int32
+        assert b.cached_tokens > 0  # the second turn ran on the parked row
+        assert b.routed_experts.shape == (len(seq) - 1 - (n_first - 1), layers, topk)
+        got = torch.cat([a.routed_experts, b.routed_experts])
+        differs = disagreement(got.long(), routes[: len(seq) - 1])
+        assert not bool((differs & (gap[: len(seq) - 1] > ROUTE_GAP)).any()), differs.nonzero()

@@ -2,7 +2,8 @@
 writes" lists every key with the condition under which the loop emits it (``always``, ``eval``,
 ``selector``, ``sglang``, ``colocated``, ``reshard``, ``async``, ``repack``: ``rollout.repack``
 drain or repack, ``dynamic_sampling`` and ``async_dynamic_sampling``: ``rollout.dynamic_sampling``
-in the synchronous loop and in async mode).
+in the synchronous loop and in async mode; ``routing_measure``: an MoE run whose ``routing``
+records routes and has a forward that does not replay them).
 ``check_documented(records, conditions)`` asserts, for one run's metrics records, that every
 emitted key matches a documented key and every documented key of the run's conditions is
 emitted. The trainer's integration tests call it on the runs they make anyway.
@@ -25,6 +26,7 @@ CONDITIONS = (
     "repack",
     "dynamic_sampling",
     "async_dynamic_sampling",
+    "routing_measure",
 )
 PLACEHOLDERS = {"<phase>": r"[a-z_]+", "<i>": r"\d+"}
 

@@ -5,7 +5,7 @@ the train step at tp2 ep2 etp1 (two experts per rank), so the dense and the expe
 resharded between three layouts every step. Two steps complete, both phases' weights move, and
 the engine's log-probs equal the trainer's recomputation of the same policy within the fp32
 bound of a forward's sums in another order (the router sees the same hidden states up to that
-bound, so both sides route alike; no routing replay is involved)."""
+bound, so both sides route alike), with routing replay and without it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from megatron_earl.config import load_config
 from tests.integration.metrics_doc import check_documented
@@ -38,8 +40,7 @@ TINY = [
 ]
 
 
-def test_moe_run_rolls_out_and_trains_across_expert_parallel_layouts(tmp_path):
-    overrides = [*TINY, f"output_dir={tmp_path}", "name=moe"]
+def _run(tmp_path, *overrides: str) -> list[dict]:
     command = [sys.executable, "-m", "megatron_earl.cli.main", "train", "--nproc", "2"]
     result = subprocess.run(
         [*command, "--config", str(CONFIG), *overrides],
@@ -52,7 +53,22 @@ def test_moe_run_rolls_out_and_trains_across_expert_parallel_layouts(tmp_path):
     lines = (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [1, 2]
-    check_documented(records, set())
+    return records
+
+
+@pytest.mark.parametrize(
+    "routing,measured",
+    [(["routing.replay=rollout"], False), (["routing.replay=none", "routing.measure=true"], True)],
+    ids=["replay", "measure"],
+)
+def test_moe_run_rolls_out_and_trains_across_expert_parallel_layouts(tmp_path, routing, measured):
+    """Replay (``routing.replay: rollout``) routes the trainer's forwards as the engine did
+    (its routes travel with the samples from the dp2 rollout to the tp2 and tp2 ep2 forwards,
+    split over sequence parallelism there); measuring reports how often the trainer's own
+    routing differs from the engine's. Either way the log-probs agree within the bound."""
+    overrides = [*TINY, f"output_dir={tmp_path}", "name=moe", *routing]
+    records = _run(tmp_path, *overrides)
+    check_documented(records, {"routing_measure"} if measured else set())
     config = load_config(CONFIG, overrides)
     # a mean |difference| of log-probs: the bound of one log-prob's chain of fp32 sums over the
     # longest context, terms of magnitude <= 1 (this initialisation's activations and logits)
@@ -61,3 +77,6 @@ def test_moe_run_rolls_out_and_trains_across_expert_parallel_layouts(tmp_path):
         assert r["sync/reshard_bytes_sent"] > 0  # rollout <-> experience <-> train layouts
         assert r["train/num_tokens"] > 500  # 16 samples' response tokens
         assert 0 <= r["rollout/logprob_mismatch"] <= bound, (r["rollout/logprob_mismatch"], bound)
+        if measured:  # same policy, same hidden states up to fp32 sums: near-ties only
+            assert r["routing/compared"] > 0
+            assert 0 <= r["routing/disagreement"] < 0.05, r["routing/disagreement"]

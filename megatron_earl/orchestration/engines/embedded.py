@@ -69,9 +69,9 @@ def engine_config(
     cache is allocated when the engine is built: the selector counts it,
     ``orchestration.selection``),
     ``rollout.embedded``'s threads, and the compiled decode and prefill steps when asked for and
-    ``layout`` has tp = 1 (else eager). Steps run in the engine's worker thread
-    (``EmbeddedEngineConfig.step_thread``): the agent loops' env and reward timeouts keep running
-    during a long step. Pure."""
+    ``layout`` has tp = 1 (else eager); routes recorded when ``routing`` asks for them. Steps
+    run in the engine's worker thread (``EmbeddedEngineConfig.step_thread``): the agent loops'
+    env and reward timeouts keep running during a long step. Pure."""
     rollout = config.rollout
     return EmbeddedEngineConfig(
         max_batch_size=min(rollout.max_concurrency, MAX_ENGINE_ROWS),
@@ -81,6 +81,7 @@ def engine_config(
         decode_threads=rollout.embedded.decode_threads,
         compile_decode=rollout.embedded.compile_decode and layout.tp == 1,
         compile_prefill=rollout.embedded.compile_prefill and layout.tp == 1,
+        record_routes=config.routing.records,
     )
 
 

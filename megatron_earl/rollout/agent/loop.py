@@ -50,6 +50,7 @@ from megatron_earl.envs.base import (
     check_reset_result,
     check_step_result,
 )
+from megatron_earl.models.routing import RoutingError, check_routes
 from megatron_earl.rewards.base import RewardInput, WeightedReward, format_reward
 from megatron_earl.rollout.agent.metrics import RolloutMetrics
 from megatron_earl.rollout.agent.trajectory import EndReason, Trajectory, TurnRecord
@@ -160,6 +161,11 @@ class AgentLoopConfig:
     """Generate calls in flight per engine."""
     format_reward_weight: float = 0.0
     """Weight of the format reward in the total (0 = not computed)."""
+    routed_experts: tuple[int, int, int] | None = None
+    """(MoE layers, topk, experts): ask every turn for the experts its positions were routed
+    to, from the first position the trajectory holds none for (``routed_experts_start_len``),
+    check them (a turn whose routes do not fit the model fails its trajectory) and keep them
+    with the tokens (``Trajectory.routed_experts``: routing replay). None: not asked."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "group_size", "max_concurrency_per_engine"):
@@ -359,6 +365,8 @@ class AgentLoop:
                 return
             ids, start = list(result.output_ids), len(traj.response_ids)
             traj.add_model_tokens(ids, list(result.output_logprobs))
+            if cfg.routed_experts is not None:
+                traj.add_routes(result.routed_experts)
             context += ids
             traj.turns.append(
                 TurnRecord(
@@ -431,8 +439,14 @@ class AgentLoop:
         sampling = replace(
             self._sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), seed=seed
         )
+        routes = cfg.routed_experts is not None
         request = GenerateRequest(
-            tuple(context), sampling, rid=f"{traj.uid}/t{turn}", session=traj.uid
+            tuple(context),
+            sampling,
+            rid=f"{traj.uid}/t{turn}",
+            session=traj.uid,
+            return_routed_experts=routes,
+            routed_experts_start_len=traj.routes_held if routes else 0,
         )
         try:
             async with self._slots[engine_idx]:
@@ -454,6 +468,10 @@ class AgentLoop:
             )
         elif not all(0 <= t < self.tokenizer.vocab_size for t in result.output_ids):
             problem = f"output ids outside [0, {self.tokenizer.vocab_size})"
+        elif routes:
+            problem = _routes_problem(
+                result, len(context), request.routed_experts_start_len, cfg.routed_experts
+            )
         if problem is not None:
             traj.fail(EndReason.ENGINE_ERROR, problem)
             return None
@@ -494,3 +512,24 @@ class AgentLoop:
                 traj.rewards[wr.fn.name] = value
                 total += wr.weight * value
         traj.reward = total
+
+
+def _routes_problem(
+    result: GenerateResult, context_len: int, start: int, shape: tuple[int, int, int]
+) -> str | None:
+    """What is wrong with the routes a turn returned (None: rows ``[start, n - 1)``, n = context
+    + output tokens, each ``[layers, topk]`` distinct experts of the model, ``shape``)."""
+    routes = result.routed_experts
+    end = context_len + len(result.output_ids) - 1
+    if routes is None:
+        return "asked for routed experts, the engine returned none"
+    if routes.dim() != 3 or routes.size(0) != end - start:
+        return (
+            f"routed experts of shape {tuple(routes.shape)}; expected [{end - start} positions "
+            f"({start} to {end}), layers, topk]"
+        )
+    try:
+        check_routes(routes, *shape)
+    except RoutingError as err:
+        return f"routed experts: {err}"
+    return None

@@ -7,6 +7,10 @@ Layout (all response lists have the same length, aligned token by token):
     loss_mask         1 on sampled tokens (exactly as sampled, stop token included), 0 on
                       observation tokens (end-of-turn suffix + rendered turn + generation prompt)
     rollout_logprobs  the engine's log p of each sampled token; 0.0 where loss_mask is 0
+    routed_experts    (routing replay) the experts each position of prompt_ids + response_ids
+                      was routed to by the engine, ``[positions, layers, topk]`` chunks, one per
+                      model turn; they cover the positions ``[0, routes_held)`` (every position
+                      the engine ran: all but the last token of each turn's context + output)
     turns             per model turn: its [start, end) span in response_ids and policy version
 
 A trajectory that ended because of a broken environment, engine or reward has
@@ -92,6 +96,8 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
+    routed_experts: list[Any] = field(default_factory=list)
+    """Per model turn, the routes the engine returned (int tensors ``[rows, layers, topk]``)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Reward components (``outcome``, ``format``, remote ones by name)."""
     reward: float = 0.0
@@ -131,6 +137,15 @@ class Trajectory:
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.rollout_logprobs += logprobs
+
+    @property
+    def routes_held(self) -> int:
+        """Positions (from 0) whose routed experts the trajectory holds."""
+        return sum(int(chunk.shape[0]) for chunk in self.routed_experts)
+
+    def add_routes(self, routes: Any) -> None:
+        """Append a turn's routes (the rows from ``routes_held`` on)."""
+        self.routed_experts.append(routes)
 
     def add_observation_tokens(self, ids: list[int]) -> None:
         self.response_ids += ids

@@ -54,6 +54,7 @@ nothing with tp = 1).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ from torch import nn
 from megatron_earl import runtime
 from megatron_earl.config.embedded import kv_cache_rows
 from megatron_earl.models.rotary import cos_signed_sin
+from megatron_earl.models.routing import moe_routers, recording
 from megatron_earl.parallel.ddp import unwrap_chunk
 from megatron_earl.rollout.embedded.kv_cache import RowCache
 from megatron_earl.rollout.embedded.step import Batch, StepIndex, StepTensors
@@ -218,6 +220,7 @@ class BatchedForward:
         compile_decode: bool = False,
         compile_prefill: bool = False,
         kv_cache_bytes: float | None = None,
+        record_routes: bool = False,
     ) -> None:
         gpt = unwrap_chunk(model)
         check_supported(gpt)
@@ -250,6 +253,12 @@ class BatchedForward:
                 f"x head dim {self.head_dim} x {weight.element_size()} B); give it at least "
                 f"{row / MIB:.4g} MiB, a shorter context, or more tp (fewer groups per rank)"
             )
+        self.routers = moe_routers([gpt]) if record_routes else []
+        if record_routes and not self.routers:
+            raise ValueError(
+                "record_routes (routing replay) needs a mixture-of-experts model; this one has "
+                "no MoE layer"
+            )
         self.cache = RowCache(
             len(self.layers),
             self.num_groups,
@@ -258,6 +267,7 @@ class BatchedForward:
             length,
             dtype=weight.dtype,
             device=weight.device,
+            routes=(len(self.routers), self.routers[0].topk) if self.routers else None,
         )
         self.cos, self.sin = self._rope_tables(max_seq_len, weight.dtype)
         moe = any(layer.moe is not None for layer in self.layers)
@@ -370,27 +380,49 @@ class BatchedForward:
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence (with
         ``batch.logits_from``: at its new tokens from that index on, sequence after sequence);
-        the new tokens' keys and values are written to the cache."""
+        the new tokens' keys and values are written to the cache (and, with ``record_routes``,
+        their routed experts: ``cache.routes``)."""
         if not self._compiled_ready:
             self._compile_graphs()
-        if batch.is_decode:
-            ids_n, pos_n, key_pos_L = (
-                runtime.to_device(t)
-                for t in (
-                    torch.tensor([t[0] for t in batch.tokens], dtype=torch.long),
-                    torch.tensor(batch.starts, dtype=torch.long),
-                    torch.arange(max(batch.starts) + 1),
+        with recording(self.routers) if self.routers else contextlib.nullcontext() as routes:
+            if batch.is_decode:
+                ids_n, pos_n, key_pos_L = (
+                    runtime.to_device(t)
+                    for t in (
+                        torch.tensor([t[0] for t in batch.tokens], dtype=torch.long),
+                        torch.tensor(batch.starts, dtype=torch.long),
+                        torch.arange(max(batch.starts) + 1),
+                    )
                 )
-            )
-            if self._decode_compiled is None:
-                return self._decode(ids_n, pos_n, key_pos_L)
-            return self._compiled_decode(ids_n, pos_n, key_pos_L)
-        index = StepIndex.build(batch)
-        step = index.on_device()
-        if self._prefill_compiled is not None and self._fits_compiled_prefill(index):
-            return self._compiled_prefill(step)
-        last_only = index.num_returned == index.num_seqs
-        return self._prefill(step, index.fresh, index.shared, last_only)
+                if self._decode_compiled is None:
+                    logits = self._decode(ids_n, pos_n, key_pos_L)
+                else:
+                    logits = self._compiled_decode(ids_n, pos_n, key_pos_L)
+                if routes is not None:
+                    n = ids_n.size(0)
+                    rows = torch.arange(n, device=pos_n.device)
+                    self.cache.write_routes(rows, pos_n, self._gather_tokens(routes())[:n])
+                return logits
+            index = StepIndex.build(batch)
+            step = index.on_device()
+            if self._prefill_compiled is not None and self._fits_compiled_prefill(index):
+                return self._compiled_prefill(step)
+            # recording routes: the last layer's MLP runs on every token (its router sees them)
+            last_only = index.num_returned == index.num_seqs and not self.routers
+            logits = self._prefill(step, index.fresh, index.shared, last_only)
+            if routes is not None:
+                routes_TLk = self._gather_tokens(routes())
+                self.cache.write_routes(step.w_rows, step.w_pos, routes_TLk[step.w_src])
+            return logits
+
+    def _gather_tokens(self, local_TLk: torch.Tensor) -> torch.Tensor:
+        """Every token's routes from each TP rank's slice (``_moe`` splits the tokens over TP,
+        the last slice padded: the padding rows stay at the end)."""
+        if self.tp == 1:
+            return local_TLk
+        parts = [torch.empty_like(local_TLk) for _ in range(self.tp)]
+        dist.all_gather(parts, local_TLk.contiguous(), group=self.tp_group)
+        return torch.cat(parts)
 
     def _fits_compiled_prefill(self, index: StepIndex) -> bool:
         """Whether a prefill step runs compiled: at most ``PREFILL_COMPILE_MAX_SCORES`` scores,
@@ -435,10 +467,12 @@ class BatchedForward:
                 ctx = _attend_prefill_fused(q, keys, values, blocked, step, self.scale)
             else:
                 ctx = self._attend_ragged(q, keys, values, step, blocked)
-            if i == final:  # [R, h] from here on
+            if i == final and not self.routers:  # [R, h] from here on
                 x = x[step.last]
                 ctx = ctx if last_only else ctx[step.last]
             x = self._mlp(layer, self._attn_out(layer, x, ctx))
+        if self.routers:  # every token went through the last layer (its routes are recorded)
+            x = x[step.last]
         return self._logits(self.final_norm(x))
 
     def _attend_last(self, q_kgrh, keys, values, step: StepTensors) -> torch.Tensor:

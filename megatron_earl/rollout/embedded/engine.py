@@ -125,6 +125,12 @@ class EmbeddedEngineConfig:
     (``BatchedForward``; tp 1 only; a longer prefill runs eagerly), compiled with the decode
     step's graphs at the engine's first step (docs/engines.md)."""
 
+    record_routes: bool = False
+    """Keep every cached position's routed experts (a mixture-of-experts model; routing replay):
+    requests may then ask for them (``return_routed_experts``). Costs an int16 per layer and
+    top-k slot per cached position, one gather over TP per step, and the last layer's MLP on
+    every new token of a prefill."""
+
     step_thread: bool = True
     """Run each step in a worker thread, so the event loop stays responsive while a step
     computes: the HTTP server of ``serve`` answers, and the agent loops' env/reward timeouts see
@@ -245,6 +251,7 @@ class EmbeddedEngine(StepResults, EngineMemory):
             kv_cache_bytes=self.config.kv_cache_bytes,
             compile_decode=self.config.compile_decode,
             compile_prefill=self.config.compile_prefill,
+            record_routes=self.config.record_routes,
         )
         prefill_threads = torch.get_num_threads()
         self._threads = (prefill_threads, self.config.decode_threads or prefill_threads)
@@ -366,6 +373,16 @@ class EmbeddedEngine(StepResults, EngineMemory):
             )
         if not (_is_int(top) and 0 <= top <= vocab):
             raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {top!r}")
+        if request.return_routed_experts and not self.config.record_routes:
+            raise RequestError(
+                "return_routed_experts: this engine does not record routes (start it with "
+                "record_routes, e.g. serve --enable-return-routed-experts; MoE models only)"
+            )
+        routes_from = request.routed_experts_start_len
+        if request.return_routed_experts and not (_is_int(routes_from) and 0 <= routes_from <= n):
+            raise RequestError(
+                f"routed_experts_start_len must be in [0, {n}] (prompt), got {routes_from!r}"
+            )
 
     # ------------------------------------------------------------------ control
 

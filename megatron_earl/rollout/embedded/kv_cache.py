@@ -54,13 +54,20 @@ class RowCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        routes: tuple[int, int] | None = None,
     ) -> None:
+        """``routes``: (MoE layers, top-k) -- also keep each position's routed experts, a
+        buffer ``[max_batch_size, max_seq_len, layers, topk]`` (int16) moved, released and
+        allocated with the keys and values (routing replay: a request's routes cover its cached
+        prefix too, as SGLang's ``return_routed_experts`` does)."""
         self.shape = (max_batch_size, num_groups, max_seq_len, head_dim)
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.routes_shape = None if routes is None else (max_batch_size, max_seq_len, *routes)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.routes: torch.Tensor | None = None
         self.allocate()
 
     @staticmethod
@@ -75,6 +82,8 @@ class RowCache:
         """(Re)create the buffers, zeroed (at start-up and when a released cache is resumed)."""
         self.keys = [self._zeros() for _ in range(self.num_layers)]
         self.values = [self._zeros() for _ in range(self.num_layers)]
+        if self.routes_shape is not None:
+            self.routes = torch.zeros(self.routes_shape, dtype=torch.int16, device=self.device)
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
@@ -83,14 +92,14 @@ class RowCache:
         """Drop the buffers (``release_memory_occupation`` of ``kv_cache``): their memory is
         freed once no step holds a view of them; ``allocate`` brings them back, empty of any
         cached tokens. No forward may run in between."""
-        self.keys, self.values = [], []
+        self.keys, self.values, self.routes = [], [], None
 
     @property
     def allocated(self) -> bool:
         return bool(self.keys)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [*self.keys, *self.values]
+        return [*self.keys, *self.values, *([] if self.routes is None else [self.routes])]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
@@ -115,8 +124,19 @@ class RowCache:
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (every layer)."""
-        for buf in self.buffers():
+        for buf in [*self.keys, *self.values]:
             buf[dst, :, :length] = buf[src, :, :length]
+        if self.routes is not None:
+            self.routes[dst, :length] = self.routes[src, :length]
+
+    def write_routes(self, rows_W: torch.Tensor, pos_W: torch.Tensor, routes_WLk) -> None:
+        """Store the routed experts ``[W, L, k]`` of the positions written at (row, pos)."""
+        self.routes[rows_W, pos_W] = routes_WLk.to(torch.int16)
+
+    def read_routes(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Routed experts ``[end - start, L, k]`` of row ``row``'s positions ``[start, end)``
+        (int32, on the cache's device)."""
+        return self.routes[row, start:end].to(torch.int32)
 
 
 class RowTable(Generic[T]):

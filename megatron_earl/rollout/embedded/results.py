@@ -56,6 +56,8 @@ class EngineRequest:
     """Prompt log-probs (``request.logprob_start_len``), set by the prefill that computes them."""
     input_top: list = field(default_factory=list)
     output_top: list = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None
+    """``request.return_routed_experts``: its routes, read from the cache row when it retires."""
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -191,6 +193,10 @@ class StepResults:
                 self._fail(entry, reason)
                 continue
             cached = entry.context[: table.lengths[row]]
+            if entry.request.return_routed_experts:  # read before the row can be refilled
+                start = min(entry.request.routed_experts_start_len, len(cached))
+                routes = self._forward.cache.read_routes(row, start, len(cached))
+                entry.routed_experts = runtime.to_host(routes)
             fresh = session is not None and entry.kv_version == self._version
             table.release(row, (session, cached) if fresh else None)
             self._finish(entry, reason)
@@ -230,6 +236,7 @@ class StepResults:
                 input_logprobs=tuple(entry.input_logprobs or ()),
                 input_top_logprobs=tuple(entry.input_top),
                 output_top_logprobs=tuple(entry.output_top),
+                routed_experts=entry.routed_experts,
             )
         )
 
