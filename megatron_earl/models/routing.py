@@ -38,12 +38,11 @@ from torch import nn
 
 
 class RouteAction(str, enum.Enum):
-    """What a forward does with the rollout's routes (a micro-batch's ``routing``)."""
+    """What a forward does with the rollout's routes (a micro-batch's ``routing``; measuring is
+    a ``Disagreement`` there instead, the counter the forward adds to)."""
 
     REPLAY = "replay"
     """Route every token as the rollout did."""
-    MEASURE = "measure"
-    """Route natively; count where the routing differs from the rollout's."""
 
 
 class RoutingError(ValueError):
@@ -63,10 +62,13 @@ class MoERouter:
 
 
 _CHUNK_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""chunk -> its routers: a cache (a walk over every module per micro-batch is avoidable work),
+weak so a rebuilt layout's chunks leave it with them."""
 
 
 def chunk_routers(chunk: nn.Module) -> list[MoERouter]:
-    """``moe_routers([chunk])``, found once per chunk."""
+    """``moe_routers([chunk])``, found once per chunk; their layers are one contiguous range (a
+    chunk is a run of consecutive layers, with virtual pipeline stages too)."""
     if chunk not in _CHUNK_ROUTERS:
         _CHUNK_ROUTERS[chunk] = moe_routers([chunk])
     return _CHUNK_ROUTERS[chunk]
@@ -116,8 +118,13 @@ def check_routes(routes_TLk: torch.Tensor, layers: int, topk: int, experts: int)
             f"routes name experts in [{low}, {high}]; this model has experts [0, {experts})"
         )
     ordered = routes_TLk.sort(dim=-1).values
-    if topk > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-        raise RoutingError(f"a route names the same expert twice; each needs {topk} distinct")
+    twice = (ordered[..., 1:] == ordered[..., :-1]).nonzero()
+    if topk > 1 and twice.numel():
+        token, layer, slot = twice[0].tolist()
+        raise RoutingError(
+            f"the route of token {token} at layer {layer} names expert "
+            f"{int(ordered[token, layer, slot])} twice; each route needs {topk} distinct experts"
+        )
 
 
 def filled(routes_TLk: torch.Tensor) -> torch.Tensor:
@@ -144,6 +151,7 @@ def sequence_parallel_slice(routes_TLk: torch.Tensor, tp: int, tp_rank: int) -> 
 def recording(routers: Sequence[MoERouter]) -> Iterator[Callable[[], torch.Tensor]]:
     """Record the routes of the forwards inside the block; the yielded function returns those
     of the last forward, ``[T, L, k]`` on the routers' device (the layers this rank holds)."""
+    # megatron-core only where a model runs: the module stays importable without it
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for r in routers:
@@ -170,6 +178,7 @@ def replaying(routers: Sequence[MoERouter], routes_TLk: torch.Tensor) -> Iterato
     """Route the forward inside the block as ``routes_TLk`` says (``[T, L, k]``: L = the layers
     of ``routers``, T = the tokens each router sees, on any device). One forward; a recompute in
     the backward pass (activation recomputation) is not replayed and is refused at start-up."""
+    # megatron-core only where a model runs: the module stays importable without it
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     if routes_TLk.dim() != 3 or routes_TLk.size(1) != len(routers):
@@ -207,11 +216,17 @@ class Disagreement:
         self.differ.append(differ)
         self.total.append(total)
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(differing, compared) summed since the last take, as 0-d tensors; None if none."""
+    def merge(self, other: Disagreement) -> None:
+        """Add ``other``'s counts (a completed phase's) to these."""
+        self.differ += other.differ
+        self.total += other.total
+
+    def take(self) -> list[torch.Tensor] | None:
+        """[differing, compared] summed since the last take, as 0-d device tensors; None if
+        nothing was counted."""
         if not self.total:
             return None
-        out = torch.stack(self.differ).sum(), torch.stack(self.total).sum()
+        out = [torch.stack(self.differ).sum(), torch.stack(self.total).sum()]
         self.differ, self.total = [], []
         return out
 

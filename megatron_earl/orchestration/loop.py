@@ -54,7 +54,7 @@ from megatron_earl.dispatch import Destination
 from megatron_earl.dispatch.execute import PlanCache, execute, plan_for
 from megatron_earl.dispatch.reverse import return_results
 from megatron_earl.models.impl import pin_transformer_impl
-from megatron_earl.models.routing import RouteAction
+from megatron_earl.models.routing import Disagreement, RouteAction
 from megatron_earl.orchestration.async_rollout import (
     AsyncProducer,
     GroupPlan,
@@ -99,7 +99,6 @@ from megatron_earl.training.advantages import build_estimator
 from megatron_earl.training.microbatch import ROUTES
 from megatron_earl.training.reference import ReferenceConfig, ReferencePolicy
 from megatron_earl.training.rl_step import RLStepConfig, micro_batch_logprobs, train_micro_batches
-from megatron_earl.training.schedule import ROUTING_DISAGREEMENT
 from megatron_earl.training.setup import build_lr_scheduler, set_lr_step
 
 SAMPLE_ID_STRIDE = 1_000_000
@@ -126,6 +125,8 @@ class RLLoop:
         """How zero-advantage samples leave the step (None: they stay; ``zero_advantage``)."""
         self.plan_cache = PlanCache()
         """Dispatch plans by their exact inputs (a re-run of a phase reuses its plan)."""
+        self._disagreement = Disagreement()
+        """The step's measured routes (``routing_metrics`` takes them)."""
         kind = rollout_backend_class(config.rollout.engine)
         layouts = kind.policy_layouts(self.layouts)
         if not self.old_logprobs:  # the experience phase never runs the policy
@@ -277,7 +278,7 @@ class RLLoop:
             cache=self.plan_cache,
         )
         local = execute(plan, batch)
-        routing = self._route_action(Phase.EXPERIENCE)
+        routing = self._routing(Phase.EXPERIENCE)
         inputs = model_inputs(
             local.micro_batches, fields, layout.cp, self._sp(layout), share, routing
         )
@@ -302,6 +303,7 @@ class RLLoop:
                     mb.fields["ref_logprobs"] = values
             names.append("ref_logprobs")
         agreement_point()  # an OOM on another rank in the forward passes: raise before the return
+        self._measured(routing)
         back = return_results(plan, local, names)
         for name in names:
             batch = with_token_field(batch, name, back.token_fields.get(name, torch.empty(0)))
@@ -343,16 +345,17 @@ class RLLoop:
         if self.selection is not None:
             optimizer = self.selection.guard(optimizer)
         progress = progress or TrainProgress()
-        routing = self._route_action(Phase.TRAIN)
         for i in range(progress.done, n):
             if update:  # the schedule's rate at this RL optimizer step (SFT steps not counted)
                 set_lr_step(self._lr_scheduler(), self.policy.version - self.config.sft.steps)
+            routing = self._routing(Phase.TRAIN)
             whole = model_inputs(
                 local.mini_batch(i), fields, layout.cp, self._sp(layout), share, routing
             )
             progress.metrics = train_micro_batches(
                 self.policy.ddp_chunks, optimizer, whole, step_config
             )
+            self._measured(routing)
             if update:
                 self.policy.version += 1
             progress.done = i + 1
@@ -366,23 +369,29 @@ class RLLoop:
             return None
         return self.config.model.num_layers, self.config.model.moe_router_topk
 
-    def _route_action(self, phase: Phase) -> RouteAction | None:
+    def _routing(self, phase: Phase) -> RouteAction | Disagreement | None:
         """What ``phase``'s forwards do with the rollout's routes: replay them, measure their
-        own routing against them, or nothing (no routes)."""
+        own routing against them (into a fresh counter, kept by ``_measured`` once the work it
+        counted has completed: an OOM re-run counts nothing twice), or nothing (no routes)."""
         if self._routes is None:
             return None
-        return RouteAction.REPLAY if self.config.routing.replays(phase) else RouteAction.MEASURE
+        return RouteAction.REPLAY if self.config.routing.replays(phase) else Disagreement()
+
+    def _measured(self, routing: RouteAction | Disagreement | None) -> None:
+        if isinstance(routing, Disagreement):
+            self._disagreement.merge(routing)
 
     def routing_metrics(self) -> dict[str, float]:
         """``routing/disagreement``: the fraction of (token, layer) routes the measured forwards
         of the step routed differently from the engine (every rank's routers, summed over the
-        world; every rank calls). Empty when nothing was measured."""
+        world; one host read and one all-reduce; every rank calls). Empty when nothing was
+        measured."""
         if self._routes is None:
             return {}
-        taken = ROUTING_DISAGREEMENT.take()
+        taken = self._disagreement.take()
         counts = torch.zeros(2, dtype=torch.float64)
         if taken is not None:
-            counts = torch.stack([runtime.to_host(t).double() for t in taken])
+            counts = runtime.to_host(torch.stack(taken)).double()
         dist.all_reduce(counts, group=host_group())
         if counts[1] == 0:
             return {}

@@ -39,7 +39,7 @@ from megatron_earl.config.run import RunConfig
 from megatron_earl.dispatch import Batch, PlanConfig
 from megatron_earl.dispatch.execute import MicroBatch
 from megatron_earl.models.gpt import tree_ready
-from megatron_earl.models.routing import RouteAction
+from megatron_earl.models.routing import Disagreement, RouteAction
 from megatron_earl.parallel.layout import ParallelLayout
 from megatron_earl.rollout.agent.trajectory import Trajectory
 from megatron_earl.training.advantages import AdvantageEstimator, AdvantageInputs
@@ -195,14 +195,15 @@ def model_inputs(
     cp: int,
     sp: int = 1,
     share_prefix: bool = False,
-    routing: RouteAction | None = None,
+    routing: RouteAction | Disagreement | None = None,
 ) -> list[dict[str, object]]:
     """The model's packed (thd, not CP-split) form of dispatched micro-batches (whole samples):
     their per-token ``fields``, padded for ``cp`` and sequence parallelism over ``sp`` ranks
     (views of the received tensors when nothing is padded), labelled by sample id. With
     ``share_prefix`` (cp = 1) each micro-batch is a prefix tree (``training.prefix_tree``).
-    ``routing``: what the forward does with the ``routed_experts`` field (``schedule``:
-    replay them, or measure its own routing against them); None drops the field."""
+    ``routing``: what the forward does with the ``routed_experts`` field
+    (``training.schedule.routing_context``): replay them, or measure its own routing against
+    them into the given ``Disagreement``; None drops the field."""
     if share_prefix and cp != 1:
         raise ValueError(f"prefix-shared packing needs cp = 1, got cp = {cp}")
     if routing is not None and share_prefix:

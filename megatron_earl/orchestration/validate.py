@@ -141,6 +141,13 @@ def _expert_problems(config: RunConfig, layouts: dict[Phase, ParallelLayout]) ->
             f"{config.model.recompute_granularity!r}: the recomputed forward in the backward "
             "pass would route natively, not as the rollout; set recompute_granularity: null"
         )
+    if routing.records and config.model.moe_router_load_balancing_type == "sinkhorn":
+        problems.append(
+            f"routing (replay {str(routing.replay)!r}, measure {routing.measure}) with "
+            "model.moe_router_load_balancing_type='sinkhorn': megatron-core's sinkhorn routing "
+            "bypasses RouterReplay (no route is recorded or replayed); use aux_loss, seq_aux_loss, "
+            "global_aux_loss or none"
+        )
     if config.rollout.engine != EngineKind.EMBEDDED:
         problems.append(
             f"{moe} with rollout.engine={config.rollout.engine!r}: mixture-of-experts models "

@@ -96,10 +96,11 @@ class GenerateResult:
     output_top_logprobs: tuple[TopLogprobs, ...] = ()
     """The ``top_logprobs_num`` most likely tokens at each output position."""
     routed_experts: torch.Tensor | None = field(default=None, compare=False)
-    """``return_routed_experts``: ``[n - 1 - routed_experts_start_len, MoE layers, topk]`` int32
-    on the host, n = prompt + output tokens: the experts of every position from
-    ``routed_experts_start_len`` whose forward ran (all but the last token), cached prefix
-    included -- SGLang's ``meta_info.routed_experts``; None when not asked."""
+    """``return_routed_experts``: ``[rows, MoE layers, topk]`` int32 on the host, the experts of
+    every position from ``routed_experts_start_len`` whose forward ran, cached prefix included:
+    n - 1 - start rows after generation (n = prompt + output tokens; the last token is never
+    fed), n - start for a prompt-only request -- SGLang's ``meta_info.routed_experts``; None
+    when not asked."""
 
 
 class EngineError(RuntimeError):

@@ -153,10 +153,10 @@ def thd_micro_batch(
 
     ``fields`` are per-token tensors ``[sum(lengths)]`` (e.g. a dispatched micro-batch's;
     ``routed_experts`` ``[sum(lengths), layers, topk]``); ``sample_index`` labels the samples
-    (default ``0..n-1``). ``tokens``/``labels``/``routed_experts`` become int64, the rest
-    float32 (no copy when they already are). With cp > 1 each sample is padded to
-    ``cp_padded_length`` with token 0, loss mask 0, the sample's seq id, routes -1 and zeros
-    elsewhere.
+    (default ``0..n-1``). ``tokens``/``labels`` become int64, ``routed_experts`` keeps its
+    dtype, the rest become float32 (no copy when they already are). With cp > 1 each sample is
+    padded to ``cp_padded_length`` with token 0, loss mask 0, the sample's seq id, routes -1 and
+    zeros elsewhere.
     ``sp`` > 1 (the model's tp under sequence parallelism) pads the last sample further, the same
     way, so each CP rank's share divides by ``sp`` (``parallel.cp.sequence_parallel_padding``).
     """
@@ -180,7 +180,9 @@ def thd_micro_batch(
     position_ids = torch.arange(int(cu[-1])) - starts[seq_ids]
     out: dict[str, object] = {}
     for name, t in fields.items():
-        t = runtime.to_device(t.long() if name in (*INT_FIELDS, ROUTES) else t.float())
+        if name != ROUTES:  # routes keep their small integer type (widened per chunk)
+            t = t.long() if name in INT_FIELDS else t.float()
+        t = runtime.to_device(t)
         if real is not None:
             pad = -1 if name == ROUTES else 0
             t = t.new_full((int(cu[-1]), *t.shape[1:]), pad).index_copy_(0, real, t)

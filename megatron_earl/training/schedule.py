@@ -84,16 +84,13 @@ def lm_loss(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict
     return loss, {"loss": reported, "logprobs": logprobs.detach()}
 
 
-ROUTING_DISAGREEMENT = Disagreement()
-"""What ``RouteAction.MEASURE`` forwards counted (every rank's own routers), until the caller
-takes it (``orchestration.loop``)."""
-
-
 def routing_context(model: nn.Module, batch: MicroBatch) -> contextlib.AbstractContextManager:
-    """The micro-batch's routing (its ``routing`` and ``routed_experts`` ``[1, t, L, k]``, this
-    CP rank's tokens) on ``model``'s MoE routers: replayed or measured (``models.routing``); a
-    no-op without them. Under sequence parallelism each TP rank's routers see its contiguous
-    ``1/tp`` of the tokens; a pipeline stage's routers take their layers' columns."""
+    """The micro-batch's routing on ``model``'s MoE routers (``models.routing``): its
+    ``routing`` entry -- ``RouteAction.REPLAY``, or a ``Disagreement`` to measure into -- and its
+    ``routed_experts`` ``[1, t, L, k]`` (this CP rank's tokens); a no-op without them. Under
+    sequence parallelism each TP rank's routers see its contiguous ``1/tp`` of the tokens; a
+    pipeline stage's chunk takes its layers' columns. Local (the forward's own collectives
+    only); no host read."""
     action = batch.get("routing")
     routers = chunk_routers(unwrap_chunk(model)) if action is not None else []
     if not routers:
@@ -103,10 +100,13 @@ def routing_context(model: nn.Module, batch: MicroBatch) -> contextlib.AbstractC
     if tp > 1 and unwrap_chunk(model).config.sequence_parallel:
         rank = parallel_state.get_tensor_model_parallel_rank()
         routes = sequence_parallel_slice(routes, tp, rank)
-    routes = routes[:, [r.layer for r in routers]]
-    if RouteAction(action) is RouteAction.REPLAY:
-        return replaying(routers, filled(routes))
-    return measuring(routers, routes, ROUTING_DISAGREEMENT)
+    first = routers[0].layer
+    routes = routes[:, first : first + len(routers)]  # a slice: no index tensor to copy over
+    if isinstance(action, Disagreement):
+        return measuring(routers, routes, action)
+    if action is not RouteAction.REPLAY:
+        raise ValueError(f"routing {action!r} is not RouteAction.REPLAY or a Disagreement")
+    return replaying(routers, filled(routes))
 
 
 def _forward_step(loss_fn: LossFn, data_iterator, model: nn.Module):

@@ -46,10 +46,11 @@ def _recorded():
     return weights, routes, logprobs
 
 
-def _replayed(layout: ParallelLayout, weights, routes, shift: int, action):
+def _replayed(layout: ParallelLayout, weights, routes, shift: int, action: str):
     """Log-probs of the samples (one micro-batch, all samples) with ``routes`` (each expert id
-    shifted by ``shift`` mod the experts) under ``action``, and the measured disagreement."""
-    from megatron_earl.training import schedule
+    shifted by ``shift`` mod the experts), replayed or measured (``action``), and the measured
+    counts (differing, compared) summed over the world."""
+    from megatron_earl.models.routing import Disagreement, RouteAction
     from megatron_earl.training.microbatch import ROUTES, thd_micro_batch
     from megatron_earl.training.rl_step import micro_batch_logprobs
 
@@ -65,10 +66,11 @@ def _replayed(layout: ParallelLayout, weights, routes, shift: int, action):
         ROUTES: torch.cat(routes),
     }
     mb = thd_micro_batch(fields, list(LENGTHS), layout.cp, sp=layout.tp)
-    mb["routing"] = action
+    counter = Disagreement()
+    mb["routing"] = RouteAction.REPLAY if action == "replay" else counter
     (out,) = micro_batch_logprobs([c.eval() for c in chunks], [mb], vocab_size=MOE.vocab_size)
-    taken = schedule.ROUTING_DISAGREEMENT.take()
-    counts = None if taken is None else torch.stack([t.double() for t in taken])
+    taken = counter.take()
+    counts = None if taken is None else torch.stack(taken).double()
     if counts is not None:
         torch.distributed.all_reduce(counts)
     return out, counts
@@ -84,8 +86,6 @@ LAYOUTS = [ParallelLayout(tp=2, ep=2, etp=1), ParallelLayout(cp=2, ep=2)]
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_replayed_routes_reproduce_the_recorded_forward(recorded, layout):
-    from megatron_earl.models.routing import RouteAction
-
     weights, routes, logprobs = recorded
     bound = fp32_tol(FORWARD_TERMS, 1.0)
     want = torch.cat(logprobs)
@@ -97,11 +97,11 @@ def test_replayed_routes_reproduce_the_recorded_forward(recorded, layout):
         real = torch.cat([out[sum(LENGTHS[:i]) : sum(LENGTHS[: i + 1]) - 1] for i in range(3)])
         return real, counts
 
-    same, _ = run(0, RouteAction.REPLAY)
+    same, _ = run(0, "replay")
     assert (same - want).abs().max() <= bound, ((same - want).abs().max(), bound)
-    shifted, _ = run(1, RouteAction.REPLAY)
+    shifted, _ = run(1, "replay")
     assert (shifted - want).abs().max() > 100 * bound  # other experts: another function
-    native, counts = run(1, RouteAction.MEASURE)
+    native, counts = run(1, "measure")
     assert (native - want).abs().max() <= bound  # measuring routes natively
     computed = sum(n - 1 for n in LENGTHS) * MOE.num_layers  # -1 rows excluded
     assert counts.tolist() == [computed, computed]  # every shifted route differs

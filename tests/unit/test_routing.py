@@ -53,7 +53,7 @@ def test_bad_routes_are_refused_naming_the_value_and_what_is_valid():
         check_routes(good, 3, 2, 4)
     with pytest.raises(RoutingError, match=r"experts in \[0, 3\]; this model has experts \[0, 3\)"):
         check_routes(good, 2, 2, 3)
-    with pytest.raises(RoutingError, match="the same expert twice"):
+    with pytest.raises(RoutingError, match="token 0 at layer 0 names expert 1 twice"):
         check_routes(torch.tensor([[[1, 1], [0, 2]]]), 2, 2, 4)
     with pytest.raises(RoutingError, match=r"integer expert ids, got torch\.float32"):
         check_routes(good.float(), 2, 2, 4)
@@ -105,7 +105,7 @@ def test_a_trajectorys_routes_become_its_sample_and_follow_packing_and_the_cp_sp
         sample_routes(traj, 2, 2)
     fields = {"tokens": torch.tensor(traj.token_ids), ROUTES: routes}
     packed = thd_micro_batch(fields, [6], cp=2)  # padded to 8 = 2 x cp x 2 chunks
-    assert packed[ROUTES].shape == (1, 8, 1, 2) and packed[ROUTES].dtype == torch.int64
+    assert packed[ROUTES].shape == (1, 8, 1, 2) and packed[ROUTES].dtype == torch.int16
     assert packed[ROUTES][0, 6:].tolist() == [[[-1, -1]], [[-1, -1]]]
     for rank in range(2):  # every token keeps its own routes through the split
         local = split_micro_batch(packed, 2, rank)
@@ -122,6 +122,9 @@ def test_routing_is_refused_where_it_cannot_work():
     assert "needs a mixture-of-experts model" in problem
     moe = load_config(CONFIG, ["routing.replay=rollout", "model.recompute_granularity=full"])
     assert any("recomputed forward in the backward pass" in p for p in run_problems(moe, 2))
+    sinkhorn = ["routing.measure=true", "model.moe_router_load_balancing_type=sinkhorn"]
+    problems = run_problems(load_config(CONFIG, sinkhorn), 2)
+    assert any("sinkhorn routing bypasses RouterReplay" in p for p in problems)
     assert not any(
         "routing" in p for p in run_problems(load_config(CONFIG, ["routing.replay=rollout"]), 2)
     )

@@ -241,8 +241,15 @@ class BatchedForward:
         # Compiled: one spare key position, so that no step's key length is the cache's whole
         # length (a slice of the whole dimension would specialise the dynamic graph to it).
         length = max_seq_len + 1 if compiled else max_seq_len
+        self.routers = moe_routers([gpt]) if record_routes else []
+        if record_routes and not self.routers:
+            raise ValueError(
+                "record_routes (routing replay) needs a mixture-of-experts model; this one has "
+                "no MoE layer"
+            )
+        routes = (len(self.routers), self.routers[0].topk) if self.routers else None
         row = RowCache.row_bytes(
-            len(self.layers), self.num_groups, self.head_dim, length, weight.dtype
+            len(self.layers), self.num_groups, self.head_dim, length, weight.dtype, routes
         )
         rows = kv_cache_rows(max_batch_size, row, kv_cache_bytes)
         if rows < 1:
@@ -253,12 +260,6 @@ class BatchedForward:
                 f"x head dim {self.head_dim} x {weight.element_size()} B); give it at least "
                 f"{row / MIB:.4g} MiB, a shorter context, or more tp (fewer groups per rank)"
             )
-        self.routers = moe_routers([gpt]) if record_routes else []
-        if record_routes and not self.routers:
-            raise ValueError(
-                "record_routes (routing replay) needs a mixture-of-experts model; this one has "
-                "no MoE layer"
-            )
         self.cache = RowCache(
             len(self.layers),
             self.num_groups,
@@ -267,7 +268,7 @@ class BatchedForward:
             length,
             dtype=weight.dtype,
             device=weight.device,
-            routes=(len(self.routers), self.routers[0].topk) if self.routers else None,
+            routes=routes,
         )
         self.cos, self.sin = self._rope_tables(max_seq_len, weight.dtype)
         moe = any(layer.moe is not None for layer in self.layers)
@@ -381,7 +382,8 @@ class BatchedForward:
         """Full-vocabulary logits ``[k, V]`` (fp32) at the last new token of each sequence (with
         ``batch.logits_from``: at its new tokens from that index on, sequence after sequence);
         the new tokens' keys and values are written to the cache (and, with ``record_routes``,
-        their routed experts: ``cache.routes``)."""
+        their routed experts: ``cache.routes``). Every rank of the TP group calls (the forward's
+        TP collectives; with ``record_routes`` one all-gather of the routes more)."""
         if not self._compiled_ready:
             self._compile_graphs()
         with recording(self.routers) if self.routers else contextlib.nullcontext() as routes:
@@ -417,7 +419,8 @@ class BatchedForward:
 
     def _gather_tokens(self, local_TLk: torch.Tensor) -> torch.Tensor:
         """Every token's routes from each TP rank's slice (``_moe`` splits the tokens over TP,
-        the last slice padded: the padding rows stay at the end)."""
+        the last slice padded: the padding rows stay at the end). Every rank of the TP group
+        calls (one all-gather)."""
         if self.tp == 1:
             return local_TLk
         parts = [torch.empty_like(local_TLk) for _ in range(self.tp)]

@@ -375,8 +375,9 @@ class EmbeddedEngine(StepResults, EngineMemory):
             raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {top!r}")
         if request.return_routed_experts and not self.config.record_routes:
             raise RequestError(
-                "return_routed_experts: this engine does not record routes (start it with "
-                "record_routes, e.g. serve --enable-return-routed-experts; MoE models only)"
+                "return_routed_experts: this engine does not record routes (build it with "
+                "EmbeddedEngineConfig(record_routes=True), which routing.replay: rollout or "
+                "routing.measure: true does in a run; MoE models only)"
             )
         routes_from = request.routed_experts_start_len
         if request.return_routed_experts and not (_is_int(routes_from) and 0 <= routes_from <= n):

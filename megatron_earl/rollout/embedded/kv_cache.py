@@ -29,6 +29,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from megatron_earl.device_policy import to_host
+
 T = TypeVar("T")
 
 
@@ -72,11 +74,18 @@ class RowCache:
 
     @staticmethod
     def row_bytes(
-        num_layers: int, num_groups: int, head_dim: int, length: int, dtype: torch.dtype
+        num_layers: int,
+        num_groups: int,
+        head_dim: int,
+        length: int,
+        dtype: torch.dtype,
+        routes: tuple[int, int] | None = None,
     ) -> int:
-        """Bytes of one row of ``length`` positions over every layer (keys and values)."""
+        """Bytes of one row of ``length`` positions over every layer (keys and values, and the
+        int16 routes of ``routes`` = (MoE layers, topk): not split over TP like the keys)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * num_groups * length * head_dim * element
+        kv = num_layers * 2 * num_groups * length * head_dim * element
+        return kv + (0 if routes is None else length * routes[0] * routes[1] * 2)
 
     def allocate(self) -> None:
         """(Re)create the buffers, zeroed (at start-up and when a released cache is resumed)."""
@@ -129,14 +138,21 @@ class RowCache:
         if self.routes is not None:
             self.routes[dst, :length] = self.routes[src, :length]
 
-    def write_routes(self, rows_W: torch.Tensor, pos_W: torch.Tensor, routes_WLk) -> None:
+    def write_routes(
+        self, rows_W: torch.Tensor, pos_W: torch.Tensor, routes_WLk: torch.Tensor
+    ) -> None:
         """Store the routed experts ``[W, L, k]`` of the positions written at (row, pos)."""
         self.routes[rows_W, pos_W] = routes_WLk.to(torch.int16)
 
-    def read_routes(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Routed experts ``[end - start, L, k]`` of row ``row``'s positions ``[start, end)``
-        (int32, on the cache's device)."""
-        return self.routes[row, start:end].to(torch.int32)
+    def read_routes(self, spans: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Routed experts of each (row, start, end): ``[end - start, L, k]`` int32 on the host,
+        read in one device -> host transfer (boundary "finished requests' routes",
+        docs/devices.md)."""
+        if not spans:
+            return []
+        parts = torch.cat([self.routes[row, start:end] for row, start, end in spans])
+        host = to_host(parts).to(torch.int32)  # a copy: the rows change after
+        return list(host.split([end - start for _, start, end in spans]))
 
 
 class RowTable(Generic[T]):

@@ -186,17 +186,27 @@ class StepResults:
         values are of the current weights."""
         table = self._table
         row_of = {id(e): r for r, e in enumerate(table.items)}
-        for entry, reason in sorted(done, key=lambda d: -row_of[id(d[0])]):
+        ordered = sorted(done, key=lambda d: -row_of[id(d[0])])
+        # the finished requests' routes, read (in one transfer) before any row is released
+        routed = [
+            e
+            for e, reason in ordered
+            if e.request.return_routed_experts and not isinstance(reason, str)
+        ]
+        spans = []
+        for entry in routed:
+            row = row_of[id(entry)]
+            end = table.lengths[row]
+            spans.append((row, min(entry.request.routed_experts_start_len, end), end))
+        for entry, routes in zip(routed, self._forward.cache.read_routes(spans), strict=True):
+            entry.routed_experts = routes
+        for entry, reason in ordered:
             row, session = row_of[id(entry)], entry.request.session
             if isinstance(reason, str):
                 table.release(row)
                 self._fail(entry, reason)
                 continue
             cached = entry.context[: table.lengths[row]]
-            if entry.request.return_routed_experts:  # read before the row can be refilled
-                start = min(entry.request.routed_experts_start_len, len(cached))
-                routes = self._forward.cache.read_routes(row, start, len(cached))
-                entry.routed_experts = runtime.to_host(routes)
             fresh = session is not None and entry.kv_version == self._version
             table.release(row, (session, cached) if fresh else None)
             self._finish(entry, reason)
