@@ -198,8 +198,10 @@ class StepResults:
             row = row_of[id(entry)]
             end = table.lengths[row]
             spans.append((row, min(entry.request.routed_experts_start_len, end), end))
-        for entry, routes in zip(routed, self._forward.cache.read_routes(spans), strict=True):
-            entry.routed_experts = routes
+        if spans:
+            read = self._forward.cache.read_routes(spans)
+            for entry, routes in zip(routed, read, strict=True):
+                entry.routed_experts = routes
         for entry, reason in ordered:
             row, session = row_of[id(entry)], entry.request.session
             if isinstance(reason, str):
