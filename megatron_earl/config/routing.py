@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_earl.config.vocab import Phase, RoutingReplay
+from megatron_earl.config.vocab import Phase, RoutingReplay, member
 
 
 class RoutingConfigError(ValueError):
@@ -44,19 +44,11 @@ class RoutingConfig:
     """Ask the engine for routes with ``replay: none`` too, and report the disagreement."""
 
     def __post_init__(self) -> None:
-        problems = []
-        try:
-            object.__setattr__(self, "replay", RoutingReplay(self.replay))
-        except ValueError as err:
-            problems.append(f"replay: {err}")
-        phases = []
-        for phase in self.phases:
-            try:
-                phases.append(Phase(phase))
-            except ValueError as err:
-                problems.append(f"phases: {err}")
-        object.__setattr__(self, "phases", tuple(phases))
-        bad = [str(p) for p in phases if p not in REPLAY_PHASES]
+        problems: list[str] = []
+        object.__setattr__(self, "replay", member(RoutingReplay, self.replay, problems, "replay"))
+        phases = tuple(member(Phase, p, problems, "phase") for p in self.phases)
+        object.__setattr__(self, "phases", phases)
+        bad = [str(p) for p in phases if isinstance(p, Phase) and p not in REPLAY_PHASES]
         if bad:
             problems.append(
                 f"phases {bad} cannot replay routes; valid: {[str(p) for p in REPLAY_PHASES]}"

@@ -40,7 +40,7 @@ from megatron_earl.config.repack import RepackConfig
 from megatron_earl.config.routing import RoutingConfig
 from megatron_earl.config.sampling import SamplingParams
 from megatron_earl.config.sglang import SGLangConfig
-from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase
+from megatron_earl.config.vocab import PHASES, EngineKind, OldLogprobs, Phase, member
 
 DEMO_TOKENIZER_VOCAB_SIZE = 320
 """Vocabulary of the built-in demo tokenizer (``tokenizer.demo``; a unit test keeps them equal):
@@ -82,15 +82,6 @@ def _seconds(obj: Any, names: tuple[str, ...], optional: bool = False) -> list[s
             what = " (or null to disable)" if optional else ""
             problems.append(f"{name} ({value!r}) must be a finite number of seconds > 0{what}")
     return problems
-
-
-def _vocabulary(cls: type, value: Any, problems: list[str], what: str) -> Any:
-    """``value`` as a member of the vocabulary ``cls``; an unknown name appends a problem."""
-    try:
-        return cls(value)
-    except ValueError:
-        problems.append(f"{what} {value!r} is not one of {tuple(cls)}")
-        return value
 
 
 def layout_sizes(text: str) -> dict[str, int | None]:
@@ -287,7 +278,7 @@ class RolloutConfig:
             problems.append(f"max_buffered_groups ({self.max_buffered_groups}) must be >= 1")
         if self.repack.enabled:
             problems += _repack_problems(self)
-        object.__setattr__(self, "engine", _vocabulary(EngineKind, self.engine, problems, "engine"))
+        object.__setattr__(self, "engine", member(EngineKind, self.engine, problems, "engine"))
         if self.engine_urls and self.engine != EngineKind.SGLANG:
             problems.append(f"engine_urls {list(self.engine_urls)} need engine=sglang")
         bad_urls = [u for u in self.engine_urls if not u.startswith(("http://", "https://"))]
@@ -408,7 +399,7 @@ class TrainConfig(OptimConfig):
         object.__setattr__(
             self,
             "old_logprobs",
-            _vocabulary(OldLogprobs, self.old_logprobs, problems, "old_logprobs"),
+            member(OldLogprobs, self.old_logprobs, problems, "old_logprobs"),
         )
         _require(problems, "train")
 

@@ -17,6 +17,7 @@ so messages read ``('rollout', 'experience', 'train')``.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 
 class Vocabulary(StrEnum):
@@ -28,6 +29,16 @@ class Vocabulary(StrEnum):
     @classmethod
     def _missing_(cls, value: object) -> Vocabulary:
         raise ValueError(f"unknown {cls.__name__} {value!r}; valid: {', '.join(cls)}")
+
+
+def member(cls: type[Vocabulary], value: Any, problems: list[str], what: str) -> Any:
+    """``value`` as a member of the vocabulary ``cls``; an unknown name appends a problem naming
+    the valid ones (and ``value`` is returned as it was). For a section's ``__post_init__``."""
+    try:
+        return cls(value)
+    except ValueError:
+        problems.append(f"{what} {value!r} is not one of {tuple(cls)}")
+        return value
 
 
 class Phase(Vocabulary):

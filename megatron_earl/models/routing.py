@@ -58,7 +58,6 @@ class MoERouter:
     replay: object
     """Its megatron-core ``RouterReplay``."""
     topk: int
-    num_experts: int
 
 
 _CHUNK_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -89,14 +88,7 @@ def moe_routers(chunks: Sequence[nn.Module]) -> list[MoERouter]:
                     "moe_enable_routing_replay (build the model with config.model's "
                     "build_transformer_config)"
                 )
-            routers.append(
-                MoERouter(
-                    module.layer_number - 1,
-                    router.router_replay,
-                    router.topk,
-                    router.config.num_moe_experts,
-                )
-            )
+            routers.append(MoERouter(module.layer_number - 1, router.router_replay, router.topk))
     return sorted(routers, key=lambda r: r.layer)
 
 

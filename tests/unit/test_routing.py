@@ -36,13 +36,13 @@ def test_the_section_parses_and_names_what_is_valid():
     assert config.replay is RoutingReplay.ROLLOUT and config.records
     assert config.replays(Phase.TRAIN) and not config.replays(Phase.EXPERIENCE)
     assert not RoutingConfig().records and RoutingConfig(measure=True).records
-    with pytest.raises(RoutingConfigError, match="unknown RoutingReplay 'engine'; valid: none"):
+    with pytest.raises(RoutingConfigError, match=r"replay 'engine' is not one of \('none', "):
         RoutingConfig(replay="engine")
     with pytest.raises(RoutingConfigError, match=r"phases \['rollout'\] cannot replay routes"):
         RoutingConfig(replay="rollout", phases=("rollout",))
     with pytest.raises(RoutingConfigError, match="name a phase twice"):
         RoutingConfig(phases=("train", "train"))
-    with pytest.raises(ConfigError, match="routing: replay: unknown RoutingReplay"):
+    with pytest.raises(ConfigError, match="routing: replay 'always' is not one of"):
         load_config(None, ["routing.replay=always"])
 
 

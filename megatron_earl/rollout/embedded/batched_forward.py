@@ -403,7 +403,8 @@ class BatchedForward:
                 if routes is not None:
                     n = ids_n.size(0)
                     rows = torch.arange(n, device=pos_n.device)
-                    self.cache.write_routes(rows, pos_n, self._gather_tokens(routes())[:n])
+                    # each TP rank routed its slice of the tokens (``_moe``), padding last
+                    self.cache.write_routes(rows, pos_n, self._tp_gather(routes())[:n])
                 return logits
             index = StepIndex.build(batch)
             step = index.on_device()
@@ -413,19 +414,18 @@ class BatchedForward:
             last_only = index.num_returned == index.num_seqs and not self.routers
             logits = self._prefill(step, index.fresh, index.shared, last_only)
             if routes is not None:
-                routes_TLk = self._gather_tokens(routes())
+                routes_TLk = self._tp_gather(routes())  # slices of ``_moe``, padding last
                 self.cache.write_routes(step.w_rows, step.w_pos, routes_TLk[step.w_src])
             return logits
 
-    def _gather_tokens(self, local_TLk: torch.Tensor) -> torch.Tensor:
-        """Every token's routes from each TP rank's slice (``_moe`` splits the tokens over TP,
-        the last slice padded: the padding rows stay at the end). Every rank of the TP group
-        calls (one all-gather)."""
+    def _tp_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x`` of every TP rank concatenated along ``dim``, ``x`` itself at tp 1. Every rank of
+        the TP group calls (one all-gather)."""
         if self.tp == 1:
-            return local_TLk
-        parts = [torch.empty_like(local_TLk) for _ in range(self.tp)]
-        dist.all_gather(parts, local_TLk.contiguous(), group=self.tp_group)
-        return torch.cat(parts)
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=dim)
 
     def _fits_compiled_prefill(self, index: StepIndex) -> bool:
         """Whether a prefill step runs compiled: at most ``PREFILL_COMPILE_MAX_SCORES`` scores,
@@ -549,11 +549,7 @@ class BatchedForward:
             h_Th = padded[rank * per : (rank + 1) * per]
         out, bias = moe(h_Th[:, None, :])
         out = _bias(out[:, 0], bias)
-        if self.tp > 1:
-            parts = [torch.empty_like(out) for _ in range(self.tp)]
-            dist.all_gather(parts, out.contiguous(), group=self.tp_group)
-            out = torch.cat(parts)[:tokens]
-        return out
+        return self._tp_gather(out)[:tokens]
 
     def _logits(self, hidden_kh: torch.Tensor) -> torch.Tensor:
         """Output layer on the last tokens; the vocabulary shards all-gathered over TP."""
@@ -563,11 +559,7 @@ class BatchedForward:
         else:
             weight = gpt.output_layer.weight
         logits = F.linear(hidden_kh, weight, gpt.output_layer.bias)
-        if self.tp > 1:
-            shards = [torch.empty_like(logits) for _ in range(self.tp)]
-            dist.all_gather(shards, logits, group=self.tp_group)
-            logits = torch.cat(shards, dim=-1)
-        return logits.float()
+        return self._tp_gather(logits, dim=-1).float()
 
     def _attend_ragged(self, q_Tgrh, keys, values, step: StepTensors, blocked):
         """Sequences of several new tokens, padded to the longest (the queries gathered by

@@ -137,6 +137,27 @@ def stop_group(process: subprocess.Popen, stop_timeout_s: float) -> None:
         pass
 
 
+def log_tail(path: str, nbytes: int = 4096) -> str:
+    """The last ``nbytes`` of the file at ``path``, decoded leniently."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - nbytes))
+        return f.read().decode(errors="replace")
+
+
+def lost_its_port(log_tail: str) -> bool:
+    """Whether a process whose log ends with ``log_tail`` exited because its port was taken
+    (Python's, uvicorn's and the Rust router's wording all contain this)."""
+    return "address already in use" in log_tail.lower()
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the caller binds it later: see ``rebind_on_conflict``)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 class ServerProcess:
     """A started server process; a context manager that stops it on exit."""
 
@@ -180,13 +201,7 @@ class ServerProcess:
         if not self._log_path:
             return ""
         self._log.flush()
-        with open(self._log_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - nbytes))
-            return f.read().decode(errors="replace")
-
-    def _lost_its_port(self) -> bool:
-        return "address already in use" in self._log_tail().lower()
+        return log_tail(self._log_path, nbytes)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -199,11 +214,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                if self._rebinds and self._lost_its_port():
+                if self._rebinds and lost_its_port(self._log_tail()):
                     self._rebinds -= 1
-                    with socket.socket() as sock:
-                        sock.bind((self.config.host, 0))
-                        port = sock.getsockname()[1]
+                    port = free_port(self.config.host)
                     self.config = dataclasses.replace(self.config, port=port)
                     self._start()
                     continue

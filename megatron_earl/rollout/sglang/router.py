@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_earl.rollout.sglang.launcher import stop_group
+from megatron_earl.rollout.sglang.launcher import free_port, log_tail, lost_its_port, stop_group
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -100,17 +99,11 @@ def build_router_command(config: RouterConfig, engine_urls: Sequence[str]) -> li
         "--prometheus-host",
         config.host,
         "--prometheus-port",
-        str(config.metrics_port or _free_port(config.host)),
+        str(config.metrics_port or free_port(config.host)),
     ]
     if config.api_key:
         cmd += ["--api-key", config.api_key]
     return cmd + list(config.extra_args)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class RouterProcess:
@@ -148,10 +141,7 @@ class RouterProcess:
 
     def _lost_its_port(self) -> bool:
         self._log.flush()
-        with open(self._log_path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 4096))
-            return b"address already in use" in f.read().lower()
+        return lost_its_port(log_tail(self._log_path))
 
     def __enter__(self) -> RouterProcess:
         return self
@@ -174,9 +164,7 @@ class RouterProcess:
             if self.process.poll() is not None:
                 if self._rebinds and self._lost_its_port():
                     self._rebinds -= 1
-                    self.config = dataclasses.replace(
-                        self.config, port=_free_port(self.config.host)
-                    )
+                    self.config = dataclasses.replace(self.config, port=free_port(self.config.host))
                     self._start()
                     continue
                 missing = [u for u in self.engine_urls if not seen.get(u)]
